@@ -1,0 +1,9 @@
+"""Errors a user can cause. The CLI prints them as one line and exits non-zero."""
+
+
+class LtcxError(Exception):
+    """A problem with the user's input (config, files, data, prompt) whose message names the fix."""
+
+
+class ConfigError(LtcxError, ValueError):
+    """An impossible configuration value; the message names the field and the rule."""

@@ -1,0 +1,228 @@
+"""nanoGPT-style GPT with grouped-query attention: the controlled baseline and the base of LTC GPT.
+
+Learned position embeddings, pre-LayerNorm blocks, GELU MLP (4x), tied input/output embeddings,
+optional biases, init N(0, 0.02) with residual projections scaled by 1/sqrt(2 n_layer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ltcx.errors import ConfigError, LtcxError
+from ltcx.models.state import reorder_state
+from ltcx.ops.attention import causal_gqa_attention
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass
+class GPTConfig:
+    """Shape of a GPT. Field names follow nanoGPT and the LTC seed."""
+
+    block_size: int = 1024  # context length: the longest sequence (prompt + generated) the model accepts
+    vocab_size: int = 50304
+    n_layer: int = 12
+    n_head: int = 12  # query heads
+    n_kv_head: int | None = None  # key/value heads (grouped-query attention); None = n_head
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm layers
+
+    def __post_init__(self) -> None:
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, f"{name} ({value}) must be a positive integer")
+        _require(self.n_embd % self.n_head == 0, f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        _require(
+            self.n_head % self.n_kv_head == 0,
+            f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})",
+        )
+        _require(0.0 <= self.dropout < 1.0, f"dropout ({self.dropout}) must be in [0, 1)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+@dataclass
+class KVCache:
+    """Append-only cache of one attention layer, compact KV-head layout.
+
+    k, v: [B, n_kv_head, T_cached, head_dim].
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+
+class GQAAttention(nn.Module):
+    """Causal grouped-query self-attention through ``scaled_dot_product_attention``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.q_proj = nn.Linear(config.n_embd, config.n_head * config.head_dim, bias=config.bias)
+        self.kv_proj = nn.Linear(config.n_embd, 2 * config.n_kv_head * config.head_dim, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, C] -> q [B, H, T, D], k and v [B, H_kv, T, D]."""
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.n_head, self.head_dim).transpose(1, 2)
+        k, v = self.kv_proj(x).view(batch, length, 2, self.n_kv_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> tuple[torch.Tensor, KVCache]:
+        """x [B, T, C] at positions [P, P+T), where P is the cache length -> (y [B, T, C], extended cache)."""
+        q, k, v = self.project(x)
+        if cache is not None:
+            k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
+        y = causal_gqa_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)
+        return self.resid_dropout(self.c_proj(y)), KVCache(k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, attention: nn.Module) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = attention
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cache=None):
+        attended, cache = self.attn(self.ln_1(x), cache)
+        x = x + attended
+        return x + self.mlp(self.ln_2(x)), cache
+
+
+class GPT(nn.Module):
+    """GPT language model with grouped-query attention.
+
+    Keeps the backbone contract: ``logits [B, T, V], state = model(idx [B, T], state=None)``, where the
+    state is a tuple with one append-only cache per layer.
+
+    Args:
+        block_size: context length (prompt plus generated tokens can not exceed it).
+        vocab_size: output vocabulary; set by the CLI from the data's tokenizer.
+        n_layer: number of transformer blocks.
+        n_head: number of query heads.
+        n_kv_head: number of key/value heads (grouped-query attention); None means n_head.
+        n_embd: residual stream width.
+        dropout: dropout on attention weights, residual branches and embeddings.
+        bias: use biases in Linear and LayerNorm layers.
+    """
+
+    config_class = GPTConfig
+
+    def __init__(
+        self,
+        block_size: int = 1024,
+        vocab_size: int = 50304,
+        n_layer: int = 12,
+        n_head: int = 12,
+        n_kv_head: int | None = None,
+        n_embd: int = 768,
+        dropout: float = 0.0,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        self._build(GPTConfig(block_size, vocab_size, n_layer, n_head, n_kv_head, n_embd, dropout, bias))
+
+    @classmethod
+    def from_config(cls, config: GPTConfig) -> "GPT":
+        return cls(**dataclasses.asdict(config))
+
+    def make_attention(self, config: GPTConfig) -> nn.Module:
+        """The attention of one block; subclasses swap in another kind."""
+        return GQAAttention(config)
+
+    def _build(self, config: GPTConfig) -> None:
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, self.make_attention(config)) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied embeddings
+        self.apply(self._init_weights)
+        residual_std = 0.02 / math.sqrt(2 * config.n_layer)
+        for name, param in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=residual_std)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.block_size
+
+    def config_dict(self) -> dict:
+        """Constructor arguments that rebuild this model: ``type(model)(**model.config_dict())``."""
+        return dataclasses.asdict(self.config)
+
+    def parameter_count(self, exclude_position_embeddings: bool = True) -> int:
+        """Number of distinct parameters; nanoGPT's convention leaves out the position embeddings."""
+        total = sum(p.numel() for p in self.parameters())  # tied weights are counted once
+        return total - self.wpe.weight.numel() if exclude_position_embeddings else total
+
+    def no_weight_decay_param_names(self) -> set[str]:
+        """Matrices that AdamW should not decay (besides every 1-D parameter): none for nanoGPT."""
+        return set()
+
+    def forward(self, idx: torch.Tensor, state: tuple | None = None) -> tuple[torch.Tensor, tuple]:
+        """idx [B, T] token ids following the ``state`` positions -> (logits [B, T, V], new state)."""
+        past_len = 0 if state is None else state[0].length
+        length = idx.shape[1]
+        if past_len + length > self.config.block_size:
+            raise LtcxError(
+                f"sequence of {past_len + length} tokens exceeds the model's context block_size="
+                f"{self.config.block_size}; use a shorter prompt or fewer new tokens"
+            )
+        positions = torch.arange(past_len, past_len + length, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(positions))
+        new_state = []
+        for i, block in enumerate(self.blocks):
+            x, cache = block(x, None if state is None else state[i])
+            new_state.append(cache)
+        return self.lm_head(self.ln_f(x)), tuple(new_state)
+
+    def reorder_cache(self, state: tuple, index: torch.Tensor) -> tuple:
+        """Reorder, repeat or drop batch rows of a state (beam search): row b becomes old row index[b]."""
+        return reorder_state(state, index)

@@ -1,0 +1,33 @@
+"""Helpers for the per-call state that backbones return (KV caches, recurrent states)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+
+def map_state_tensors(state: Any, fn) -> Any:
+    """Apply ``fn`` to every tensor inside a (nested) state of tuples, lists, dicts and dataclasses."""
+    if isinstance(state, torch.Tensor):
+        return fn(state)
+    if dataclasses.is_dataclass(state) and not isinstance(state, type):
+        changes = {f.name: map_state_tensors(getattr(state, f.name), fn) for f in dataclasses.fields(state)}
+        return dataclasses.replace(state, **changes)
+    if isinstance(state, tuple) and hasattr(state, "_fields"):  # NamedTuple
+        return type(state)(*(map_state_tensors(s, fn) for s in state))
+    if isinstance(state, (list, tuple)):
+        return type(state)(map_state_tensors(s, fn) for s in state)
+    if isinstance(state, dict):
+        return {key: map_state_tensors(value, fn) for key, value in state.items()}
+    return state
+
+
+def reorder_state(state: Any, index: torch.Tensor) -> Any:
+    """Select (reorder, repeat or drop) batch rows of every tensor in ``state``: row b becomes old row index[b].
+
+    Every tensor of a state is batch-first, so this serves beam search and expanding one prompt to many
+    samples for every architecture.
+    """
+    return map_state_tensors(state, lambda t: t.index_select(0, index.to(t.device)))

