@@ -101,12 +101,13 @@ def _new_text(tokenizer, ids: list[int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+    """``ltcx`` / ``python run.py``: ``generate`` or a LightningCLI subcommand; user errors as one line."""
+    command_line = sys.argv[1:] if argv is None else argv
     try:
-        if argv and argv[0] == "generate":
-            generate_main(argv[1:])
+        if command_line and command_line[0] == "generate":
+            generate_main(command_line[1:])
         else:
-            cli_main(argv)
+            cli_main(argv)  # None: LightningCLI reads sys.argv itself
     except LtcxError as error:
         print(f"ltcx: error: {error}", file=sys.stderr)
         sys.exit(2)

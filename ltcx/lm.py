@@ -114,6 +114,7 @@ class LanguageModel(L.LightningModule):
             self.log("train/tokens_per_sec", step_tokens / (now - self._last_step_time))
         self._last_step_time = now
         self.log("train/tokens_seen", float(self.tokens_seen))
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
 
     def on_validation_start(self) -> None:
         self._last_step_time = None  # time spent validating is not training throughput

@@ -1,0 +1,420 @@
+"""xLSTM language model (Beck et al. 2024, arXiv 2405.04517): mLSTM and sLSTM residual blocks.
+
+Blocks, as in the paper's figures (and NX-AI's reference code):
+
+* mLSTM block (pre up-projection): LayerNorm -> up-projection x2 into an mLSTM path and an
+  output-gate path; mLSTM path -> causal depthwise conv over time (kernel 4) -> SiLU -> q, k
+  (block-diagonal projections); v from the pre-conv path; gates from (q, k, v); mLSTM cell ->
+  per-head group norm -> + learnable skip * conv output -> * silu(gate path) -> down-projection.
+* sLSTM block (post up-projection): LayerNorm -> causal conv over time -> SiLU feeding the input
+  and forget gates (z and o read the normed input); headwise input projections; sLSTM cell with
+  block-diagonal recurrence -> per-head group norm -> residual; then LayerNorm -> gated-GeLU
+  feed-forward (factor 4/3) -> residual.
+
+State (per block, a tuple): mLSTM ``(C, n, m, conv_buffer)``; sLSTM ``(c, n, h, m, conv_buffer)``;
+the conv buffer holds the block's last ``conv_kernel_size - 1`` conv inputs ``[B, K-1, channels]``.
+Training (T > 1) uses the chunkwise (or parallel) mLSTM; one token uses the recurrent step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from ltcx.errors import ConfigError
+from ltcx.ops.mlstm import FORGET_GATES, mlstm_chunkwise, mlstm_parallel, mlstm_step
+from ltcx.ops.slstm import slstm_scan
+
+MLSTM_BACKENDS = ("chunkwise", "parallel")
+
+
+@dataclass
+class XLSTMConfig:
+    """Hyper-parameters of :class:`XLSTM`; checks itself on construction (``ConfigError``)."""
+
+    vocab_size: int = 50304
+    embedding_dim: int = 384
+    num_layers: int = 8
+    signature: tuple[int, int] = (7, 1)
+    slstm_at: list[int] | None = None
+    num_heads: int = 4
+    slstm_num_heads: int = 4
+    mlstm_proj_factor: float = 2.0
+    slstm_ffn_factor: float = 4.0 / 3.0
+    qkv_proj_blocksize: int = 4
+    conv_kernel_size: int = 4
+    chunk_size: int = 64
+    mlstm_backend: Literal["chunkwise", "parallel"] = "chunkwise"
+    forget_gate: Literal["sigmoid", "exp"] = "sigmoid"
+    tie_embeddings: bool = True
+    bias: bool = False
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.signature = tuple(self.signature)
+        if self.slstm_at is not None:
+            self.slstm_at = list(self.slstm_at)
+        self._validate()
+
+    @property
+    def mlstm_inner_dim(self) -> int:
+        """Width of the mLSTM path: round(mlstm_proj_factor * embedding_dim)."""
+        return int(round(self.mlstm_proj_factor * self.embedding_dim))
+
+    @property
+    def ffn_dim(self) -> int:
+        """Hidden width of the sLSTM block's feed-forward: slstm_ffn_factor * embedding_dim rounded up to 8."""
+        return 8 * math.ceil(self.slstm_ffn_factor * self.embedding_dim / 8 - 1e-9)
+
+    @property
+    def block_types(self) -> list[str]:
+        """'m' or 's' for each of the num_layers blocks."""
+        if self.slstm_at is not None:
+            at = set(self.slstm_at)
+            return ["s" if i in at else "m" for i in range(self.num_layers)]
+        m, s = self.signature
+        pattern = ["m"] * m + ["s"] * s
+        return [pattern[i % len(pattern)] for i in range(self.num_layers)]
+
+    def _validate(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} ({value!r}) must be a positive integer")
+
+        for name in ("vocab_size", "embedding_dim", "num_layers", "num_heads", "slstm_num_heads",
+                     "qkv_proj_blocksize", "conv_kernel_size", "chunk_size"):
+            positive(name)
+        if len(self.signature) != 2 or any(not isinstance(x, int) or x < 0 for x in self.signature) \
+                or sum(self.signature) < 1:
+            raise ConfigError(
+                f"signature ({list(self.signature)}) must be two non-negative integers "
+                "(mLSTM blocks, sLSTM blocks) with a positive sum, e.g. [7, 1]"
+            )
+        if self.slstm_at is not None:
+            bad = [i for i in self.slstm_at if not isinstance(i, int) or not 0 <= i < self.num_layers]
+            if bad:
+                raise ConfigError(
+                    f"slstm_at ({self.slstm_at}) must hold block positions in [0, num_layers={self.num_layers})"
+                )
+            if len(set(self.slstm_at)) != len(self.slstm_at):
+                raise ConfigError(f"slstm_at ({self.slstm_at}) must not repeat a position")
+        if not self.mlstm_proj_factor > 0:
+            raise ConfigError(f"mlstm_proj_factor ({self.mlstm_proj_factor}) must be > 0")
+        if not self.slstm_ffn_factor > 0:
+            raise ConfigError(f"slstm_ffn_factor ({self.slstm_ffn_factor}) must be > 0")
+        inner = self.mlstm_inner_dim
+        if inner < 1 or inner % self.num_heads:
+            raise ConfigError(
+                f"num_heads ({self.num_heads}) must divide the mLSTM inner dimension ({inner} = "
+                f"mlstm_proj_factor {self.mlstm_proj_factor} x embedding_dim {self.embedding_dim})"
+            )
+        if inner % self.qkv_proj_blocksize:
+            raise ConfigError(
+                f"qkv_proj_blocksize ({self.qkv_proj_blocksize}) must divide the mLSTM inner dimension ({inner})"
+            )
+        if self.embedding_dim % self.slstm_num_heads:
+            raise ConfigError(
+                f"slstm_num_heads ({self.slstm_num_heads}) must divide embedding_dim ({self.embedding_dim})"
+            )
+        if self.mlstm_backend not in MLSTM_BACKENDS:
+            raise ConfigError(f"mlstm_backend ({self.mlstm_backend!r}) must be one of {list(MLSTM_BACKENDS)}")
+        if self.forget_gate not in FORGET_GATES:
+            raise ConfigError(f"forget_gate ({self.forget_gate!r}) must be one of {list(FORGET_GATES)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout ({self.dropout}) must be in [0, 1)")
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+class CausalConv1d(nn.Module):
+    """Depthwise causal convolution over time: out_t depends on x_{t-K+1..t} only.
+
+    Carries the last K-1 inputs, so feeding a sequence in pieces equals feeding it whole
+    (the empty buffer is the zero left-padding).
+    """
+
+    def __init__(self, channels: int, kernel_size: int) -> None:
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+        self.bias = nn.Parameter(torch.zeros(channels))
+        bound = 1.0 / math.sqrt(kernel_size)
+        nn.init.uniform_(self.weight, -bound, bound)
+
+    def forward(self, x: Tensor, buffer: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """x ``[B, T, C]``, buffer ``[B, K-1, C]`` -> (y ``[B, T, C]``, new buffer ``[B, K-1, C]``)."""
+        B, T, C = x.shape
+        K = self.kernel_size
+        if buffer is None:
+            buffer = x.new_zeros(B, K - 1, C)
+        xx = torch.cat([buffer.to(x.dtype), x], dim=1)  # [B, K-1+T, C]
+        y = F.conv1d(xx.transpose(1, 2), self.weight, self.bias, groups=C).transpose(1, 2)
+        return y, xx[:, xx.shape[1] - (K - 1):]
+
+
+class HeadwiseLinear(nn.Module):
+    """Block-diagonal linear map ``[..., dim] -> [..., dim]`` with blocks of ``block_size`` (no bias)."""
+
+    def __init__(self, dim: int, block_size: int) -> None:
+        super().__init__()
+        self.num_blocks, self.block_size = dim // block_size, block_size
+        self.weight = nn.Parameter(torch.empty(self.num_blocks, block_size, block_size))  # [n, out, in]
+        nn.init.normal_(self.weight, std=math.sqrt(2.0 / (5.0 * block_size)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xb = x.unflatten(-1, (self.num_blocks, self.block_size))
+        return torch.einsum("...ni,noi->...no", xb, self.weight).flatten(-2)
+
+
+class MultiHeadNorm(nn.Module):
+    """Group norm with one group per head, applied per token: ``[..., H, Dh] -> [..., H*Dh]``."""
+
+    def __init__(self, num_heads: int, head_dim: int, bias: bool = False, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(num_heads * head_dim))
+        self.bias = nn.Parameter(torch.zeros(num_heads * head_dim)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.layer_norm(x, x.shape[-1:], eps=self.eps).flatten(-2) * self.weight
+        return y if self.bias is None else y + self.bias
+
+
+def _small_init_std(dim: int) -> float:
+    """'Transformers without tears' init: std = sqrt(2 / (5 dim))."""
+    return math.sqrt(2.0 / (5.0 * dim))
+
+
+class MLSTMBlock(nn.Module):
+    """Pre-LayerNorm residual mLSTM block. forward(x ``[B, T, E]``, state) -> (x', state)."""
+
+    def __init__(self, cfg: XLSTMConfig) -> None:
+        super().__init__()
+        E, I, H = cfg.embedding_dim, cfg.mlstm_inner_dim, cfg.num_heads
+        self.num_heads, self.head_dim = H, I // H
+        self.chunk_size, self.backend, self.forget_gate = cfg.chunk_size, cfg.mlstm_backend, cfg.forget_gate
+        self.norm = nn.LayerNorm(E, bias=cfg.bias)
+        self.proj_up = nn.Linear(E, 2 * I, bias=cfg.bias)
+        self.conv = CausalConv1d(I, cfg.conv_kernel_size)
+        self.q_proj = HeadwiseLinear(I, cfg.qkv_proj_blocksize)
+        self.k_proj = HeadwiseLinear(I, cfg.qkv_proj_blocksize)
+        self.v_proj = HeadwiseLinear(I, cfg.qkv_proj_blocksize)
+        self.igate = nn.Linear(3 * I, H)
+        self.fgate = nn.Linear(3 * I, H)
+        self.out_norm = MultiHeadNorm(H, I // H, bias=cfg.bias)
+        self.skip = nn.Parameter(torch.ones(I))
+        self.proj_down = nn.Linear(I, E, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+        nn.init.normal_(self.proj_up.weight, std=_small_init_std(E))
+        nn.init.normal_(self.proj_down.weight, std=2.0 / cfg.num_layers / math.sqrt(E))
+        # gates start input-independent: input gate ~ 0, forget gate biases spread over 3..6 per head
+        nn.init.zeros_(self.igate.weight)
+        nn.init.normal_(self.igate.bias, std=0.1)
+        nn.init.zeros_(self.fgate.weight)
+        with torch.no_grad():
+            self.fgate.bias.copy_(torch.linspace(3.0, 6.0, H))
+
+    def forward(self, x: Tensor, state: tuple | None = None) -> tuple[Tensor, tuple]:
+        B, T, _ = x.shape
+        H, Dh = self.num_heads, self.head_dim
+        cell, buffer = (None, None) if state is None else (tuple(state[:3]), state[3])
+        x_m, z = self.proj_up(self.norm(x)).chunk(2, dim=-1)  # [B, T, I] each
+        x_c, buffer = self.conv(x_m, buffer)
+        x_c = F.silu(x_c)
+        q, k, v = self.q_proj(x_c), self.k_proj(x_c), self.v_proj(x_m)
+        qkv = torch.cat([q, k, v], dim=-1)
+        i_pre = self.igate(qkv).transpose(1, 2)  # [B, H, T]
+        f_pre = self.fgate(qkv).transpose(1, 2)
+
+        def heads(t: Tensor) -> Tensor:  # [B, T, I] -> [B, H, T, Dh]
+            return t.view(B, T, H, Dh).transpose(1, 2)
+
+        if T == 1:  # generation: the recurrent form
+            h, cell = mlstm_step(q.view(B, H, Dh), k.view(B, H, Dh), v.view(B, H, Dh), i_pre[..., 0], f_pre[..., 0],
+                                 cell, forget_gate=self.forget_gate)
+            h = h.unsqueeze(2)
+        elif self.backend == "parallel":
+            h, cell = mlstm_parallel(heads(q), heads(k), heads(v), i_pre, f_pre, cell, forget_gate=self.forget_gate)
+        else:
+            h, cell = mlstm_chunkwise(heads(q), heads(k), heads(v), i_pre, f_pre, cell,
+                                      chunk_size=self.chunk_size, forget_gate=self.forget_gate)
+        h = self.out_norm(h.transpose(1, 2))  # [B, T, I]
+        h = (h + self.skip * x_c) * F.silu(z)
+        return x + self.dropout(self.proj_down(h)), (*cell, buffer)
+
+
+class SLSTMBlock(nn.Module):
+    """Pre-LayerNorm residual sLSTM block followed by a gated-GeLU feed-forward block."""
+
+    def __init__(self, cfg: XLSTMConfig) -> None:
+        super().__init__()
+        E, H = cfg.embedding_dim, cfg.slstm_num_heads
+        Dh = E // H
+        self.num_heads, self.head_dim, self.forget_gate = H, Dh, cfg.forget_gate
+        self.norm = nn.LayerNorm(E, bias=cfg.bias)
+        self.conv = CausalConv1d(E, cfg.conv_kernel_size)
+        # headwise input weights: [0] maps the conv path to (i, f), [1] the normed input to (z, o)
+        self.w_in = nn.Parameter(torch.empty(2, H, Dh, 2 * Dh))
+        self.gate_bias = nn.Parameter(torch.zeros(4, H, Dh))  # i, f, z, o
+        self.R = nn.Parameter(torch.empty(4, H, Dh, Dh))  # block-diagonal recurrent weights
+        self.out_norm = MultiHeadNorm(H, Dh, bias=cfg.bias)
+        self.ffn_norm = nn.LayerNorm(E, bias=cfg.bias)
+        self.ffn_up = nn.Linear(E, 2 * cfg.ffn_dim, bias=cfg.bias)
+        self.ffn_down = nn.Linear(cfg.ffn_dim, E, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+        nn.init.normal_(self.w_in, std=_small_init_std(Dh))
+        nn.init.normal_(self.R, std=0.02)  # small: recurrence starts close to a plain gated accumulator
+        with torch.no_grad():
+            self.gate_bias[1].copy_(torch.linspace(3.0, 6.0, Dh).expand(H, Dh))
+        nn.init.normal_(self.ffn_up.weight, std=_small_init_std(E))
+        nn.init.normal_(self.ffn_down.weight, std=2.0 / cfg.num_layers / math.sqrt(E))
+
+    def forward(self, x: Tensor, state: tuple | None = None) -> tuple[Tensor, tuple]:
+        B, T, E = x.shape
+        H, Dh = self.num_heads, self.head_dim
+        cell, buffer = (None, None) if state is None else (tuple(state[:4]), state[4])
+        xn = self.norm(x)
+        x_c, buffer = self.conv(xn, buffer)
+        x_c = F.silu(x_c)
+        # all steps' input projections in one batched matmul: [2, B, T, H, Dh] x [2, H, Dh, 2Dh]
+        g = torch.einsum("sbthd,shde->sbthe", torch.stack([x_c, xn]).view(2, B, T, H, Dh), self.w_in)
+        g = g.view(2, B, T, H, 2, Dh).permute(1, 2, 0, 4, 3, 5).reshape(B, T, 4, H, Dh) + self.gate_bias
+        h, cell = slstm_scan(g, self.R, cell, forget_gate=self.forget_gate)  # [B, T, H, Dh]
+        x = x + self.dropout(self.out_norm(h))
+        u, gate = self.ffn_up(self.ffn_norm(x)).chunk(2, dim=-1)
+        x = x + self.dropout(self.ffn_down(F.gelu(gate) * u))
+        return x, (*cell, buffer)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class XLSTM(nn.Module):
+    """xLSTM language model: ``logits, state = model(idx, state=None)``."""
+
+    max_seq_len = None  # recurrent: no context limit
+
+    def __init__(
+        self,
+        vocab_size: int = 50304,
+        embedding_dim: int = 384,
+        num_layers: int = 8,
+        signature: tuple[int, int] = (7, 1),
+        slstm_at: list[int] | None = None,
+        num_heads: int = 4,
+        slstm_num_heads: int = 4,
+        mlstm_proj_factor: float = 2.0,
+        slstm_ffn_factor: float = 4.0 / 3.0,
+        qkv_proj_blocksize: int = 4,
+        conv_kernel_size: int = 4,
+        chunk_size: int = 64,
+        mlstm_backend: Literal["chunkwise", "parallel"] = "chunkwise",
+        forget_gate: Literal["sigmoid", "exp"] = "sigmoid",
+        tie_embeddings: bool = True,
+        bias: bool = False,
+        dropout: float = 0.0,
+    ) -> None:
+        """Build the model.
+
+        Args:
+            vocab_size: Number of token ids (the CLI sets it from the tokenizer).
+            embedding_dim: Residual stream width E.
+            num_layers: Total number of blocks (mLSTM + sLSTM).
+            signature: Ratio (mLSTM, sLSTM) of blocks, tiled over the layers, e.g. (7, 1); ignored if slstm_at is set.
+            slstm_at: Explicit 0-based positions of the sLSTM blocks (overrides signature); the rest are mLSTM.
+            num_heads: Heads of each mLSTM cell (must divide mlstm_proj_factor * embedding_dim).
+            slstm_num_heads: Heads of each sLSTM cell (must divide embedding_dim); recurrence mixes within heads only.
+            mlstm_proj_factor: Up-projection factor of the mLSTM block (the paper uses 2).
+            slstm_ffn_factor: Feed-forward factor after the sLSTM cell (the paper uses 4/3).
+            qkv_proj_blocksize: Block size of the block-diagonal q, k, v projections of the mLSTM block.
+            conv_kernel_size: Kernel of the causal depthwise convolution over time.
+            chunk_size: Chunk length of the chunkwise mLSTM used for training (T > 1).
+            mlstm_backend: mLSTM form for T > 1: 'chunkwise' (O(T chunk) memory) or 'parallel' (O(T^2)).
+            forget_gate: Forget-gate activation: 'sigmoid' (bounded, default) or 'exp'.
+            tie_embeddings: Share the token embedding with the output head.
+            bias: Biases in the linear layers and norms (the gate biases always exist).
+            dropout: Dropout on the embedding and on each block's output.
+        """
+        super().__init__()
+        self.config = XLSTMConfig(
+            vocab_size=vocab_size, embedding_dim=embedding_dim, num_layers=num_layers, signature=signature,
+            slstm_at=slstm_at, num_heads=num_heads, slstm_num_heads=slstm_num_heads,
+            mlstm_proj_factor=mlstm_proj_factor, slstm_ffn_factor=slstm_ffn_factor,
+            qkv_proj_blocksize=qkv_proj_blocksize, conv_kernel_size=conv_kernel_size, chunk_size=chunk_size,
+            mlstm_backend=mlstm_backend, forget_gate=forget_gate, tie_embeddings=tie_embeddings, bias=bias,
+            dropout=dropout,
+        )
+        cfg = self.config
+        E = cfg.embedding_dim
+        self.embedding = nn.Embedding(cfg.vocab_size, E)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(MLSTMBlock(cfg) if t == "m" else SLSTMBlock(cfg) for t in cfg.block_types)
+        self.norm = nn.LayerNorm(E, bias=cfg.bias)
+        self.head = nn.Linear(E, cfg.vocab_size, bias=False)
+        nn.init.normal_(self.embedding.weight, std=_small_init_std(E))
+        if cfg.tie_embeddings:
+            self.head.weight = self.embedding.weight
+        else:
+            nn.init.normal_(self.head.weight, std=_small_init_std(E))
+
+    # -- the backbone contract
+
+    def forward(self, idx: Tensor, state: list | None = None) -> tuple[Tensor, list]:
+        """idx ``[B, T]`` -> (logits ``[B, T, V]``, state: one tuple per block)."""
+        if state is not None and len(state) != len(self.blocks):
+            raise ValueError(f"state has {len(state)} entries but the model has {len(self.blocks)} blocks")
+        x = self.dropout(self.embedding(idx))
+        new_state = []
+        for i, block in enumerate(self.blocks):
+            x, s = block(x, None if state is None else state[i])
+            new_state.append(s)
+        return self.head(self.norm(x)), new_state
+
+    def forward_recurrent(self, idx: Tensor, state: list | None = None) -> tuple[Tensor, list]:
+        """Token-by-token evaluation: a loop calling forward on one token at a time (the seed's slow way;
+        for tests and benchmarks). Same contract and result as ``forward``."""
+        logits = []
+        for t in range(idx.shape[1]):
+            out, state = self(idx[:, t : t + 1], state)
+            logits.append(out)
+        return torch.cat(logits, dim=1), state
+
+    def config_dict(self) -> dict[str, Any]:
+        """The constructor arguments: ``XLSTM(**model.config_dict())`` rebuilds the model."""
+        d = dataclasses.asdict(self.config)
+        d["signature"] = list(d["signature"])
+        return d
+
+    def parameter_count(self, exclude_position_embeddings: bool = True) -> int:
+        """Number of distinct parameters (tied weights once). xLSTM has no position embeddings."""
+        return sum(p.numel() for p in self.parameters())
+
+    @staticmethod
+    def reorder_cache(state: Any, index: Tensor) -> Any:
+        """Select / repeat batch entries of every tensor in ``state`` (dim 0), e.g. for beam search."""
+        if isinstance(state, Tensor):
+            return state.index_select(0, index.to(state.device))
+        if isinstance(state, (list, tuple)):
+            return type(state)(XLSTM.reorder_cache(s, index) for s in state)
+        if isinstance(state, dict):
+            return {k: XLSTM.reorder_cache(v, index) for k, v in state.items()}
+        return state
+
+    def no_weight_decay_param_names(self) -> set[str]:
+        """Parameters AdamW should not decay: norms, biases, gate biases, skip scales, embeddings."""
+        names = set()
+        for name, p in self.named_parameters():
+            if p.ndim < 2 or name.endswith("gate_bias") or name.startswith("embedding."):
+                names.add(name)
+        return names

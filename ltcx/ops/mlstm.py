@@ -1,0 +1,267 @@
+"""mLSTM (matrix-memory LSTM, Beck et al. 2024, arXiv 2405.04517) as pure tensor functions.
+
+Three forms of one recurrence, all stabilised the same way and all with the same ``eps``:
+
+* :func:`mlstm_parallel`   -- the whole sequence at once, O(T^2) memory (like attention);
+* :func:`mlstm_chunkwise`  -- parallel inside chunks, (C, n, m) carried between chunks;
+* :func:`mlstm_step`       -- one token, the recurrent form used in generation
+  (:func:`mlstm_recurrent` loops it over a sequence; a reference, not a training path).
+
+Shapes: q, k, v ``[B, H, T, D]``; input / forget gate pre-activations ``[B, H, T]``.
+State ``(C, n, m)``: ``C [B, H, D, D]`` (indexed ``[key, value]``, so ``h = q @ C``),
+``n [B, H, D]``, ``m [B, H]``; C and n are stored divided by ``exp(m)``. The state is kept
+in float32 (float64 when the inputs are float64). The empty state has ``m = -inf``, so an
+empty state contributes exactly nothing and every form computes the same stabiliser
+``m_t = max_j log D_tj`` as the parallel formula.
+
+Keys are scaled by ``1/sqrt(D)`` inside every function here; callers pass raw keys.
+
+The recurrence (per batch element and head), ``log f = logsigmoid(f~)`` (or ``f~`` for the
+exponential forget gate)::
+
+    m_t = max(log f_t + m_{t-1}, i~_t)
+    C_t = exp(log f_t + m_{t-1} - m_t) C_{t-1} + exp(i~_t - m_t) k_t v_t^T
+    n_t = exp(log f_t + m_{t-1} - m_t) n_{t-1} + exp(i~_t - m_t) k_t
+    h_t = C_t^T q_t / (max(|n_t . q_t|, exp(-m_t)) + eps)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+MLSTMState = tuple[Tensor, Tensor, Tensor]
+
+EPS = 1e-6
+"""Added to the normaliser in all three forms (so they agree to rounding)."""
+
+_MAX_NEG_M = 80.0
+"""``exp(-m)`` is evaluated as ``exp(min(-m, 80))``: identical unless m < -80, where it keeps
+the floor finite (an infinite floor gives 0 * inf = NaN in the backward pass)."""
+
+FORGET_GATES = ("sigmoid", "exp")
+
+
+def log_forget_gate(f_pre: Tensor, forget_gate: str = "sigmoid") -> Tensor:
+    """log f from the forget-gate pre-activation: logsigmoid (bounded, f <= 1) or identity (exp gate)."""
+    if forget_gate == "sigmoid":
+        return F.logsigmoid(f_pre)
+    if forget_gate == "exp":
+        return f_pre
+    raise ValueError(f"forget_gate ({forget_gate!r}) must be one of {FORGET_GATES}")
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """States and gate arithmetic run in float32, or float64 when the inputs are float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def mlstm_init_state(
+    batch_size: int, num_heads: int, head_dim: int, device=None, dtype: torch.dtype = torch.float32
+) -> MLSTMState:
+    """The empty state: C = 0 ``[B, H, D, D]``, n = 0 ``[B, H, D]``, m = -inf ``[B, H]``."""
+    C = torch.zeros(batch_size, num_heads, head_dim, head_dim, device=device, dtype=dtype)
+    n = torch.zeros(batch_size, num_heads, head_dim, device=device, dtype=dtype)
+    m = torch.full((batch_size, num_heads), float("-inf"), device=device, dtype=dtype)
+    return C, n, m
+
+
+def _normalise(num: Tensor, den: Tensor, m: Tensor, eps: float) -> Tensor:
+    """h = num / (max(|den|, exp(-m)) + eps); num [..., D], den and m [...]."""
+    floor = torch.exp(torch.clamp(-m, max=_MAX_NEG_M))
+    return num / (torch.maximum(den.abs(), floor) + eps).unsqueeze(-1)
+
+
+def _prepare(q, k, v, i_pre, f_pre, state, forget_gate):
+    """Cast to the state dtype, scale keys, take log f, and build/cast the initial state."""
+    B, H, _, D = q.shape
+    cdt = state_dtype(q.dtype)
+    q, k, v = q.to(cdt), k.to(cdt) * (1.0 / math.sqrt(D)), v.to(cdt)
+    log_i = i_pre.to(cdt)
+    log_f = log_forget_gate(f_pre.to(cdt), forget_gate)
+    if state is None:
+        state = mlstm_init_state(B, H, D, device=q.device, dtype=cdt)
+    else:
+        state = tuple(s.to(cdt) for s in state)
+    return q, k, v, log_i, log_f, state
+
+
+def _chunk(q, k, v, log_i, log_f, C0, n0, m0, eps):
+    """Outputs and final state of one block of steps, given the state before it.
+
+    Any leading dims ``[...]`` (e.g. ``[B, H]`` or ``[B, H, N]`` for N chunks at once).
+    q, k (scaled), v ``[..., L, D]``; log_i, log_f ``[..., L]``; C0 ``[..., D, D]``,
+    n0 ``[..., D]``, m0 ``[...]``. Returns h ``[..., L, D]`` and (C, n, m) after the block.
+    """
+    L = q.shape[-2]
+    b = log_f.cumsum(-1)  # [..., L]   b_t = sum_{l<=t} log f_l
+    # log D_tj = sum_{l=j+1..t} log f_l + i~_j  for j <= t
+    log_D = b.unsqueeze(-1) - b.unsqueeze(-2) + log_i.unsqueeze(-2)  # [..., L, L]
+    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    log_D = log_D.masked_fill(~causal, float("-inf"))
+    log_prev = b + m0.unsqueeze(-1)  # [..., L]  log weight of the carried state at step t
+    m = torch.maximum(log_D.amax(-1), log_prev)  # [..., L]  stabiliser = running max
+    S = (q @ k.transpose(-1, -2)) * torch.exp(log_D - m.unsqueeze(-1))  # [..., L, L]
+    w_prev = torch.exp(log_prev - m)  # [..., L]  (0 for the empty state)
+    num = S @ v + w_prev.unsqueeze(-1) * (q @ C0)  # [..., L, D]
+    den = S.sum(-1) + w_prev * (q @ n0.unsqueeze(-1)).squeeze(-1)  # [..., L]  = n_t . q_t
+    h = _normalise(num, den, m, eps)
+
+    # state after the last step: the last row of D weights every input of the block
+    m_last = m[..., -1]
+    w_in = torch.exp(log_D[..., -1, :] - m_last.unsqueeze(-1))  # [..., L]
+    decay = torch.exp(log_prev[..., -1] - m_last)  # [...]
+    kw = k * w_in.unsqueeze(-1)
+    C = decay[..., None, None] * C0 + kw.transpose(-1, -2) @ v
+    n = decay.unsqueeze(-1) * n0 + kw.sum(-2)
+    return h, (C, n, m_last)
+
+
+def mlstm_parallel(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    i_pre: Tensor,
+    f_pre: Tensor,
+    state: MLSTMState | None = None,
+    *,
+    forget_gate: str = "sigmoid",
+    eps: float = EPS,
+) -> tuple[Tensor, MLSTMState]:
+    """Stabilised parallel mLSTM over the whole sequence, continuing from ``state``.
+
+    q, k, v ``[B, H, T, D]``, i_pre, f_pre ``[B, H, T]``. Returns h ``[B, H, T, D]`` (dtype of q)
+    and the final state. The initial state enters as an extra "column" with log weight
+    ``sum_{l<=t} log f_l + m_0`` (``-inf`` for the empty state).
+    """
+    out_dtype = q.dtype
+    q, k, v, log_i, log_f, (C0, n0, m0) = _prepare(q, k, v, i_pre, f_pre, state, forget_gate)
+    if q.shape[-2] == 0:
+        return q.to(out_dtype), (C0, n0, m0)
+    h, new_state = _chunk(q, k, v, log_i, log_f, C0, n0, m0, eps)
+    return h.to(out_dtype), new_state
+
+
+def mlstm_chunkwise(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    i_pre: Tensor,
+    f_pre: Tensor,
+    state: MLSTMState | None = None,
+    *,
+    chunk_size: int = 64,
+    forget_gate: str = "sigmoid",
+    eps: float = EPS,
+) -> tuple[Tensor, MLSTMState]:
+    """Chunkwise mLSTM: O(T L) memory for chunk length L; any T (the last chunk may be short).
+
+    1. every full chunk's own contribution to the state is computed at once (all chunks in parallel);
+    2. a loop over chunks (not tokens) carries (C, n, m) from chunk to chunk;
+    3. all full chunks' outputs are computed at once from their starting states;
+    4. a trailing partial chunk is one more parallel block.
+    Shapes as :func:`mlstm_parallel`.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size ({chunk_size}) must be >= 1")
+    out_dtype = q.dtype
+    q, k, v, log_i, log_f, (C, n, m) = _prepare(q, k, v, i_pre, f_pre, state, forget_gate)
+    B, H, T, D = q.shape
+    L = chunk_size
+    N = T // L
+    outs = []
+    if N > 0:
+        def chunks(x: Tensor) -> Tensor:  # [B, H, T, ...] -> [B, H, N, L, ...]
+            return x[:, :, : N * L].reshape(B, H, N, L, *x.shape[3:])
+
+        qc, kc, vc, ic, fc = map(chunks, (q, k, v, log_i, log_f))
+        b = fc.cumsum(-1)  # [B, H, N, L]
+        b_last = b[..., -1]  # [B, H, N]  total log decay across each chunk
+        log_w = b_last.unsqueeze(-1) - b + ic  # [B, H, N, L]  log weight of input j at chunk end
+        m_loc = log_w.amax(-1)  # [B, H, N]
+        kw = kc * torch.exp(log_w - m_loc.unsqueeze(-1)).unsqueeze(-1)
+        C_loc = kw.transpose(-1, -2) @ vc  # [B, H, N, D, D]  (scaled by exp(-m_loc))
+        n_loc = kw.sum(-2)  # [B, H, N, D]
+
+        starts_C, starts_n, starts_m = [], [], []
+        for c in range(N):  # loop over chunks only
+            starts_C.append(C)
+            starts_n.append(n)
+            starts_m.append(m)
+            log_prev = b_last[:, :, c] + m
+            m_new = torch.maximum(log_prev, m_loc[:, :, c])
+            a = torch.exp(log_prev - m_new)
+            g = torch.exp(m_loc[:, :, c] - m_new)
+            C = a[..., None, None] * C + g[..., None, None] * C_loc[:, :, c]
+            n = a.unsqueeze(-1) * n + g.unsqueeze(-1) * n_loc[:, :, c]
+            m = m_new
+        C0 = torch.stack(starts_C, dim=2)
+        n0 = torch.stack(starts_n, dim=2)
+        m0 = torch.stack(starts_m, dim=2)
+        h, _ = _chunk(qc, kc, vc, ic, fc, C0, n0, m0, eps)  # [B, H, N, L, D]
+        outs.append(h.reshape(B, H, N * L, D))
+    if T > N * L:
+        s = N * L
+        h, (C, n, m) = _chunk(q[:, :, s:], k[:, :, s:], v[:, :, s:], log_i[:, :, s:], log_f[:, :, s:], C, n, m, eps)
+        outs.append(h)
+    h = torch.cat(outs, dim=2) if outs else q
+    return h.to(out_dtype), (C, n, m)
+
+
+def mlstm_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    i_pre: Tensor,
+    f_pre: Tensor,
+    state: MLSTMState | None = None,
+    *,
+    forget_gate: str = "sigmoid",
+    eps: float = EPS,
+) -> tuple[Tensor, MLSTMState]:
+    """One recurrent step. q, k, v ``[B, H, D]``; i_pre, f_pre ``[B, H]``. Returns h ``[B, H, D]``, state."""
+    out_dtype = q.dtype
+    B, H, D = q.shape
+    cdt = state_dtype(q.dtype)
+    q, k, v = q.to(cdt), k.to(cdt) * (1.0 / math.sqrt(D)), v.to(cdt)
+    i_pre = i_pre.to(cdt)
+    log_f = log_forget_gate(f_pre.to(cdt), forget_gate)
+    if state is None:
+        state = mlstm_init_state(B, H, D, device=q.device, dtype=cdt)
+    C, n, m = (s.to(cdt) for s in state)
+    m_new = torch.maximum(log_f + m, i_pre)
+    fp = torch.exp(log_f + m - m_new)  # [B, H]
+    ip = torch.exp(i_pre - m_new)
+    C = fp[..., None, None] * C + ip[..., None, None] * (k.unsqueeze(-1) * v.unsqueeze(-2))
+    n = fp.unsqueeze(-1) * n + ip.unsqueeze(-1) * k
+    num = (q.unsqueeze(-2) @ C).squeeze(-2)  # [B, H, D]
+    den = (q * n).sum(-1)  # [B, H]
+    h = _normalise(num, den, m_new, eps)
+    return h.to(out_dtype), (C, n, m_new)
+
+
+def mlstm_recurrent(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    i_pre: Tensor,
+    f_pre: Tensor,
+    state: MLSTMState | None = None,
+    *,
+    forget_gate: str = "sigmoid",
+    eps: float = EPS,
+) -> tuple[Tensor, MLSTMState]:
+    """:func:`mlstm_step` looped over T (reference / benchmark only). Shapes as :func:`mlstm_parallel`."""
+    hs = []
+    for t in range(q.shape[2]):
+        h, state = mlstm_step(
+            q[:, :, t], k[:, :, t], v[:, :, t], i_pre[:, :, t], f_pre[:, :, t], state, forget_gate=forget_gate, eps=eps
+        )
+        hs.append(h)
+    if state is None:
+        B, H, _, D = q.shape
+        state = mlstm_init_state(B, H, D, device=q.device, dtype=state_dtype(q.dtype))
+    return torch.stack(hs, dim=2) if hs else q, state

@@ -1,0 +1,147 @@
+"""End to end: real `run.py fit` subprocesses on a small fixture, resume, generate, DDP, and user errors."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ltcx.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_MODEL = [
+    "--model.backbone.init_args.n_layer", "1", "--model.backbone.init_args.n_embd", "32",
+    "--model.backbone.init_args.n_head", "2", "--model.backbone.init_args.n_kv_head", "1",
+    "--model.backbone.init_args.block_size", "64", "--model.warmup_steps", "2",
+]
+
+
+def write_corpus(folder: Path, train_docs: int = 300, val_docs: int = 30) -> Path:
+    rng = random.Random(0)
+    words = "the cat dog ran sat on a mat big small red blue happy sad tree house sun moon".split()
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, count in (("train.txt", train_docs), ("validation.txt", val_docs)):
+        docs = [" ".join(rng.choice(words) for _ in range(40)) + "." for _ in range(count)]
+        (folder / name).write_text("\n\n".join(docs) + "\n")
+    return folder
+
+
+def fit_args(data: Path, *extra: str) -> list[str]:
+    return [
+        "fit", "--config", str(ROOT / "configs/gpt.yaml"), "--config", str(ROOT / "configs/trainer/smoke.yaml"),
+        "--data.path", str(data), "--data.block_size", "32", "--data.batch_size", "4", "--data.val_batches", "2",
+        "--trainer.val_check_interval", "2", "--trainer.log_every_n_steps", "1",
+        "--trainer.enable_progress_bar", "false", *TINY_MODEL, *extra,
+    ]
+
+
+def run_cli(args: list[str], cwd: Path, **env) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "HF_HUB_OFFLINE": "1", **env}
+    result = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=environment,
+                            capture_output=True, text=True, timeout=600)
+    return result
+
+
+def read_events(log_dir: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    [event_file] = list(log_dir.glob("events.out.tfevents.*"))
+    events = EventAccumulator(str(event_file), size_guidance={"tensors": 0, "scalars": 0})
+    events.Reload()
+    return events
+
+
+def test_fit_resume_and_generate(tmp_path):
+    data = write_corpus(tmp_path / "corpus")
+    first = run_cli(fit_args(data, "--trainer.max_steps", "4"), tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoint = tmp_path / "checkpoints/gpt/last.ckpt"
+    assert checkpoint.is_file()
+    run_dir = tmp_path / "lightning_logs/gpt/version_0"
+    assert (run_dir / "config.yaml").is_file()
+    saved = (run_dir / "config.yaml").read_text()
+    assert "ltcx.models.gpt.GPT" in saved and "n_embd: 32" in saved
+
+    events = read_events(run_dir)
+    samples = {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors("samples/text_summary")}
+    assert sorted(samples) == [2, 4] and all(text.startswith("Once upon a time") for text in samples.values())
+    for tag in ("train/loss", "val/loss", "val/ppl", "train/tokens_per_sec", "train/tokens_seen", "train/lr"):
+        assert tag in events.Tags()["scalars"], tag
+    assert torch.load(checkpoint, weights_only=False)["global_step"] == 4
+
+    resumed = run_cli(fit_args(data, "--trainer.max_steps", "6", "--ckpt_path", "last"), tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    state = torch.load(checkpoint, weights_only=False)
+    assert state["global_step"] == 6
+    steps = [e.step for e in read_events(tmp_path / "lightning_logs/gpt/version_1").Scalars("train/loss")]
+    assert min(steps) >= 4, steps  # continued from step 4, not from scratch
+    assert state["ltcx"]["tokens_seen"] == 6 * 4 * 32
+
+    generated = run_cli(["generate", "--ckpt_path", str(checkpoint), "--prompt", "Once upon a time",
+                         "--max_new_tokens", "10", "--seed", "0"], tmp_path)
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    assert generated.stdout.startswith("Once upon a time") and len(generated.stdout) > len("Once upon a time") + 5
+
+    too_long = run_cli(["generate", "--ckpt_path", str(checkpoint), "--prompt", "cat " * 60,
+                        "--max_new_tokens", "10"], tmp_path)
+    assert too_long.returncode == 2
+    assert "more than the model's context of 64" in too_long.stderr and "Traceback" not in too_long.stderr
+
+
+def test_ddp_two_cpu_processes_see_disjoint_blocks(tmp_path):
+    data = write_corpus(tmp_path / "corpus", train_docs=200)
+    record = tmp_path / "record"
+    result = run_cli(
+        fit_args(data, "--trainer.max_steps", "3", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
+                 "--trainer.strategy", "ddp",
+                 "--trainer.callbacks+=batch_recorder.RecordBatches", f"--trainer.callbacks.out_dir={record}"),
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rank0 = json.loads((record / "rank0.json").read_text())
+    rank1 = json.loads((record / "rank1.json").read_text())
+    assert len(rank0) == len(rank1) == 3 * 4
+    assert not {tuple(b) for b in rank0} & {tuple(b) for b in rank1}
+
+
+def run_main(args, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (["--model.backbone.init_args.n_kv_head", "3"], "n_head (2) must be divisible by n_kv_head (3)"),
+        (["--data.path", "/nonexistent/corpus"], "no data files match '/nonexistent/corpus'"),
+        (["--data.text_column", "body"], "column 'body' not found"),
+        (["--data.tokenizer", "no-such-tokenizer"], "unknown tokenizer 'no-such-tokenizer'"),
+        (["--data.block_size", "128"], "data.block_size (128) exceeds the model's context (64)"),
+    ],
+)
+def test_user_errors_are_one_clear_line(tmp_path, monkeypatch, capsys, override, message):
+    monkeypatch.setattr(sys, "argv", ["ltcx"])
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data = write_corpus(tmp_path / "corpus", 20, 5)
+    err = run_main(fit_args(data, "--trainer.max_steps", "1", *override), capsys)
+    assert message in err
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_unreachable_hub_names_the_offline_fix(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["ltcx"])
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    err = run_main(fit_args(Path("roneneldan/TinyStories"), "--trainer.max_steps", "1"), capsys)
+    assert "cannot load data set 'roneneldan/TinyStories'" in err and "--data.path" in err
+    assert not list(tmp_path.glob("lightning_logs/*/*/config.yaml"))
