@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from ltcx.models.state import reorder_state
 from ltcx.errors import ConfigError
 from ltcx.ops.mlstm import FORGET_GATES, mlstm_chunkwise, mlstm_parallel, mlstm_step
 from ltcx.ops.slstm import slstm_scan
@@ -400,16 +401,9 @@ class XLSTM(nn.Module):
         """Number of distinct parameters (tied weights once). xLSTM has no position embeddings."""
         return sum(p.numel() for p in self.parameters())
 
-    @staticmethod
-    def reorder_cache(state: Any, index: Tensor) -> Any:
+    def reorder_cache(self, state: Any, index: Tensor) -> Any:
         """Select / repeat batch entries of every tensor in ``state`` (dim 0), e.g. for beam search."""
-        if isinstance(state, Tensor):
-            return state.index_select(0, index.to(state.device))
-        if isinstance(state, (list, tuple)):
-            return type(state)(XLSTM.reorder_cache(s, index) for s in state)
-        if isinstance(state, dict):
-            return {k: XLSTM.reorder_cache(v, index) for k, v in state.items()}
-        return state
+        return reorder_state(state, index)
 
     def no_weight_decay_param_names(self) -> set[str]:
         """Parameters AdamW should not decay: norms, biases, gate biases, skip scales, embeddings."""

@@ -1,0 +1,196 @@
+"""Speed and memory of each architecture, measured as ratios within one run.
+
+    python scripts/benchmark.py --archs gpt ltc --batch_size 4 --seq_len 256
+    python scripts/benchmark.py --archs gpt --generate_tokens 512      # cached vs uncached generation
+
+For each architecture (its model block of configs/<arch>.yaml, vocabulary 50,304) it reports training
+tokens/s (forward + backward), prefill latency, cached decode latency per token, cache/state bytes per
+token and peak memory, prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import resource
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ltcx.generation import generate  # noqa: E402
+from ltcx.models.state import map_state_tensors  # noqa: E402
+
+
+def build_backbone(arch: str, vocab_size: int, min_context: int) -> torch.nn.Module:
+    """The backbone of configs/<arch>.yaml; a context (block_size) is raised to ``min_context`` if smaller."""
+    config = yaml.safe_load((ROOT / "configs" / f"{arch}.yaml").read_text())["model"]["backbone"]
+    module_name, class_name = config["class_path"].rsplit(".", 1)
+    init_args = {**config.get("init_args", {}), "vocab_size": vocab_size}
+    if "block_size" in init_args:
+        init_args["block_size"] = max(init_args["block_size"], min_context)
+    return getattr(importlib.import_module(module_name), class_name)(**init_args)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, repeats: int, warmup: int = 1) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def state_bytes(state) -> int:
+    total = 0
+
+    def count(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    map_state_tensors(state, count)
+    return total
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # process peak RSS (Linux: KiB)
+
+
+def bench_arch(arch: str, args, device: torch.device) -> dict:
+    torch.manual_seed(0)
+    model = build_backbone(arch, 50304, max(args.seq_len, args.generate_tokens)).to(device)
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
+    )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    idx = torch.randint(0, 50304, (args.batch_size, args.seq_len + 1), device=device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def train_step():
+        with autocast:
+            logits, _ = model(idx[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    model.train()
+    train_s = timed(train_step, device, args.repeats)
+    model.eval()
+    result = {
+        "arch": arch,
+        "params": model.parameter_count(),
+        "train_tokens_per_s": args.batch_size * args.seq_len / train_s,
+    }
+    with torch.no_grad(), autocast:
+        prompt = idx[:, : args.seq_len]
+        result["prefill_ms"] = 1e3 * timed(lambda: model(prompt), device, args.repeats)
+        _, state = model(prompt[:, :-1])
+        result["decode_ms_per_token"] = 1e3 * timed(lambda: model(prompt[:, -1:], state), device, args.repeats * 4)
+        _, state = model(prompt)
+        result["state_bytes_per_token"] = state_bytes(state) / (args.batch_size * args.seq_len)
+        if args.generate_tokens:
+            one = idx[:1, :1]
+
+            def uncached():
+                ids = one
+                for _ in range(args.generate_tokens - 1):
+                    logits, _ = model(ids)
+                    ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
+                return ids
+
+            cached_s = timed(lambda: generate(model, one, args.generate_tokens - 1, temperature=0), device, 1, 0)
+            uncached_s = timed(uncached, device, 1, 0)
+            result["generate_cached_s"] = cached_s
+            result["generate_uncached_s"] = uncached_s
+        for position in args.decode_at:
+            key = f"decode_ms_at_{position}"
+            context = getattr(model, "max_seq_len", None)
+            if context is not None and position >= context:
+                result[key] = None  # beyond the model's context
+                continue
+            _, state = model(idx[:1, :1].expand(1, position).contiguous())
+            result[key] = 1e3 * timed(lambda: model(idx[:1, :1], state), device, args.repeats * 4)
+    if args.recurrent_baseline and hasattr(model, "forward_recurrent"):
+        model.train()
+
+        def recurrent_train_step():
+            with autocast:
+                logits, _ = model.forward_recurrent(idx[:, :-1])
+                loss = F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
+            loss.backward()
+            optimizer.zero_grad(set_to_none=True)
+
+        seconds = timed(recurrent_train_step, device, 1, 0)
+        result["recurrent_train_tokens_per_s"] = args.batch_size * args.seq_len / seconds
+    result["peak_memory_mb"] = peak_memory_mb(device)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--archs", nargs="+", default=["gpt"])
+    parser.add_argument("--batch_size", type=int, default=4)
+    parser.add_argument("--seq_len", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", choices=["float32", "bf16"], default="float32")
+    parser.add_argument("--generate_tokens", type=int, default=0, help="also time generating this many tokens")
+    parser.add_argument("--decode_at", type=int, nargs="*", default=[],
+                        help="also time one cached decode step (batch 1) after this many tokens")
+    parser.add_argument("--recurrent_baseline", action="store_true",
+                        help="also time training through forward_recurrent (token by token), where a model has it")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default="benchmark.json")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    results = [bench_arch(arch, args, device) for arch in args.archs]
+    base = results[0]["train_tokens_per_s"]
+    columns = ["arch", "params", "train_tokens_per_s", "vs_first", "prefill_ms", "decode_ms_per_token",
+               "state_bytes_per_token", "peak_memory_mb"]
+    if args.generate_tokens:
+        columns += ["generate_cached_s", "generate_uncached_s"]
+    columns += [f"decode_ms_at_{p}" for p in args.decode_at]
+    if args.recurrent_baseline:
+        columns += ["recurrent_train_tokens_per_s"]
+    for r in results:
+        r["vs_first"] = r["train_tokens_per_s"] / base
+    print(f"device={device} dtype={args.dtype} batch={args.batch_size} seq_len={args.seq_len} torch={torch.__version__}")
+    print(" | ".join(columns))
+    for r in results:
+        print(" | ".join(f"{r.get(c):.3g}" if isinstance(r.get(c), float) else str(r.get(c, "-")) for c in columns))
+    meta = {"device": str(device), "dtype": args.dtype, "batch_size": args.batch_size, "seq_len": args.seq_len,
+            "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads()}
+    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
