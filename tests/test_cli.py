@@ -130,7 +130,6 @@ def run_main(args, capsys) -> str:
 def test_user_errors_are_one_clear_line(tmp_path, monkeypatch, capsys, override, message):
     monkeypatch.setattr(sys, "argv", ["ltcx"])
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     data = write_corpus(tmp_path / "corpus", 20, 5)
     err = run_main(fit_args(data, "--trainer.max_steps", "1", *override), capsys)
     assert message in err
@@ -140,8 +139,6 @@ def test_user_errors_are_one_clear_line(tmp_path, monkeypatch, capsys, override,
 def test_unreachable_hub_names_the_offline_fix(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["ltcx"])
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     err = run_main(fit_args(Path("roneneldan/TinyStories"), "--trainer.max_steps", "1"), capsys)
     assert "cannot load data set 'roneneldan/TinyStories'" in err and "--data.path" in err
     assert not list(tmp_path.glob("lightning_logs/*/*/config.yaml"))

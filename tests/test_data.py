@@ -14,18 +14,6 @@ from ltcx.tokenizers import get_tokenizer
 B = 16  # block_size in most tests; blocks hold B + 1 tokens
 
 
-@pytest.fixture
-def hf_offline(monkeypatch):
-    """No Hugging Face hub access: fail fast instead of retrying the network."""
-    import datasets.config
-    import huggingface_hub.constants
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-
-
 # ---------------------------------------------------------------- helpers
 def unit_docs(n: int, start: int = 0) -> list[str]:
     """Documents of exactly B bytes: with the bytes tokenizer each one (plus eot) is exactly one block."""

@@ -16,16 +16,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture
-def hf_offline(monkeypatch):
-    """No Hugging Face hub access: fail fast instead of retrying the network."""
-    import huggingface_hub.constants
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-
-
 def test_gpt2_ids_match_tiktoken_gpt2():
     tok = get_tokenizer("gpt2")
     assert isinstance(tok, Tokenizer)

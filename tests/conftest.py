@@ -1,0 +1,16 @@
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def hf_offline(monkeypatch):
+    """No test reaches the Hugging Face hub: hub code paths fail fast instead of retrying the network.
+
+    The libraries read these settings at import, so the module constants are patched as well as the env.
+    """
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
