@@ -129,7 +129,14 @@ class LanguageModel(L.LightningModule):
         self.log("val/ppl", torch.exp(val_loss))
 
     def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        self.log("test/loss", self.loss(batch), sync_dist=True)
+        self.log("test/loss", self.loss(batch), sync_dist=True, batch_size=batch.shape[0])
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        """Mean next-token loss of each block [B] (scores text; `ltcx predict` returns them)."""
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits, _ = self(inputs)
+        losses = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")  # [B, T]
+        return losses.mean(dim=1)
 
     def configure_optimizers(self):
         decay_names, no_decay_names = weight_decay_groups(self.backbone)

@@ -171,6 +171,8 @@ def test_every_config_trains_and_generates(arch, tmp_path, monkeypatch, capsys):
     main(args)
     checkpoint = tmp_path / f"checkpoints/{arch}/last.ckpt"
     assert torch.load(checkpoint, weights_only=False)["global_step"] == 2
+    for subcommand in ("validate", "test", "predict"):
+        main([subcommand, *args[1:], "--ckpt_path", str(checkpoint)])
     capsys.readouterr()
     main(["generate", "--ckpt_path", str(checkpoint), "--prompt", "The cat", "--max_new_tokens", "8",
           "--temperature", "0"])

@@ -493,6 +493,12 @@ class TextDataModule(L.LightningDataModule):
             return []
         return self._loader(self.val_dataset())
 
+    def test_dataloader(self) -> DataLoader | list:
+        """``ltcx test`` and ``ltcx predict`` read the validation stream (the data sets have no test split)."""
+        return self.val_dataloader()
+
+    predict_dataloader = test_dataloader
+
     # ------------------------------------------------------------------ exact resume
     def state_dict(self) -> dict[str, Any]:
         """Training batches this rank has consumed: ``global_step * accumulate_grad_batches``."""
