@@ -48,7 +48,7 @@ def generate_main(argv: list[str]) -> None:
 
     parser = argparse.ArgumentParser(prog="ltcx generate", description=generate_main.__doc__)
     parser.add_argument("--ckpt_path", required=True, help="checkpoint written by `ltcx fit` (e.g. .../last.ckpt)")
-    parser.add_argument("--prompt", action="append", help="prompt text; repeat for several prompts")
+    parser.add_argument("--prompt", action="append", help="prompt text; repeat for several prompts (none: start a new document)")
     parser.add_argument("--max_new_tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     parser.add_argument("--top_k", type=int, default=50)
@@ -67,12 +67,17 @@ def generate_main(argv: list[str]) -> None:
         raise LtcxError("the checkpoint names no tokenizer: pass --tokenizer (e.g. gpt2)")
     tokenizer = get_tokenizer(tokenizer_name)
     generator = torch.Generator(device=args.device)
-    generator.manual_seed(args.seed) if args.seed is not None else generator.seed()
+    if args.seed is not None:
+        generator.manual_seed(args.seed)
+    else:
+        generator.seed()
     stop = None if args.no_stop_at_eot else tokenizer.eot_id
-    for prompt in args.prompt or [tokenizer.decode([tokenizer.eot_id])]:
-        ids = tokenizer.encode(prompt)
+    # Without a prompt, generation starts from the end-of-text token, as at a document boundary in training.
+    prompts = [(text, tokenizer.encode(text)) for text in args.prompt] if args.prompt else [("", [tokenizer.eot_id])]
+    for prompt, ids in prompts:
         batch = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=args.device)
         rows: list[list[int]] = [[] for _ in range(args.num_samples)]
+        printed = 0  # characters of rows[0]'s completion already written
         if args.num_samples == 1:
             sys.stdout.write(prompt)
         for token in stream_tokens(
@@ -80,24 +85,22 @@ def generate_main(argv: list[str]) -> None:
             top_p=args.top_p, stop_token=stop, vocab_limit=tokenizer.vocab_size, generator=generator,
         ):
             for row, t in zip(rows, token.tolist()):
-                if not row or row[-1] != stop:
+                if t != stop:
                     row.append(t)
-            if args.num_samples == 1 and rows[0][-1] != stop:
-                # Decoding the growing tail keeps multi-token characters intact while streaming.
-                sys.stdout.write(_new_text(tokenizer, rows[0]))
-                sys.stdout.flush()
+            if args.num_samples == 1:
+                # Decode the whole completion and write what is new, holding back a character that is still
+                # incomplete (a multi-byte character split over tokens decodes as U+FFFD until its last byte).
+                text = tokenizer.decode(rows[0])
+                if not text.endswith("\ufffd"):
+                    sys.stdout.write(text[printed:])
+                    sys.stdout.flush()
+                    printed = len(text)
         if args.num_samples == 1:
-            sys.stdout.write("\n")
+            sys.stdout.write(tokenizer.decode(rows[0])[printed:] + "\n")
         else:
             for i, row in enumerate(rows):
-                text = tokenizer.decode([t for t in row if t != stop])
-                sys.stdout.write(f"--- sample {i + 1}\n{prompt}{text}\n")
+                sys.stdout.write(f"--- sample {i + 1}\n{prompt}{tokenizer.decode(row)}\n")
         sys.stdout.flush()
-
-
-def _new_text(tokenizer, ids: list[int]) -> str:
-    """Text added by the last token of ``ids``."""
-    return tokenizer.decode(ids)[len(tokenizer.decode(ids[:-1])) :]
 
 
 def main(argv: list[str] | None = None) -> None:

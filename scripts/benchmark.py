@@ -74,6 +74,8 @@ def state_bytes(state) -> int:
 
 
 def peak_memory_mb(device: torch.device) -> float:
+    """CUDA: the most this architecture allocated; CPU: the process's peak RSS so far (cumulative across
+    the architectures of one run, so run one architecture per process to compare CPU memory)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # process peak RSS (Linux: KiB)
@@ -113,6 +115,7 @@ def bench_arch(arch: str, args, device: torch.device) -> dict:
         result["decode_ms_per_token"] = 1e3 * timed(lambda: model(prompt[:, -1:], state), device, args.repeats * 4)
         _, state = model(prompt)
         result["state_bytes_per_token"] = state_bytes(state) / (args.batch_size * args.seq_len)
+        result["state_bytes_per_sequence"] = state_bytes(state) / args.batch_size  # after seq_len tokens
         if args.generate_tokens:
             one = idx[:1, :1]
 
@@ -173,7 +176,7 @@ def main() -> None:
     results = [bench_arch(arch, args, device) for arch in args.archs]
     base = results[0]["train_tokens_per_s"]
     columns = ["arch", "params", "train_tokens_per_s", "vs_first", "prefill_ms", "decode_ms_per_token",
-               "state_bytes_per_token", "peak_memory_mb"]
+               "state_bytes_per_token", "state_bytes_per_sequence", "peak_memory_mb"]
     if args.generate_tokens:
         columns += ["generate_cached_s", "generate_uncached_s"]
     columns += [f"decode_ms_at_{p}" for p in args.decode_at]
