@@ -1,0 +1,61 @@
+"""Callbacks: sample text logged once per run after validation, model back in train mode; finite-loss guard."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ltcx.callbacks import FiniteLossGuard, SampleGeneration
+from ltcx.errors import LtcxError
+from ltcx.lm import LanguageModel
+from ltcx.models.gpt import GPT
+from ltcx.tokenizers import get_tokenizer
+
+
+class FakeExperiment:
+    def __init__(self):
+        self.texts = []
+
+    def add_text(self, tag, text, step):
+        self.texts.append((tag, text, step))
+
+
+def make_trainer(**overrides):
+    experiment = FakeExperiment()
+    trainer = SimpleNamespace(
+        sanity_checking=False, is_global_zero=True, global_step=7,
+        datamodule=SimpleNamespace(tokenizer_obj=get_tokenizer("bytes")),
+        loggers=[SimpleNamespace(experiment=experiment)],
+    )
+    trainer.__dict__.update(overrides)
+    return trainer, experiment
+
+
+@pytest.fixture
+def lm():
+    torch.manual_seed(0)
+    return LanguageModel(GPT(block_size=32, vocab_size=320, n_layer=1, n_head=2, n_embd=16))
+
+
+def test_samples_are_logged_with_the_step_and_the_model_returns_to_train_mode(lm):
+    trainer, experiment = make_trainer()
+    lm.train()
+    SampleGeneration(prompts=["ab", "cde"], max_new_tokens=50).on_validation_end(trainer, lm)
+    [(tag, text, step)] = experiment.texts
+    assert tag == "samples" and step == 7 and text.startswith("ab") and "cde" in text
+    assert lm.backbone.training  # back in train mode after generating
+
+
+@pytest.mark.parametrize("overrides", [{"sanity_checking": True}, {"is_global_zero": False}])
+def test_no_samples_during_sanity_check_or_on_other_ranks(lm, overrides):
+    trainer, experiment = make_trainer(**overrides)
+    SampleGeneration().on_validation_end(trainer, lm)
+    assert experiment.texts == []
+
+
+def test_finite_loss_guard():
+    guard = FiniteLossGuard()
+    trainer = SimpleNamespace(global_step=3)
+    guard.on_train_batch_end(trainer, None, {"loss": torch.tensor(1.0)}, None, 0)
+    with pytest.raises(LtcxError, match="training loss became nan at step 3"):
+        guard.on_train_batch_end(trainer, None, {"loss": torch.tensor(float("nan"))}, None, 0)
