@@ -56,3 +56,16 @@ def test_prompt_longer_than_context_is_a_clear_error(model):
         next(stream_tokens(model, torch.zeros(1, 30, dtype=torch.long), 5))
     with pytest.raises(LtcxError, match="prompt is empty"):
         next(stream_tokens(model, torch.zeros(1, 0, dtype=torch.long), 5))
+
+
+def test_generate_texts_batches_prompts_of_any_length(model):
+    """Prompts of different token lengths come back in order, each as if generated alone."""
+    from ltcx.generation import generate_texts
+    from ltcx.tokenizers import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    small = GPT(block_size=32, vocab_size=320, n_layer=1, n_head=2, n_embd=16).double().eval()
+    prompts = ["ab", "xyz", "cd", "q"]
+    together = generate_texts(small, tokenizer, prompts, 6, temperature=0, stop_at_eot=False)
+    alone = [generate_texts(small, tokenizer, [p], 6, temperature=0, stop_at_eot=False)[0] for p in prompts]
+    assert together == alone and [t[: len(p)] for t, p in zip(together, prompts)] == prompts
