@@ -146,6 +146,7 @@ def bench_arch(arch: str, args, device: torch.device) -> dict:
                 logits, _ = model.forward_recurrent(idx[:, :-1])
                 loss = F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
             loss.backward()
+            optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
         seconds = timed(recurrent_train_step, device, 1, 0)
