@@ -17,6 +17,9 @@ from ltcx.errors import LtcxError
 from ltcx.lm import LanguageModel
 
 
+DESCRIPTION = "ltcx: train and evaluate language models (`ltcx generate --help` samples from a checkpoint)"
+
+
 class LtcxCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # The model's vocabulary always matches the data's tokenizer: nobody keeps vocab_size by hand.
@@ -36,6 +39,7 @@ def cli_main(args: list[str] | None = None) -> LtcxCLI:
         LanguageModel,
         TextDataModule,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"description": DESCRIPTION},
         args=args,
     )
 
