@@ -28,7 +28,8 @@ class LtcxCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         precision = str(config.trainer.precision)
-        if "bf16" in precision and config.trainer.accelerator in ("auto", "cuda", "gpu") and not torch.cuda.is_available():
+        wants_gpu = config.trainer.accelerator in ("auto", "cuda", "gpu")
+        if "bf16" in precision and wants_gpu and not torch.cuda.is_available():
             # The same YAML trains in bf16 on a GPU and in float32 on a CPU-only machine.
             print(f"ltcx: no CUDA device, so trainer.precision {precision} -> 32-true", file=sys.stderr)
             config.trainer.precision = "32-true"
@@ -52,7 +53,9 @@ def generate_main(argv: list[str]) -> None:
 
     parser = argparse.ArgumentParser(prog="ltcx generate", description=generate_main.__doc__)
     parser.add_argument("--ckpt_path", required=True, help="checkpoint written by `ltcx fit` (e.g. .../last.ckpt)")
-    parser.add_argument("--prompt", action="append", help="prompt text; repeat for several prompts (none: start a new document)")
+    parser.add_argument(
+        "--prompt", action="append", help="prompt text; repeat for several prompts (none: start a new document)"
+    )
     parser.add_argument("--max_new_tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     parser.add_argument("--top_k", type=int, default=50)
