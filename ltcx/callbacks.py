@@ -18,7 +18,7 @@ class SampleGeneration(L.Callback):
 
     Args:
         prompts: texts to complete.
-        max_new_tokens: tokens generated per prompt (capped by the model's context).
+        max_new_tokens: tokens generated per prompt (capped so the longest prompt fits the model's context).
         temperature: sampling temperature (0 = greedy).
         top_k: sample among the k most likely tokens.
         seed: seed of the sampler, so samples at different steps are comparable.
@@ -43,21 +43,18 @@ class SampleGeneration(L.Callback):
             return
         tokenizer = trainer.datamodule.tokenizer_obj
         backbone = pl_module.backbone
+        budget = self.max_new_tokens
         context = getattr(backbone, "max_seq_len", None)
+        if context is not None:  # every prompt must fit with its completion
+            budget = min(budget, context - max(len(tokenizer.encode(p)) for p in self.prompts))
         was_training = backbone.training
         backbone.eval()
         generator = torch.Generator(device=pl_module.device).manual_seed(self.seed)
         try:
-            lines = []
-            for prompt in self.prompts:
-                budget = self.max_new_tokens
-                if context is not None:
-                    budget = min(budget, context - len(tokenizer.encode(prompt)))
-                [text] = generate_texts(
-                    backbone, tokenizer, [prompt], max(budget, 0),
-                    temperature=self.temperature, top_k=self.top_k, generator=generator,
-                )
-                lines.append(text)
+            lines = generate_texts(
+                backbone, tokenizer, self.prompts, max(budget, 0),
+                temperature=self.temperature, top_k=self.top_k, generator=generator,
+            )
         finally:
             backbone.train(was_training)
         text = "\n\n---\n\n".join(lines)
@@ -66,7 +63,6 @@ class SampleGeneration(L.Callback):
             if hasattr(experiment, "add_text"):
                 # Two trailing spaces per line keep line breaks in TensorBoard's markdown view.
                 experiment.add_text("samples", text.replace("\n", "  \n"), trainer.global_step)
-        self.last_text = text
 
 
 class FiniteLossGuard(L.Callback):

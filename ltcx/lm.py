@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import time
 from pathlib import Path
@@ -125,7 +126,7 @@ class LanguageModel(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         val_loss = self.val_loss.compute()  # averaged over every rank's batches
         self.val_loss.reset()
-        self.log("val/loss", val_loss, prog_bar=True, sync_dist=False, rank_zero_only=False)
+        self.log("val/loss", val_loss, prog_bar=True)
         self.log("val/ppl", torch.exp(val_loss))
 
     def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
@@ -195,9 +196,9 @@ def load_language_model(ckpt_path: str | Path, map_location: str | torch.device 
         raise LtcxError(f"checkpoint '{path}' was not written by ltcx (no 'ltcx' entry); train with `ltcx fit`")
     module_name, class_name = meta["backbone_class"].rsplit(".", 1)
     backbone = getattr(importlib.import_module(module_name), class_name)(**meta["backbone_config"])
-    accepted = set(LanguageModel.__init__.__code__.co_varnames[1 : LanguageModel.__init__.__code__.co_argcount])
-    hparams = {k: v for k, v in checkpoint.get("hyper_parameters", {}).items() if k in accepted and k != "backbone"}
+    accepted = set(inspect.signature(LanguageModel).parameters) - {"backbone"}
+    hparams = {k: v for k, v in checkpoint.get("hyper_parameters", {}).items() if k in accepted}
     model = LanguageModel(backbone, **hparams)
     model.load_state_dict(checkpoint["state_dict"])
-    model.tokens_seen = meta.get("tokens_seen", 0)
+    model.on_load_checkpoint(checkpoint)
     return model.eval(), meta
