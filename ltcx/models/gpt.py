@@ -100,10 +100,13 @@ class GQAAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    """GELU feed-forward n_embd -> hidden_size (default 4 n_embd) -> n_embd."""
+
+    def __init__(self, config: GPTConfig, hidden_size: int | None = None) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        hidden_size = hidden_size or 4 * config.n_embd
+        self.c_fc = nn.Linear(config.n_embd, hidden_size, bias=config.bias)
+        self.c_proj = nn.Linear(hidden_size, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ltcx.models.state import reorder_state
 from ltcx.errors import ConfigError
+from ltcx.ops.conv import causal_depthwise_conv
 from ltcx.ops.mlstm import FORGET_GATES, mlstm_chunkwise, mlstm_parallel, mlstm_step
 from ltcx.ops.slstm import slstm_scan
 
@@ -153,13 +154,7 @@ class CausalConv1d(nn.Module):
 
     def forward(self, x: Tensor, buffer: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """x ``[B, T, C]``, buffer ``[B, K-1, C]`` -> (y ``[B, T, C]``, new buffer ``[B, K-1, C]``)."""
-        B, T, C = x.shape
-        K = self.kernel_size
-        if buffer is None:
-            buffer = x.new_zeros(B, K - 1, C)
-        xx = torch.cat([buffer.to(x.dtype), x], dim=1)  # [B, K-1+T, C]
-        y = F.conv1d(xx.transpose(1, 2), self.weight, self.bias, groups=C).transpose(1, 2)
-        return y, xx[:, xx.shape[1] - (K - 1):]
+        return causal_depthwise_conv(x, self.weight, self.bias, buffer)
 
 
 class HeadwiseLinear(nn.Module):

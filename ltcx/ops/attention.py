@@ -1,4 +1,5 @@
-"""Causal grouped-query attention over a key/value sequence that may start with cached positions."""
+"""Attention as pure functions: causal grouped-query attention over a key/value sequence that may start with
+cached positions; rotary embeddings; attention with persistent (position-free) slots and a sliding window."""
 
 from __future__ import annotations
 
@@ -28,3 +29,63 @@ def causal_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, drop
     query_pos = torch.arange(past_len, total_len, device=q.device)
     mask = key_pos[None, :] <= query_pos[:, None]  # [T, P+T], True = may attend
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding, rotate-half layout: x [..., T, D] (D even) at integer positions [T].
+
+    Pair i of (x[..., i], x[..., i + D/2]) is rotated by the angle position * base^(-2i/D). The angles are
+    computed in float64 from the absolute position, so a token gets bit-identical rotations whether it is
+    embedded in a long prefill or in a one-token decode step.
+    """
+    half = x.shape[-1] // 2
+    inv_freq = base ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
+    angles = positions.to(device=x.device, dtype=torch.float64)[:, None] * inv_freq  # [T, D/2]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def sliding_window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """[T] and [L] absolute positions -> [T, L] bool, True where query i may see key j: i - window < j <= i."""
+    offset = query_positions[:, None] - key_positions[None, :]
+    return (offset >= 0) & (offset < window)
+
+
+def attention_with_persistent(
+    q: torch.Tensor,
+    q_rot: torch.Tensor,
+    k_rot: torch.Tensor,
+    v: torch.Tensor,
+    persistent_k: torch.Tensor,
+    persistent_v: torch.Tensor,
+    mask: torch.Tensor,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Softmax attention over position-free persistent slots and masked, rotary-embedded token keys.
+
+    q, q_rot: [B, H, T, D] queries without and with RoPE; k_rot, v: [B, H_kv, L, D] token keys (with RoPE)
+    and values; persistent_k, persistent_v: [H_kv, N_p, D] learned slots every query sees, scored with the
+    unrotated query so they mean the same at every position; mask [T, L] bool, True = may attend.
+    Query head h reads KV head h // (H / H_kv). Scale 1/sqrt(D). Returns [B, H, T, D].
+
+    One SDPA call: queries [q_rot | q] against keys [k_rot | 0] (tokens) and [0 | persistent_k] (slots), so
+    each score picks the right pair.
+    """
+    batch, kv_heads, length, dim = k_rot.shape
+    slots = persistent_k.shape[1]
+    persistent_k = persistent_k.to(k_rot.dtype).unsqueeze(0).expand(batch, -1, -1, -1)
+    persistent_v = persistent_v.to(v.dtype).unsqueeze(0).expand(batch, -1, -1, -1)
+    keys = torch.cat(
+        [
+            torch.cat([persistent_k.new_zeros(batch, kv_heads, slots, dim), persistent_k], dim=-1),
+            torch.cat([k_rot, k_rot.new_zeros(batch, kv_heads, length, dim)], dim=-1),
+        ],
+        dim=2,
+    )
+    values = torch.cat([persistent_v, v], dim=2)
+    full_mask = torch.cat([mask.new_ones(mask.shape[0], slots), mask], dim=-1)
+    return F.scaled_dot_product_attention(
+        torch.cat([q_rot, q], dim=-1), keys, values, attn_mask=full_mask, dropout_p=dropout_p,
+        scale=dim ** -0.5, enable_gqa=q.shape[1] != kv_heads,
+    )

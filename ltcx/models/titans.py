@@ -1,0 +1,536 @@
+"""Titans (Behrouz, Zhong, Mirrokni 2025, "Titans: Learning to Memorize at Test Time", arXiv 2501.00663).
+
+A neural long-term memory (LMM, ``ltcx/ops/titans.py``: a per-head residual MLP written by gradient descent
+with momentum and forgetting at test time) combined with local attention in one of four ways:
+
+* ``mag`` (memory as gate, eq. 26-28): each layer runs sliding-window attention y and the memory m on the
+  same input and mixes them as ``W_O(N_y(y) * sigmoid(N_m(m)))``.
+* ``mac`` (memory as context, eq. 21-25, read causally): per segment of ``segment`` tokens, the memory read
+  h_j = M(q_j; W^seg) with the weights of the segment start joins the attention as extra keys/values
+  (token i sees h_j and x_j for j <= i of its segment); the attention output y is written into the memory
+  and mixed with the memory's read of it, ``W_O(N_y(y) * sigmoid(N_m(m)))``.
+* ``mal`` (memory as layer, eq. 29-31, H3-like): memory blocks and sliding-window attention blocks alternate.
+* ``lmm``: memory blocks only (the paper's "Titans (LMM)").
+
+Every attention uses RoPE at absolute positions and per-layer persistent key/value slots (eq. 19) that every
+query sees, scored position-free. There is no absolute position embedding and no context limit: the
+generation state has a constant size (memory weights, momentum, short-conv buffers and a bounded window or
+segment cache). Where the paper's MAC text would read the future within a segment (h from every token of the
+segment, and o_t read from memory written with the whole segment) this module keeps the causal reading;
+the README says why.
+
+The state, per layer, batch-first: ``MemoryCache`` (memory state + conv buffer) for the memory,
+``(k, v)`` of the last ``window - 1`` positions for sliding-window attention, and for MAC the current
+segment's keys/values, the segment-start memory weights and the x-stream query conv buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from ltcx.errors import ConfigError
+from ltcx.models.gpt import MLP
+from ltcx.models.state import reorder_state
+from ltcx.ops.attention import apply_rope, attention_with_persistent, sliding_window_mask
+from ltcx.ops.conv import causal_depthwise_conv
+from ltcx.ops.ltc import _without_autocast
+from ltcx.ops.titans import MemoryState, initial_memory_state, memory_apply, neural_memory, neural_memory_recurrent
+
+VARIANTS = ("mag", "mac", "mal", "lmm")
+THETA_MODES = ("chunk", "free")
+
+
+@dataclass
+class TitansConfig:
+    """Hyper-parameters of :class:`Titans`; checks itself on construction (``ConfigError`` naming the field)."""
+
+    vocab_size: int = 50304
+    n_embd: int = 384
+    n_layer: int = 6
+    variant: str = "mag"
+    n_head: int = 6  # attention query heads
+    n_kv_head: int = 2  # attention key/value heads (GQA)
+    mlp_hidden: int | None = None  # hidden width of each block's MLP; None = 4 n_embd
+    window: int = 128  # sliding-window attention (mag, mal): query i sees tokens i-window < j <= i
+    segment: int = 128  # MAC's attention segment
+    n_persistent: int = 16  # persistent key/value slots per attention layer
+    mem_heads: int = 6
+    mem_head_dim: int = 64
+    mem_hidden: int = 128  # hidden width of each head's memory MLP
+    memory_chunk_size: int | None = 16  # b: gradients at the chunk-start weights; None = never moves
+    conv_kernel: int = 4  # short causal conv after the memory's q, k, v projections
+    theta_mode: str = "chunk"  # chunk: theta = rho (1 - eta) / b; free: theta = theta_max sigmoid(.)
+    rho_max: float = 1.0
+    theta_max: float = 0.1
+    normalize_step: bool = True  # divide theta by the curvature kappa of the token's loss
+    rope_base: float = 10000.0
+    dropout: float = 0.0
+    bias: bool = False  # biases in attention/MLP Linear layers and LayerNorms
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mlp_hidden is None:
+            self.mlp_hidden = 4 * self.n_embd
+        self._validate()
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def memory_width(self) -> int:
+        return self.mem_heads * self.mem_head_dim
+
+    def _validate(self) -> None:
+        def require(condition: bool, message: str) -> None:
+            if not condition:
+                raise ConfigError(message)
+
+        for name in ("vocab_size", "n_embd", "n_layer", "n_head", "n_kv_head", "mlp_hidden", "window", "segment",
+                     "mem_heads", "mem_head_dim", "mem_hidden", "conv_kernel"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                    f"{name} ({value!r}) must be a positive integer")
+        chunk = self.memory_chunk_size
+        require(chunk is None or (isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0),
+                f"memory_chunk_size ({chunk!r}) must be a positive integer or null (gradients always at the initial memory)")
+        require(isinstance(self.n_persistent, int) and self.n_persistent >= 0,
+                f"n_persistent ({self.n_persistent!r}) must be a non-negative integer")
+        require(self.variant in VARIANTS, f"variant ({self.variant!r}) must be one of {list(VARIANTS)}")
+        require(self.theta_mode in THETA_MODES, f"theta_mode ({self.theta_mode!r}) must be one of {list(THETA_MODES)}")
+        require(self.n_embd % self.n_head == 0, f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        require(self.head_dim % 2 == 0, f"head dim n_embd / n_head ({self.head_dim}) must be even for RoPE")
+        require(self.n_head % self.n_kv_head == 0,
+                f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
+        if self.variant in ("mag", "mac"):
+            require(self.memory_width == self.n_embd,
+                    f"mem_heads x mem_head_dim ({self.mem_heads} x {self.mem_head_dim} = {self.memory_width}) must "
+                    f"equal n_embd ({self.n_embd}) for variant {self.variant!r}: the memory gates the attention output")
+        if self.variant == "mac" and chunk is not None:
+            require(self.segment % chunk == 0,
+                    f"segment ({self.segment}) must be a multiple of memory_chunk_size ({chunk})")
+        require(0.0 < self.rho_max <= 1.0, f"rho_max ({self.rho_max}) must be in (0, 1]")
+        require(self.theta_max > 0, f"theta_max ({self.theta_max}) must be > 0")
+        require(self.rope_base > 0, f"rope_base ({self.rope_base}) must be > 0")
+        require(0.0 <= self.dropout < 1.0, f"dropout ({self.dropout}) must be in [0, 1)")
+
+
+# ----------------------------------------------------------------------------- state
+
+
+class MemoryCache(NamedTuple):
+    """One memory stream: the memory's weights and momentum, and its conv buffer [B, K-1, 3 mem width]."""
+
+    memory: MemoryState
+    conv: Tensor
+
+
+class WindowCache(NamedTuple):
+    """Rotated keys and values of the last window - 1 positions: [B, H_kv, <= window - 1, D] each."""
+
+    k: Tensor
+    v: Tensor
+
+
+class MAGState(NamedTuple):
+    attention: WindowCache
+    memory: MemoryCache
+
+
+class MACState(NamedTuple):
+    """segment: keys/values (h-stream, x-stream) of the current segment so far, [B, H_kv, L, D] each, or
+    None at a segment start; segment_weights: memory (W1, W2) at the segment start; query_conv: conv buffer
+    of the x-stream memory queries [B, K-1, mem width]; memory: the y-stream memory."""
+
+    segment: tuple[Tensor, Tensor, Tensor, Tensor] | None
+    segment_weights: tuple[Tensor, Tensor]
+    query_conv: Tensor
+    memory: MemoryCache
+
+
+@dataclass
+class TitansState:
+    """position: tokens consumed so far (absolute position of the next token); layers: one state per block."""
+
+    position: int
+    layers: tuple
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+class NeuralMemory(nn.Module):
+    """The LMM core: projections, short causal conv, per-token gates, and the memory of ``ltcx/ops/titans.py``.
+
+    forward(u [B, T, C], cache, position) -> (m [B, T, mem width], cache): writes every token (key k_t,
+    value v_t) and reads y_t = M_t(q_t) after writing it. q and k are l2-normalised SiLU outputs, v a SiLU
+    output (paper section 4.4). The memory runs in float32 (float64 stays float64) with autocast off, and
+    its state stays in that dtype whatever the model's dtype.
+    """
+
+    def __init__(self, config: TitansConfig, input_width: int) -> None:
+        super().__init__()
+        self.config = config
+        width = config.memory_width
+        self.qkv = nn.Linear(input_width, 3 * width, bias=False)  # W_Q^m, W_K^m, W_V^m
+        self.conv_weight = nn.Parameter(torch.empty(3 * width, 1, config.conv_kernel))
+        self.conv_bias = nn.Parameter(torch.zeros(3 * width))
+        self.gates = nn.Linear(input_width, 3 * config.mem_heads)  # pre-activations of alpha, eta, theta
+        self.w1_init = nn.Parameter(torch.empty(config.mem_heads, config.mem_hidden, config.mem_head_dim))
+        self.w2_init = nn.Parameter(torch.empty(config.mem_heads, config.mem_head_dim, config.mem_hidden))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Spec A.2: projections N(0, 0.02); conv U(+-1/sqrt(K)); gate weights 0 with biases -6 (alpha, a
+        retention of 0.28 over 512 tokens), 0 (eta = 0.5), 0 (rho = 0.5); M_0 with unit-scale
+        pre-activations for unit queries: W1 ~ N(0, 1/dk), W2 ~ N(0, 1/dm)."""
+        config = self.config
+        nn.init.normal_(self.qkv.weight, std=0.02)
+        bound = 1.0 / math.sqrt(config.conv_kernel)
+        nn.init.uniform_(self.conv_weight, -bound, bound)
+        nn.init.zeros_(self.conv_bias)
+        nn.init.zeros_(self.gates.weight)
+        with torch.no_grad():
+            self.gates.bias.copy_(torch.tensor([-6.0, 0.0, 0.0]).repeat_interleave(config.mem_heads))
+        nn.init.normal_(self.w1_init, std=config.mem_head_dim ** -0.5)
+        nn.init.normal_(self.w2_init, std=config.mem_hidden ** -0.5)
+
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.promote_types(dtype, torch.float32)
+
+    def initial_weights(self, batch_size: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """M_0 expanded over the batch: (W1 [B, H, dm, dk], W2 [B, H, dk, dm])."""
+        state = initial_memory_state(self.w1_init.to(dtype), self.w2_init.to(dtype), batch_size)
+        return state.w1, state.w2
+
+    def _heads(self, x: Tensor) -> Tensor:
+        """[B, T, H * dk] -> [B, H, T, dk]."""
+        return x.unflatten(-1, (self.config.mem_heads, self.config.mem_head_dim)).transpose(1, 2)
+
+    def read_queries(self, u: Tensor, buffer: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The query path alone (MAC's read of the x-stream, sharing W_Q^m and the q conv): u [B, T, C] ->
+        (q [B, H, T, dk] in the compute dtype, new conv buffer)."""
+        width = self.config.memory_width
+        projected, buffer = causal_depthwise_conv(
+            F.linear(u, self.qkv.weight[:width]), self.conv_weight[:width], self.conv_bias[:width], buffer
+        )
+        q = F.normalize(F.silu(self._heads(projected.to(self.compute_dtype(u.dtype)))), dim=-1)
+        return q, buffer
+
+    def forward(self, u: Tensor, cache: MemoryCache | None, position: int) -> tuple[Tensor, MemoryCache]:
+        config = self.config
+        batch, length, _ = u.shape
+        projected, conv = causal_depthwise_conv(
+            self.qkv(u), self.conv_weight, self.conv_bias, None if cache is None else cache.conv
+        )
+        dtype = self.compute_dtype(u.dtype)
+        with _without_autocast(u.device):
+            q, k, v = (F.silu(self._heads(part)) for part in projected.to(dtype).chunk(3, dim=-1))
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+            gates = self.gates(u).to(dtype).unflatten(-1, (3, config.mem_heads)).permute(2, 0, 3, 1)  # [3, B, H, T]
+            alpha, eta, theta = gates.unbind(0)
+            log_retain, log_momentum = F.logsigmoid(-alpha), F.logsigmoid(eta)  # log(1 - alpha_t), log eta_t
+            if config.theta_mode == "chunk":
+                # theta = rho (1 - eta) / b: a chunk of b aligned tokens moves the memory by at most 2 rho (A.4).
+                chunk = config.memory_chunk_size or 1
+                step = config.rho_max * torch.sigmoid(theta) * torch.sigmoid(-eta) / chunk
+            else:
+                step = config.theta_max * torch.sigmoid(theta)
+            state = cache.memory if cache is not None else initial_memory_state(
+                self.w1_init.to(dtype), self.w2_init.to(dtype), batch
+            )
+            memory_fn = neural_memory_recurrent if length == 1 else neural_memory
+            y, state = memory_fn(
+                q, k, v, log_retain, log_momentum, step, state, position, config.memory_chunk_size,
+                config.normalize_step,
+            )
+        return y.transpose(1, 2).flatten(2).to(u.dtype), MemoryCache(state, conv)
+
+
+class TitansAttention(nn.Module):
+    """Grouped-query attention with RoPE and per-layer persistent key/value slots; the projections and the
+    attention itself (each block applies its own output projection)."""
+
+    def __init__(self, config: TitansConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.q_proj = nn.Linear(config.n_embd, config.n_head * self.head_dim, bias=config.bias)
+        self.kv_proj = nn.Linear(config.n_embd, 2 * config.n_kv_head * self.head_dim, bias=config.bias)
+        self.persistent_k = nn.Parameter(torch.randn(config.n_kv_head, config.n_persistent, self.head_dim) * 0.02)
+        self.persistent_v = nn.Parameter(torch.randn(config.n_kv_head, config.n_persistent, self.head_dim) * 0.02)
+
+    def queries(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """x [B, T, C] -> (q, RoPE(q)) [B, H, T, D]."""
+        q = self.q_proj(x).unflatten(-1, (self.n_head, self.head_dim)).transpose(1, 2)
+        return q, apply_rope(q, positions, self.config.rope_base)
+
+    def keys_values(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """x [B, T, C] -> (RoPE(k), v) [B, H_kv, T, D]."""
+        k, v = self.kv_proj(x).unflatten(-1, (2, self.n_kv_head, self.head_dim)).permute(2, 0, 3, 1, 4)
+        return apply_rope(k, positions, self.config.rope_base), v
+
+    def attend(self, q: Tensor, q_rot: Tensor, k_rot: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """-> merged heads [B, T, H * D]."""
+        dropout = self.config.dropout if self.training else 0.0
+        y = attention_with_persistent(q, q_rot, k_rot, v, self.persistent_k, self.persistent_v, mask, dropout)
+        return y.transpose(1, 2).flatten(2)
+
+    def sliding_window(self, x: Tensor, cache: WindowCache | None, position: int) -> tuple[Tensor, WindowCache]:
+        """x [B, T, C] at positions [P, P+T) -> (y [B, T, H * D], the keys/values of the last window - 1 positions)."""
+        length, window = x.shape[1], self.config.window
+        positions = torch.arange(position, position + length, device=x.device)
+        q, q_rot = self.queries(x, positions)
+        k_rot, v = self.keys_values(x, positions)
+        if cache is not None:
+            k_rot, v = torch.cat([cache.k, k_rot], dim=2), torch.cat([cache.v, v], dim=2)
+        key_positions = torch.arange(position + length - k_rot.shape[2], position + length, device=x.device)
+        y = self.attend(q, q_rot, k_rot, v, sliding_window_mask(positions, key_positions, window))
+        keep = min(window - 1, k_rot.shape[2])
+        return y, WindowCache(k_rot[:, :, k_rot.shape[2] - keep:], v[:, :, v.shape[2] - keep:])
+
+
+def _layer_norm(config: TitansConfig, width: int) -> nn.LayerNorm:
+    return nn.LayerNorm(width, bias=config.bias)
+
+
+class MAGBlock(nn.Module):
+    """Memory as gate: x += W_O(N_y(SWA(x')) * sigmoid(N_m(LMM(x')))), x' = LN(x); then the MLP."""
+
+    def __init__(self, config: TitansConfig) -> None:
+        super().__init__()
+        self.ln_1 = _layer_norm(config, config.n_embd)
+        self.attn = TitansAttention(config)
+        self.memory = NeuralMemory(config, config.n_embd)
+        self.norm_y = _layer_norm(config, config.n_embd)
+        self.norm_m = _layer_norm(config, config.n_embd)
+        self.out_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.ln_2 = _layer_norm(config, config.n_embd)
+        self.mlp = MLP(config, config.mlp_hidden)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, state: MAGState | None, position: int) -> tuple[Tensor, MAGState]:
+        normed = self.ln_1(x)
+        y, attention = self.attn.sliding_window(normed, None if state is None else state.attention, position)
+        m, memory = self.memory(normed, None if state is None else state.memory, position)
+        x = x + self.dropout(self.out_proj(self.norm_y(y) * torch.sigmoid(self.norm_m(m))))
+        return x + self.mlp(self.ln_2(x)), MAGState(attention, memory)
+
+
+class MACBlock(nn.Module):
+    """Memory as context, segment by segment (segments at absolute positions [sC, (s+1)C)):
+
+    h_j = M(q^x_j; W^seg) read with the segment-start weights; query i attends over the persistent slots and
+    the projections of N_h(h_j) and x'_j for the j <= i of its segment; the attention output y is written into
+    the memory (write-then-read, its own conv and gates) and x += W_O(N_y(y) * sigmoid(N_m(M_i(q^y_i)))).
+    """
+
+    def __init__(self, config: TitansConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.ln_1 = _layer_norm(config, config.n_embd)
+        self.attn = TitansAttention(config)
+        self.memory = NeuralMemory(config, config.n_embd)
+        self.norm_h = _layer_norm(config, config.n_embd)
+        self.norm_y = _layer_norm(config, config.n_embd)
+        self.norm_m = _layer_norm(config, config.n_embd)
+        self.out_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.ln_2 = _layer_norm(config, config.n_embd)
+        self.mlp = MLP(config, config.mlp_hidden)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, state: MACState | None, position: int) -> tuple[Tensor, MACState]:
+        batch, length, _ = x.shape
+        segment_len = self.config.segment
+        normed = self.ln_1(x)
+        positions = torch.arange(position, position + length, device=x.device)
+        q, q_rot = self.attn.queries(normed, positions)
+        k_x, v_x = self.attn.keys_values(normed, positions)
+        q_memory, query_conv = self.memory.read_queries(normed, None if state is None else state.query_conv)
+        if state is None:
+            segment, memory = None, None
+            segment_weights = self.memory.initial_weights(batch, q_memory.dtype)
+        else:
+            segment, segment_weights, memory = state.segment, state.segment_weights, state.memory
+
+        outputs, start = [], 0
+        while start < length:  # one piece per segment the call touches
+            piece_start = position + start
+            n = min(segment_len - piece_start % segment_len, length - start)
+            piece = slice(start, start + n)
+            with _without_autocast(x.device):
+                h = memory_apply(*segment_weights, q_memory[:, :, piece])  # eq. 21: read with W^seg
+            k_h, v_h = self.attn.keys_values(self.norm_h(h.transpose(1, 2).flatten(2).to(x.dtype)), positions[piece])
+            keys_values = (k_h, v_h, k_x[:, :, piece], v_x[:, :, piece])
+            if segment is not None:
+                keys_values = tuple(torch.cat([old, new], dim=2) for old, new in zip(segment, keys_values))
+            k_h, v_h, k_xs, v_xs = keys_values
+            key_positions = torch.arange(piece_start + n - k_h.shape[2], piece_start + n, device=x.device)
+            causal = key_positions[None, :] <= positions[piece, None]  # only this segment's keys are here
+            y = self.attn.attend(
+                q[:, :, piece], q_rot[:, :, piece], torch.cat([k_h, k_xs], dim=2), torch.cat([v_h, v_xs], dim=2),
+                torch.cat([causal, causal], dim=1),
+            )
+            m, memory = self.memory(y, memory, piece_start)
+            outputs.append(self.out_proj(self.norm_y(y) * torch.sigmoid(self.norm_m(m))))
+            if (piece_start + n) % segment_len == 0:  # segment finished: the next one reads the updated memory
+                segment, segment_weights = None, (memory.memory.w1, memory.memory.w2)
+            else:
+                segment = keys_values
+            start += n
+        x = x + self.dropout(torch.cat(outputs, dim=1))
+        return x + self.mlp(self.ln_2(x)), MACState(segment, segment_weights, query_conv, memory)
+
+
+class MemoryBlock(nn.Module):
+    """A memory layer (MAL, LMM): x += W_O^m(N_m(LMM(x')) * SiLU(x' W_G)), x' = LN(x); then the MLP."""
+
+    def __init__(self, config: TitansConfig) -> None:
+        super().__init__()
+        width = config.memory_width
+        self.ln_1 = _layer_norm(config, config.n_embd)
+        self.memory = NeuralMemory(config, config.n_embd)
+        self.norm_m = _layer_norm(config, width)
+        self.gate_proj = nn.Linear(config.n_embd, width, bias=config.bias)
+        self.out_proj = nn.Linear(width, config.n_embd, bias=config.bias)
+        self.ln_2 = _layer_norm(config, config.n_embd)
+        self.mlp = MLP(config, config.mlp_hidden)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, state: MemoryCache | None, position: int) -> tuple[Tensor, MemoryCache]:
+        normed = self.ln_1(x)
+        m, state = self.memory(normed, state, position)
+        x = x + self.dropout(self.out_proj(self.norm_m(m) * F.silu(self.gate_proj(normed))))
+        return x + self.mlp(self.ln_2(x)), state
+
+
+class SWABlock(nn.Module):
+    """Sliding-window attention layer (MAL): x += c_proj(SWA(LN(x))); then the MLP."""
+
+    def __init__(self, config: TitansConfig) -> None:
+        super().__init__()
+        self.ln_1 = _layer_norm(config, config.n_embd)
+        self.attn = TitansAttention(config)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.ln_2 = _layer_norm(config, config.n_embd)
+        self.mlp = MLP(config, config.mlp_hidden)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, state: WindowCache | None, position: int) -> tuple[Tensor, WindowCache]:
+        y, state = self.attn.sliding_window(self.ln_1(x), state, position)
+        x = x + self.dropout(self.c_proj(y))
+        return x + self.mlp(self.ln_2(x)), state
+
+
+def _make_blocks(config: TitansConfig) -> list[nn.Module]:
+    if config.variant == "mag":
+        return [MAGBlock(config) for _ in range(config.n_layer)]
+    if config.variant == "mac":
+        return [MACBlock(config) for _ in range(config.n_layer)]
+    if config.variant == "mal":  # (memory, attention) pairs, as H3 alternates its layers
+        return [MemoryBlock(config) if i % 2 == 0 else SWABlock(config) for i in range(config.n_layer)]
+    return [MemoryBlock(config) for _ in range(config.n_layer)]
+
+
+class Titans(nn.Module):
+    """Titans language model: token embedding, ``n_layer`` blocks of the chosen variant, LayerNorm, tied head.
+
+    Keeps the backbone contract ``logits [B, T, V], state = model(idx [B, T], state=None)``; the state
+    (:class:`TitansState`) has a constant size, so there is no context limit (``max_seq_len`` is None).
+
+    Args: the fields of :class:`TitansConfig` (see there and the README for their meaning and defaults).
+    """
+
+    config_class = TitansConfig
+
+    def __init__(
+        self,
+        vocab_size: int = 50304,
+        n_embd: int = 384,
+        n_layer: int = 6,
+        variant: str = "mag",
+        n_head: int = 6,
+        n_kv_head: int = 2,
+        mlp_hidden: int | None = None,
+        window: int = 128,
+        segment: int = 128,
+        n_persistent: int = 16,
+        mem_heads: int = 6,
+        mem_head_dim: int = 64,
+        mem_hidden: int = 128,
+        memory_chunk_size: int | None = 16,
+        conv_kernel: int = 4,
+        theta_mode: str = "chunk",
+        rho_max: float = 1.0,
+        theta_max: float = 0.1,
+        normalize_step: bool = True,
+        rope_base: float = 10000.0,
+        dropout: float = 0.0,
+        bias: bool = False,
+        tie_embeddings: bool = True,
+    ) -> None:
+        super().__init__()
+        arguments = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
+        config = self.config = TitansConfig(**arguments)
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(_make_blocks(config))
+        self.ln_f = _layer_norm(config, config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """N(0, 0.02) for embeddings and linear maps, residual output projections N(0, 0.02 / sqrt(2 n_layer))
+        (GPT-2's rule), then each memory's own initialisation (gates, conv, M_0)."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = residual_std if name.endswith(("out_proj", "c_proj")) else 0.02
+                nn.init.normal_(module.weight, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        for module in self.modules():
+            if isinstance(module, NeuralMemory):
+                module.reset_parameters()
+
+    @property
+    def max_seq_len(self) -> None:
+        return None
+
+    def config_dict(self) -> dict:
+        """Constructor arguments that rebuild this model: ``type(model)(**model.config_dict())``."""
+        return dataclasses.asdict(self.config)
+
+    def parameter_count(self, exclude_position_embeddings: bool = True) -> int:
+        """Number of distinct parameters (there are no position embeddings to exclude)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def no_weight_decay_param_names(self) -> set[str]:
+        """The memory's initial weights (decaying M_0 to 0 would kill the inner gradient: with W2 = 0 both the
+        write and the read's MLP branch vanish) and the persistent slots (learned tokens, like embeddings)."""
+        exempt = ("w1_init", "w2_init", "persistent_k", "persistent_v")
+        return {name for name, _ in self.named_parameters() if name.rsplit(".", 1)[-1] in exempt}
+
+    def forward(self, idx: Tensor, state: TitansState | None = None) -> tuple[Tensor, TitansState]:
+        """idx [B, T] token ids following the ``state`` positions -> (logits [B, T, V], new state)."""
+        position = 0 if state is None else state.position
+        x = self.drop(self.wte(idx))
+        layer_states = []
+        for i, block in enumerate(self.blocks):
+            x, layer_state = block(x, None if state is None else state.layers[i], position)
+            layer_states.append(layer_state)
+        return self.lm_head(self.ln_f(x)), TitansState(position + idx.shape[1], tuple(layer_states))
+
+    def reorder_cache(self, state: TitansState, index: Tensor) -> TitansState:
+        """Reorder, repeat or drop batch rows of a state (beam search): row b becomes old row index[b]."""
+        return reorder_state(state, index)

@@ -1,0 +1,202 @@
+"""Titans' neural long-term memory (Behrouz, Zhong, Mirrokni 2025, arXiv 2501.00663, eq. 11-18) as pure
+tensor functions: the token recurrence (decode step) and the chunkwise "dual" form used for training.
+
+Notation: B batch, H memory heads, T time, dk head width, dm hidden width of the memory MLP, b chunk size.
+
+The memory of one head is a residual two-layer MLP whose weights W = (W1 [dm, dk], W2 [dk, dm]) are the
+state:
+
+    M(x; W) = x + W2 GELU(W1 x)                        (GELU exact, erf)
+
+It is written by gradient descent on l(W; k, v) = ||M(k; W) - v||^2 with momentum and forgetting, the
+gradient taken at the weights W^s of the current chunk start (chunks at absolute positions 0, b, 2b, ...;
+paper eq. 16-18 and App. C: "inter-chunk non-linear, intra-chunk linear"):
+
+    u_t = grad l(W^s; k_t, v_t)          S = eta_t S - theta_t u_t          W = (1 - alpha_t) W + S
+    y_t = M(q_t; W)                      (write-then-read: W includes token t)
+    after token p (0-based) with (p + 1) % b == 0:  W^s = W
+
+b = 1 is eq. 13-14 exactly (gradient at M_{t-1}); chunk_size None keeps every gradient at the initial
+weights. The analytic gradient of the loss at W^s: z = W1 k, h = GELU(z), o = k + W2 h,
+
+    delta2 = 2 (o - v),  delta1 = (W2^T delta2) * GELU'(z),   grad_W2 = delta2 h^T,  grad_W1 = delta1 k^T.
+
+With the default step normalisation theta_t is divided by kappa_t = ||h||^2 + ||k||^2 ||delta1||^2 /
+||delta2||^2, the curvature of the loss along the token's own error, so a step of theta shrinks that error
+by about (1 - 2 theta) whatever the scale of h (spec section A.4; the paper leaves theta free).
+
+Inside a chunk every gradient is a function of the chunk-start weights alone, so the weights at each
+token are a linear combination of the base weights, the carried momentum and the chunk's gradients:
+
+    W_t = A_t W^b + D_t S^b - sum_{i<=t} C[t, i] u_i,   C[t, i] = theta_i sum_{i<=j<=t} (A_t / A_j)(E_j / E_i)
+
+(A, E cumulative products of 1 - alpha and eta; D_t = sum_j (A_t / A_j) E_j). ``neural_memory`` uses it
+to compute a whole chunk with matmuls and never materialises per-token weights; the Python loop runs over
+chunks only (T / b steps).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class MemoryState(NamedTuple):
+    """State of the memory of every sequence and head; all tensors batch-first.
+
+    w1_start [B, H, dm, dk], w2_start [B, H, dk, dm]: the weights at the current chunk start (W^s, the
+    point where gradients are taken). w1, w2: the current weights W. s1, s2: the momentum S.
+    """
+
+    w1_start: Tensor
+    w2_start: Tensor
+    w1: Tensor
+    w2: Tensor
+    s1: Tensor
+    s2: Tensor
+
+
+def initial_memory_state(w1_init: Tensor, w2_init: Tensor, batch_size: int) -> MemoryState:
+    """The learned initial weights M_0 (w1_init [H, dm, dk], w2_init [H, dk, dm]) expanded (not copied) over
+    the batch, and zero momentum."""
+    w1 = w1_init.unsqueeze(0).expand(batch_size, *w1_init.shape)
+    w2 = w2_init.unsqueeze(0).expand(batch_size, *w2_init.shape)
+    return MemoryState(w1, w2, w1, w2, w1.new_zeros(w1.shape), w2.new_zeros(w2.shape))
+
+
+def _gelu_with_derivative(z: Tensor) -> tuple[Tensor, Tensor]:
+    """GELU(z) = z Phi(z) and its derivative Phi(z) + z phi(z)."""
+    cdf = 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))
+    pdf = torch.exp(-0.5 * z * z) * (1.0 / math.sqrt(2.0 * math.pi))
+    return z * cdf, cdf + z * pdf
+
+
+def memory_apply(w1: Tensor, w2: Tensor, x: Tensor) -> Tensor:
+    """M(x) = x + W2 GELU(W1 x) per head: w1 [B, H, dm, dk], w2 [B, H, dk, dm], x [B, H, n, dk] -> [B, H, n, dk]."""
+    return x + F.gelu(x @ w1.transpose(-1, -2)) @ w2.transpose(-1, -2)
+
+
+def memory_loss_gradients(w1: Tensor, w2: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token pieces of the gradient of ||M(k) - v||^2 at (w1, w2).
+
+    k, v [B, H, n, dk] -> (h [B, H, n, dm], delta1 [B, H, n, dm], delta2 [B, H, n, dk]) with
+    grad_W1 = delta1 k^T and grad_W2 = delta2 h^T for each token.
+    """
+    h, gelu_grad = _gelu_with_derivative(k @ w1.transpose(-1, -2))
+    delta2 = 2.0 * (k + h @ w2.transpose(-1, -2) - v)
+    delta1 = (delta2 @ w2) * gelu_grad
+    return h, delta1, delta2
+
+
+def step_curvature(k: Tensor, h: Tensor, delta1: Tensor, delta2: Tensor) -> Tensor:
+    """kappa [B, H, n] = ||h||^2 + ||k||^2 ||delta1||^2 / (||delta2||^2 + 1e-6): the Rayleigh quotient of the
+    Gauss-Newton curvature of the token's loss along its own error (the 1e-6 guards a perfect fit)."""
+    k2, h2 = k.square().sum(-1), h.square().sum(-1)
+    return h2 + k2 * delta1.square().sum(-1) / (delta2.square().sum(-1) + 1e-6)
+
+
+def _segment_sums(x: Tensor) -> Tensor:
+    """x [..., n] -> [..., n, n] with [t, j] = sum_{l=j+1..t} x_l for j <= t and -inf above the diagonal.
+
+    Built by a masked cumulative sum (not as a difference of cumulative sums) so each entry is summed
+    only over its own span: exp() of it is then exactly a ratio of cumulative products, never 0/0.
+    """
+    n = x.shape[-1]
+    spans = x.unsqueeze(-1).expand(*x.shape, n)  # [..., l, j] = x_l
+    below = torch.ones(n, n, dtype=torch.bool, device=x.device).tril(-1)
+    sums = spans.masked_fill(~below, 0.0).cumsum(dim=-2)
+    return sums.masked_fill(~below.logical_or(torch.eye(n, dtype=torch.bool, device=x.device)), float("-inf"))
+
+
+def _step_sizes(step: Tensor, k: Tensor, h: Tensor, delta1: Tensor, delta2: Tensor, normalize: bool) -> Tensor:
+    return step / step_curvature(k, h, delta1, delta2) if normalize else step
+
+
+def _memory_chunk(
+    q: Tensor, k: Tensor, v: Tensor, log_retain: Tensor, log_momentum: Tensor, step: Tensor,
+    w1_start: Tensor, w2_start: Tensor, w1: Tensor, w2: Tensor, s1: Tensor, s2: Tensor, normalize: bool,
+) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """n tokens of one chunk (all gradients at w*_start) in closed form -> (y [B, H, n, dk], (w1, w2, s1, s2))."""
+    h, delta1, delta2 = memory_loss_gradients(w1_start, w2_start, k, v)
+    theta = _step_sizes(step, k, h, delta1, delta2, normalize)  # [B, H, n]
+    retain = torch.exp(log_retain.cumsum(-1))  # A_t
+    momentum = torch.exp(log_momentum.cumsum(-1))  # E_t
+    retain_ratio = torch.exp(_segment_sums(log_retain))  # [t, j] = A_t / A_j
+    momentum_ratio = torch.exp(_segment_sums(log_momentum))  # [j, i] = E_j / E_i
+    carried = (retain_ratio @ momentum.unsqueeze(-1)).squeeze(-1)  # D_t: weight of the incoming momentum
+    coeff = (retain_ratio @ momentum_ratio) * theta.unsqueeze(-2)  # C [B, H, n, n], lower-triangular
+    a, d = retain.unsqueeze(-1), carried.unsqueeze(-1)
+
+    # y_t = M(q_t; W_t) without forming W_t: W1_t q_t and W2_t GELU(W1_t q_t) expanded by the closed form.
+    hidden = a * (q @ w1.transpose(-1, -2)) + d * (q @ s1.transpose(-1, -2)) - (coeff * (q @ k.transpose(-1, -2))) @ delta1
+    hidden = F.gelu(hidden)
+    y = q + a * (hidden @ w2.transpose(-1, -2)) + d * (hidden @ s2.transpose(-1, -2)) \
+        - (coeff * (hidden @ h.transpose(-1, -2))) @ delta2
+
+    # State after the chunk's last token: rank-n corrections of the carried weights and momentum.
+    last_coeff = coeff[..., -1, :].unsqueeze(-1)  # C[n, i]
+    last_momentum = (theta * momentum_ratio[..., -1, :]).unsqueeze(-1)  # theta_i E_n / E_i
+    a_n, d_n, e_n = a[..., -1:, :], d[..., -1:, :], momentum[..., -1:].unsqueeze(-1)
+    new_w1 = a_n * w1 + d_n * s1 - (delta1 * last_coeff).transpose(-1, -2) @ k
+    new_w2 = a_n * w2 + d_n * s2 - (delta2 * last_coeff).transpose(-1, -2) @ h
+    new_s1 = e_n * s1 - (delta1 * last_momentum).transpose(-1, -2) @ k
+    new_s2 = e_n * s2 - (delta2 * last_momentum).transpose(-1, -2) @ h
+    return y, (new_w1, new_w2, new_s1, new_s2)
+
+
+def neural_memory(
+    q: Tensor, k: Tensor, v: Tensor, log_retain: Tensor, log_momentum: Tensor, step: Tensor,
+    state: MemoryState, position: int, chunk_size: int | None, normalize_step: bool = True,
+) -> tuple[Tensor, MemoryState]:
+    """Write every token into the memory and read it back (write-then-read), chunk by chunk in closed form.
+
+    q, k, v [B, H, T, dk] (queries, keys, values per head); log_retain = log(1 - alpha_t) [B, H, T];
+    log_momentum = log eta_t [B, H, T]; step [B, H, T] = theta_t before the curvature normalisation;
+    state: the memory after ``position`` tokens; chunk_size: b, or None for a gradient point that never moves.
+    Returns y [B, H, T, dk] with y_t = M(q_t; W_t), and the state after the T tokens.
+
+    Chunks are at absolute positions, so a call that starts mid-chunk first finishes that chunk: the result
+    does not depend on how a sequence is split into calls.
+    """
+    w1_start, w2_start, w1, w2, s1, s2 = state
+    outputs, start, length = [], 0, q.shape[2]
+    while start < length:
+        n = length - start if chunk_size is None else min(chunk_size - position % chunk_size, length - start)
+        piece = slice(start, start + n)
+        y, (w1, w2, s1, s2) = _memory_chunk(
+            q[:, :, piece], k[:, :, piece], v[:, :, piece], log_retain[..., piece], log_momentum[..., piece],
+            step[..., piece], w1_start, w2_start, w1, w2, s1, s2, normalize_step,
+        )
+        outputs.append(y)
+        start, position = start + n, position + n
+        if chunk_size is not None and position % chunk_size == 0:
+            w1_start, w2_start = w1, w2
+    y = torch.cat(outputs, dim=2) if outputs else q.new_zeros(q.shape)
+    return y, MemoryState(w1_start, w2_start, w1, w2, s1, s2)
+
+
+def neural_memory_recurrent(
+    q: Tensor, k: Tensor, v: Tensor, log_retain: Tensor, log_momentum: Tensor, step: Tensor,
+    state: MemoryState, position: int, chunk_size: int | None, normalize_step: bool = True,
+) -> tuple[Tensor, MemoryState]:
+    """The same function as :func:`neural_memory`, token by token with explicit weights (the decode step)."""
+    w1_start, w2_start, w1, w2, s1, s2 = state
+    outputs = []
+    for t in range(q.shape[2]):
+        q_t, k_t, v_t = q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1]  # [B, H, 1, dk]
+        h, delta1, delta2 = memory_loss_gradients(w1_start, w2_start, k_t, v_t)
+        theta = _step_sizes(step[..., t:t + 1], k_t, h, delta1, delta2, normalize_step).unsqueeze(-1)  # [B, H, 1, 1]
+        retain, momentum = (x[..., t:t + 1].exp().unsqueeze(-1) for x in (log_retain, log_momentum))
+        s1 = momentum * s1 - theta * (delta1.transpose(-1, -2) @ k_t)
+        s2 = momentum * s2 - theta * (delta2.transpose(-1, -2) @ h)
+        w1, w2 = retain * w1 + s1, retain * w2 + s2
+        outputs.append(memory_apply(w1, w2, q_t))
+        position += 1
+        if chunk_size is not None and position % chunk_size == 0:
+            w1_start, w2_start = w1, w2
+    y = torch.cat(outputs, dim=2) if outputs else q.new_zeros(q.shape)
+    return y, MemoryState(w1_start, w2_start, w1, w2, s1, s2)
