@@ -231,11 +231,12 @@ class NeuralMemory(nn.Module):
         projected, conv = causal_depthwise_conv(
             self.qkv(u), self.conv_weight, self.conv_bias, None if cache is None else cache.conv
         )
+        gates = self.gates(u)
         dtype = self.compute_dtype(u.dtype)
         with _without_autocast(u.device):
             q, k, v = (F.silu(self._heads(part)) for part in projected.to(dtype).chunk(3, dim=-1))
             q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-            gates = self.gates(u).to(dtype).unflatten(-1, (3, config.mem_heads)).permute(2, 0, 3, 1)  # [3, B, H, T]
+            gates = gates.to(dtype).unflatten(-1, (3, config.mem_heads)).permute(2, 0, 3, 1)  # [3, B, H, T]
             alpha, eta, theta = gates.unbind(0)
             log_retain, log_momentum = F.logsigmoid(-alpha), F.logsigmoid(eta)  # log(1 - alpha_t), log eta_t
             if config.theta_mode == "chunk":

@@ -1,0 +1,293 @@
+"""Titans backbone: the contract for every variant (pieces and one-token decode equal the whole, causality,
+batch independence, no hidden state), MAC's causal segment attention against an explicit per-query loop,
+gradients, exact parameter counts, bf16, generation with the state, config rules, and the CLI.
+
+The memory's own fast form is proven against autograd token loops in tests/test_titans_memory.py, the
+attention ops in tests/test_titans_attention.py.
+"""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+from ltcx.errors import ConfigError
+from ltcx.generation import generate
+from ltcx.models.state import map_state_tensors
+from ltcx.models.titans import MACBlock, MemoryCache, Titans, TitansConfig
+from ltcx.ops.titans import memory_apply
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = ["mag", "mac", "mal", "lmm"]
+VOCAB = 64
+
+
+def tiny(variant: str = "mag", **overrides) -> Titans:
+    """Small enough for float64 loops; T = 29 crosses 3 segments (8) and 7 memory chunks (4)."""
+    args = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, variant=variant, n_head=4, n_kv_head=2, mlp_hidden=48,
+                window=6, segment=8, n_persistent=3, mem_heads=4, mem_head_dim=8, mem_hidden=16, memory_chunk_size=4)
+    return Titans(**{**args, **overrides})
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def feed_in_pieces(model: Titans, idx: torch.Tensor, cuts: list[int]) -> torch.Tensor:
+    logits, state, bounds = [], None, [0, *cuts, idx.shape[1]]
+    for start, end in zip(bounds, bounds[1:]):
+        piece, state = model(idx[:, start:end], state)
+        logits.append(piece)
+    return torch.cat(logits, dim=1)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pieces_and_one_token_decode_equal_the_whole(variant):
+    torch.manual_seed(0)
+    model = tiny(variant).double().eval()
+    idx = torch.randint(0, VOCAB, (2, 29))
+    whole, _ = model(idx)
+    # cuts mid-chunk (3, 10, 13), on a chunk boundary (4), on a segment boundary (16), mid-segment (21)
+    for cuts in ([3, 4, 10], [13, 16, 21], list(range(1, 29))):
+        assert relative_error(feed_in_pieces(model, idx, cuts), whole) < 1e-10, cuts
+    model32 = tiny(variant).eval()
+    whole32, _ = model32(idx)
+    assert relative_error(feed_in_pieces(model32, idx, list(range(1, 29))), whole32) < 1e-4
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_causality_and_batch_independence(variant):
+    torch.manual_seed(1)
+    model = tiny(variant).double().eval()
+    idx = torch.randint(0, VOCAB, (2, 29))
+    logits, _ = model(idx)
+    for t in (0, 9, 17, 28):
+        changed = idx.clone()
+        changed[:, t] = (changed[:, t] + 1) % VOCAB
+        other, _ = model(changed)
+        assert torch.equal(other[:, :t], logits[:, :t]), t  # bit-identical before t
+        assert (other[:, t:] - logits[:, t:]).abs().max() > 1e-6
+    swapped = idx.clone()
+    swapped[1] = torch.randint(0, VOCAB, (29,))
+    other, _ = model(swapped)
+    assert torch.equal(other[0], logits[0])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_forward_changes_no_parameter_or_buffer(variant):
+    """titans-torch writes the memory into its module's weights on every forward; ours never does."""
+    torch.manual_seed(2)
+    model = tiny(variant).double()
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    idx = torch.randint(0, VOCAB, (2, 29))
+    model.train()
+    model(idx)
+    model.eval()
+    first, _ = model(idx)
+    second, _ = model(idx)
+    assert torch.equal(first, second)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+
+
+def reference_mac_block(block: MACBlock, x: torch.Tensor) -> torch.Tensor:
+    """MAC block from position 0, one query at a time, with the visible keys listed explicitly: the persistent
+    slots (scored with the unrotated query), then h_j and x_j for every j <= i of i's segment; h_j read with the
+    memory weights of the segment start; the attention output written into the memory one token at a time."""
+    config = block.config
+    batch, length, _ = x.shape
+    heads, kv_heads, dim = config.n_head, config.n_kv_head, config.head_dim
+    normed = block.ln_1(x)
+    positions = torch.arange(length)
+    q, q_rot = block.attn.queries(normed, positions)
+    k_x, v_x = block.attn.keys_values(normed, positions)
+    q_memory, _ = block.memory.read_queries(normed, None)
+    segment_weights, memory = block.memory.initial_weights(batch, x.dtype), None
+    k_h, v_h, outputs = [], [], []
+    for i in range(length):
+        if i > 0 and i % config.segment == 0:
+            segment_weights = (memory.memory.w1, memory.memory.w2)
+        h = memory_apply(*segment_weights, q_memory[:, :, i:i + 1]).transpose(1, 2).flatten(2)  # [B, 1, C]
+        k, v = block.attn.keys_values(block.norm_h(h), positions[i:i + 1])
+        k_h.append(k[:, :, 0])
+        v_h.append(v[:, :, 0])
+        visible = range(i - i % config.segment, i + 1)
+        y = torch.empty(batch, heads, dim, dtype=x.dtype)
+        for head in range(heads):
+            group = head // (heads // kv_heads)
+            keys = [block.attn.persistent_k[group, s] for s in range(config.n_persistent)]
+            values = [block.attn.persistent_v[group, s] for s in range(config.n_persistent)]
+            scores = [q[:, head, i] @ key for key in keys]
+            for j in visible:
+                for key, value in ((k_h[j][:, group], v_h[j][:, group]), (k_x[:, group, j], v_x[:, group, j])):
+                    scores.append((q_rot[:, head, i] * key).sum(-1))
+                    values.append(value)
+            weights = torch.softmax(torch.stack(scores, -1) / math.sqrt(dim), dim=-1)  # [B, n_visible]
+            y[:, head] = sum(weights[:, n, None] * value for n, value in enumerate(values))
+        y = y.reshape(batch, 1, heads * dim)
+        m, memory = block.memory(y, memory, i)
+        outputs.append(block.out_proj(block.norm_y(y) * torch.sigmoid(block.norm_m(m))))
+    x = x + torch.cat(outputs, dim=1)
+    return x + block.mlp(block.ln_2(x))
+
+
+def test_mac_block_equals_explicit_per_query_reference():
+    torch.manual_seed(3)
+    model = tiny("mac").double().eval()
+    block = model.blocks[0]
+    x = torch.randn(2, 21, 32, dtype=torch.float64)
+    fast, _ = block(x, None, 0)
+    assert relative_error(fast, reference_mac_block(block, x)) < 1e-12
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gradients_reach_every_parameter(variant):
+    torch.manual_seed(4)
+    model = tiny(variant).double()
+    idx = torch.randint(0, VOCAB, (2, 29))
+    logits, _ = model(idx[:, :-1])
+    F.cross_entropy(logits.reshape(-1, VOCAB), idx[:, 1:].reshape(-1)).backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None and torch.isfinite(param.grad).all(), name
+        assert param.grad.abs().max() > 0, name
+
+
+def parameter_formula(c: TitansConfig) -> int:
+    """Spec A.6, written out (no biases in attention/MLP/norms)."""
+    d, h, h_kv, d_h, n_p = c.n_embd, c.n_head, c.n_kv_head, c.head_dim, c.n_persistent
+    h_m, d_k, d_m, k, f = c.mem_heads, c.mem_head_dim, c.mem_hidden, c.conv_kernel, c.mlp_hidden
+    attention = d * h * d_h + d * 2 * h_kv * d_h + 2 * h_kv * n_p * d_h
+    memory = 3 * d * h_m * d_k + 3 * (h_m * d_k * k + h_m * d_k) + 3 * (d * h_m + h_m) + h_m * 2 * d_k * d_m
+    mag = 2 * d + attention + memory + 2 * h * d_h + h * d_h * d + 2 * d * f
+    layers = {
+        "mag": [mag] * c.n_layer,
+        "mac": [mag + d] * c.n_layer,
+        "lmm": [2 * d + memory + h_m * d_k + 2 * d * h_m * d_k + 2 * d * f] * c.n_layer,
+        "mal": [2 * d + memory + h_m * d_k + 2 * d * h_m * d_k + 2 * d * f if i % 2 == 0
+                else 2 * d + attention + h * d_h * d + 2 * d * f for i in range(c.n_layer)],
+    }[c.variant]
+    return c.vocab_size * d + d + sum(layers)
+
+
+@pytest.mark.parametrize(
+    "variant,expected", [("mag", 28_753_644), ("mac", 28_755_948), ("mal", 28_773_558), ("lmm", 28_763_628)]
+)
+def test_reference_configs_have_the_exact_parameter_counts(variant, expected):
+    backbone = yaml.safe_load((ROOT / f"configs/titans_{variant}.yaml").read_text())["model"]["backbone"]
+    model = Titans(vocab_size=50304, **backbone["init_args"])
+    assert model.parameter_count() == parameter_formula(model.config) == expected
+    assert abs(expected / 28_758_912 - 1) < 0.001  # within 0.1% of the GQA GPT baseline
+    assert type(model)(**model.config_dict()).parameter_count() == expected
+
+
+def test_no_weight_decay_covers_the_initial_memory_and_persistent_slots():
+    names = tiny("mag").no_weight_decay_param_names()
+    assert {"blocks.0.memory.w1_init", "blocks.0.memory.w2_init", "blocks.0.attn.persistent_k",
+            "blocks.1.attn.persistent_v"} <= names
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_bf16_autocast_keeps_the_memory_state_float32(variant):
+    torch.manual_seed(5)
+    model = tiny(variant).eval()
+    idx = torch.randint(0, VOCAB, (2, 29))
+    reference, _ = model(idx)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, state = model(idx)
+        _, state = model(idx[:, :1], state)  # a decode step under autocast too
+    memory_dtypes = set()
+    for layer in state.layers:  # MemoryCache for memory blocks, a NamedTuple with a .memory cache for MAG/MAC
+        cache = layer if isinstance(layer, MemoryCache) else getattr(layer, "memory", None)
+        if cache is not None:
+            memory_dtypes |= {t.dtype for t in cache.memory}
+    assert memory_dtypes == {torch.float32}
+    gap = (F.log_softmax(logits.float(), -1) - F.log_softmax(reference, -1)).abs().max()
+    assert gap < 5e-2
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_generation_with_state_equals_recomputing_the_prefix(variant):
+    torch.manual_seed(6)
+    model = tiny(variant).double().eval()
+    prompt = torch.randint(0, VOCAB, (2, 5))
+    cached = generate(model, prompt, 40, temperature=0.0)  # crosses chunk and segment boundaries
+    sequence = prompt
+    for _ in range(40):
+        logits, _ = model(sequence)
+        sequence = torch.cat([sequence, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(cached, sequence)
+
+
+def state_bytes(state) -> int:
+    sizes = []
+    map_state_tensors(state, lambda t: sizes.append(t.numel() * t.element_size()) or t)
+    return sum(sizes)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_state_size_is_constant_in_length(variant):
+    torch.manual_seed(7)
+    model = tiny(variant, segment=40, memory_chunk_size=20).eval()  # longer segments: fewer Python steps
+    state, sizes = None, {}
+    with torch.no_grad():
+        for piece in range(6):
+            _, state = model(torch.randint(0, VOCAB, (1, 200)), state)
+            sizes[state.position] = state_bytes(state)
+    assert sizes[600] == sizes[1200] == sizes[800]
+    assert model.max_seq_len is None
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_reorder_cache_then_continue_equals_the_reordered_batch(variant):
+    torch.manual_seed(8)
+    model = tiny(variant).double().eval()
+    idx = torch.randint(0, VOCAB, (3, 19))
+    index = torch.tensor([2, 0, 2])
+    _, state = model(idx[:, :11])
+    continued, _ = model(idx[index, 11:], model.reorder_cache(state, index))
+    direct, _ = model(idx[index])
+    assert relative_error(continued, direct[:, 11:]) < 1e-10
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"n_head": 5}, "n_embd (32) must be divisible by n_head (5)"),
+        ({"n_kv_head": 3}, "n_head (4) must be divisible by n_kv_head (3)"),
+        ({"n_embd": 36, "mem_heads": 4, "mem_head_dim": 9}, "head dim n_embd / n_head (9) must be even"),
+        ({"mem_heads": 2}, "mem_heads x mem_head_dim (2 x 8 = 16) must equal n_embd (32)"),
+        ({"variant": "mac", "segment": 6}, "segment (6) must be a multiple of memory_chunk_size (4)"),
+        ({"memory_chunk_size": 0}, "memory_chunk_size (0) must be a positive integer or null"),
+        ({"window": 0}, "window (0) must be a positive integer"),
+        ({"variant": "mat"}, "variant ('mat') must be one of"),
+        ({"theta_mode": "fixed"}, "theta_mode ('fixed') must be one of"),
+        ({"rho_max": 1.5}, "rho_max (1.5) must be in (0, 1]"),
+        ({"dropout": 1.0}, "dropout (1.0) must be in [0, 1)"),
+        ({"n_persistent": -1}, "n_persistent (-1) must be a non-negative integer"),
+    ],
+)
+def test_config_rules_name_the_field(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        tiny(**{"variant": "mag", **overrides})
+    assert message in str(error.value)
+
+
+def test_lmm_and_mal_need_no_memory_width_match():
+    tiny("lmm", mem_heads=2, mem_head_dim=8)
+    tiny("mal", mem_heads=2, mem_head_dim=8)
+
+
+def test_diverging_memory_is_non_finite_not_silent():
+    """The paper-literal raw step without normalisation can blow the memory up; the loss then says so (the
+    FiniteLossGuard turns that into one clear line), and the default parametrisation on the same input does not."""
+    torch.manual_seed(9)
+    idx = torch.full((1, 256), 7)  # one repeated token: perfectly aligned keys
+    blown = tiny("lmm", theta_mode="free", theta_max=50.0, normalize_step=False, memory_chunk_size=64).eval()
+    logits, _ = blown(idx)
+    assert not torch.isfinite(logits).all() or logits.abs().max() > 1e6
+    stable = tiny("lmm", memory_chunk_size=64).eval()
+    assert torch.isfinite(stable(idx)[0]).all()

@@ -1,0 +1,190 @@
+"""Titans attention ops (spec §A.5.0, A.8 test 8): rotate-half RoPE, persistent (position-free) key/value slots
+next to RoPE'd token keys under a boolean mask, GQA, and the sliding-window mask, each against a slow reference
+written from the definition: explicit 2×2 rotation matrices, and a per-query loop that lists the visible keys.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ltcx.ops.attention import apply_rope, attention_with_persistent, sliding_window_mask
+
+REL_TOL = 1e-12  # float64, relative to the largest magnitude of the compared tensors
+B, H, H_KV, D, N_P = 2, 4, 2, 8, 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: intra-op threads only add overhead (and oversubscribe a shared 2-core box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _assert_rel(actual, expected, tol=REL_TOL, what=""):
+    scale = max(actual.abs().max().item(), expected.abs().max().item(), 1e-300)
+    err = (actual - expected).abs().max().item()
+    assert err <= tol * scale, f"{what}: max |err| {err:.3e} > {tol:.0e} x {scale:.3e}"
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def rope_matrix(position: int, dim: int, base: float = 10000.0) -> torch.Tensor:
+    """The [dim, dim] rotation of rotate-half RoPE at one position: dimension pair (i, i + dim/2) is turned by the
+    angle position · base^(−2i/dim) with the 2×2 matrix [[cos, −sin], [sin, cos]]."""
+    rot = torch.zeros(dim, dim, dtype=torch.float64)
+    half = dim // 2
+    for i in range(half):
+        angle = position * base ** (-2.0 * i / dim)
+        c, s = math.cos(angle), math.sin(angle)
+        rot[i, i], rot[i, i + half] = c, -s
+        rot[i + half, i], rot[i + half, i + half] = s, c
+    return rot
+
+
+def reference_rope(x: torch.Tensor, positions: list[int], base: float = 10000.0) -> torch.Tensor:
+    """x [..., T, D]: token t multiplied by rope_matrix(positions[t])."""
+    return torch.stack([x[..., t, :] @ rope_matrix(p, x.shape[-1], base).T for t, p in enumerate(positions)], -2)
+
+
+def reference_attention(q, k, v, persistent_k, persistent_v, query_positions, key_positions, visible, base=10000.0):
+    """Per query, the explicit list of keys it sees: every persistent slot, scored with the unrotated query, then
+    every token key j with visible(i, j) (absolute positions), scored with RoPE'd query and key; softmax of
+    scores / √D; weighted sum of the matching values. Query head h reads KV head h // (H / H_kv)."""
+    batch, heads, length, dim = q.shape
+    kv_heads = k.shape[1]
+    out = torch.zeros_like(q)
+    for b in range(batch):
+        for h in range(heads):
+            g = h // (heads // kv_heads)
+            for i, qpos in enumerate(query_positions):
+                q_rot = rope_matrix(qpos, dim, base) @ q[b, h, i]
+                scores = [q[b, h, i] @ persistent_k[g, p] for p in range(persistent_k.shape[1])]
+                values = [persistent_v[g, p] for p in range(persistent_k.shape[1])]
+                for j, kpos in enumerate(key_positions):
+                    if visible(i, j):
+                        scores.append(q_rot @ (rope_matrix(kpos, dim, base) @ k[b, g, j]))
+                        values.append(v[b, g, j])
+                weights = torch.softmax(torch.stack(scores) / math.sqrt(dim), dim=0)
+                out[b, h, i] = (weights[:, None] * torch.stack(values)).sum(0)
+    return out
+
+
+def _window(query_positions, key_positions, window):
+    """Sliding window with absolute positions: key j visible to query i iff pos_i − window < pos_j ≤ pos_i."""
+    return lambda i, j: query_positions[i] - window < key_positions[j] <= query_positions[i]
+
+
+def _qkv(length, keys, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, length, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, H_KV, keys, D, generator=g, dtype=torch.float64) for _ in range(2))
+    pk, pv = (torch.randn(H_KV, N_P, D, generator=g, dtype=torch.float64) for _ in range(2))
+    return q, k, v, pk, pv
+
+
+def _fast(q, k, v, pk, pv, query_positions, key_positions, mask):
+    qp, kp = torch.tensor(query_positions), torch.tensor(key_positions)
+    return attention_with_persistent(q, apply_rope(q, qp), apply_rope(k, kp), v, pk, pv, mask)
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+def test_rope_reference_is_a_rotation_group_in_position():
+    """The reference itself: R(p) is orthogonal, R(0) = I and R(a) R(b) = R(a + b) (hence (R_i q)·(R_j k) =
+    q·R(j − i) k depends on i − j only)."""
+    eye = torch.eye(D, dtype=torch.float64)
+    _assert_rel(rope_matrix(0, D), eye, what="R(0)")
+    for a, b in ((3, 5), (17, -4), (1000, 7)):
+        _assert_rel(rope_matrix(a, D).T @ rope_matrix(a, D), eye, what="orthogonal")
+        _assert_rel(rope_matrix(a, D) @ rope_matrix(b, D), rope_matrix(a + b, D), what="group")
+
+
+@pytest.mark.parametrize("base", [10000.0, 500.0])
+def test_apply_rope_equals_rotation_matrices(base):
+    """``apply_rope`` (rotate-half, inv_freq_i = base^(−2i/D)) equals the explicit 2×2 rotation per frequency
+    pair, on [B, H, T, D] inputs at arbitrary (non-contiguous) absolute positions, float64."""
+    x = torch.randn(B, H, 6, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    positions = [0, 1, 5, 130, 4095, 100_003]
+    _assert_rel(apply_rope(x, torch.tensor(positions), base=base), reference_rope(x, positions, base))
+
+
+def test_rope_scores_depend_only_on_the_offset():
+    """(R_i q)·(R_j k) computed with ``apply_rope`` is the same for (i, j) and (i + s, j + s), s up to 10,000
+    (tolerance 1e-11: an angle of 1e4 rad carries ~1e-12 absolute round-off in float64)."""
+    g = torch.Generator().manual_seed(2)
+    q, k = (torch.randn(D, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def score(i, j):
+        return apply_rope(q[None], torch.tensor([i])) @ apply_rope(k[None], torch.tensor([j]))[0]
+
+    for i, j in ((0, 0), (7, 3), (3, 7), (40, 1)):
+        base_score = score(i, j)
+        for shift in (1, 13, 1000, 10_000):
+            _assert_rel(score(i + shift, j + shift), base_score, tol=1e-11, what=f"({i},{j})+{shift}")
+
+
+# ----------------------------------------------------------------------------- masks and attention
+
+
+@pytest.mark.parametrize("window", [1, 3, 100])
+def test_sliding_window_mask_definition(window):
+    """Key j visible to query i iff pos_i − window < pos_j ≤ pos_i, for a cached prefix (keys start before the
+    queries) and absolute positions far from 0."""
+    query_positions, key_positions = list(range(505, 510)), list(range(498, 510))
+    visible = _window(query_positions, key_positions, window)
+    expected = torch.tensor([[visible(i, j) for j in range(len(key_positions))] for i in range(len(query_positions))])
+    mask = sliding_window_mask(torch.tensor(query_positions), torch.tensor(key_positions), window)
+    assert mask.dtype == torch.bool and torch.equal(mask, expected)
+
+
+@pytest.mark.parametrize("window", [1, 3, 64], ids=lambda w: f"window={w}")
+@pytest.mark.parametrize("prefix", [False, True], ids=["no-cache", "cached-prefix"])
+def test_attention_with_persistent_equals_per_query_loop(prefix, window):
+    """RoPE + persistent slots + sliding window + GQA (H = 4 over H_kv = 2) against the per-query loop, float64.
+    With a cached prefix the T = 5 queries sit at P..P+T−1 (P = 40) and the L = 9 keys at P−L+T..P+T−1; window
+    64 ≥ L is plain causal attention."""
+    length, keys, start = (5, 9, 40) if prefix else (6, 6, 0)
+    query_positions = list(range(start, start + length))
+    key_positions = list(range(start + length - keys, start + length))
+    q, k, v, pk, pv = _qkv(length, keys, seed=3)
+    mask = sliding_window_mask(torch.tensor(query_positions), torch.tensor(key_positions), window)
+    expected = reference_attention(q, k, v, pk, pv, query_positions, key_positions,
+                                   _window(query_positions, key_positions, window))
+    _assert_rel(_fast(q, k, v, pk, pv, query_positions, key_positions, mask), expected)
+
+
+def test_attention_with_persistent_any_mask_including_empty_rows():
+    """The mask is any [T, L] boolean (MAC needs a non-window one): a random mask with one all-False row, whose
+    query then reads the persistent slots only, against the per-query loop."""
+    q, k, v, pk, pv = _qkv(5, 7, seed=4)
+    mask = torch.rand(5, 7, generator=torch.Generator().manual_seed(5)) < 0.5
+    mask[2] = False
+    positions = list(range(7))
+    expected = reference_attention(q, k, v, pk, pv, positions[2:], positions, lambda i, j: bool(mask[i, j]))
+    _assert_rel(_fast(q, k, v, pk, pv, positions[2:], positions, mask), expected)
+
+
+def test_persistent_scores_do_not_depend_on_position():
+    """Shifting every query and key position by 1,000 leaves the output unchanged (float64 ≤ 1e-12): token-token
+    scores depend only on offsets and persistent slots are scored with the unrotated query. A persistent score
+    taken with the RoPE'd query would move with the shift (checked: that output differs)."""
+    q, k, v, pk, pv = _qkv(5, 9, seed=6)
+    query_positions, key_positions = list(range(4, 9)), list(range(0, 9))
+    mask = sliding_window_mask(torch.tensor(query_positions), torch.tensor(key_positions), 4)
+    out = _fast(q, k, v, pk, pv, query_positions, key_positions, mask)
+    shifted = _fast(q, k, v, pk, pv, [p + 1000 for p in query_positions], [p + 1000 for p in key_positions], mask)
+    _assert_rel(shifted, out)
+
+    def rotated_persistent(shift):  # the wrong design: persistent slots scored with the rotated query
+        q_rot = apply_rope(q, torch.tensor(query_positions) + shift)
+        return attention_with_persistent(q_rot, q_rot, apply_rope(k, torch.tensor(key_positions) + shift), v,
+                                         pk, pv, mask)
+
+    assert (rotated_persistent(1000) - rotated_persistent(0)).abs().max() > 1e-3
