@@ -291,3 +291,46 @@ def test_diverging_memory_is_non_finite_not_silent():
     assert not torch.isfinite(logits).all() or logits.abs().max() > 1e6
     stable = tiny("lmm", memory_chunk_size=64).eval()
     assert torch.isfinite(stable(idx)[0]).all()
+
+
+TINY_CLI = [
+    "--model.backbone.init_args.n_embd", "32", "--model.backbone.init_args.n_layer", "2",
+    "--model.backbone.init_args.n_head", "2", "--model.backbone.init_args.n_kv_head", "1",
+    "--model.backbone.init_args.mlp_hidden", "48", "--model.backbone.init_args.window", "8",
+    "--model.backbone.init_args.segment", "8", "--model.backbone.init_args.n_persistent", "2",
+    "--model.backbone.init_args.mem_heads", "2", "--model.backbone.init_args.mem_head_dim", "16",
+    "--model.backbone.init_args.mem_hidden", "16", "--model.backbone.init_args.memory_chunk_size", "4",
+    "--model.warmup_steps", "2",
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cli_fits_samples_resumes_and_generates(variant, tmp_path, monkeypatch, capsys):
+    """configs/titans_<variant>.yaml through the real CLI: fit, TensorBoard samples, resume, validate, generate."""
+    from test_cli import read_events, write_corpus
+
+    from ltcx.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ltcx"])
+    data = write_corpus(tmp_path / "corpus", 60, 10)
+    args = [
+        "fit", "--config", str(ROOT / f"configs/titans_{variant}.yaml"), "--config",
+        str(ROOT / "configs/trainer/smoke.yaml"), "--data.path", str(data), "--data.block_size", "24",
+        "--data.batch_size", "2", "--data.val_batches", "1", "--trainer.val_check_interval", "2",
+        "--trainer.enable_progress_bar", "false", *TINY_CLI,
+    ]
+    main([*args, "--trainer.max_steps", "2"])
+    [checkpoint] = list(tmp_path.glob(f"checkpoints/titans_{variant}/**/last.ckpt"))
+    [events_dir] = list(tmp_path.glob(f"lightning_logs/titans_{variant}/version_0"))
+    samples = read_events(events_dir).Tensors("samples/text_summary")
+    assert samples and samples[0].tensor_proto.string_val[0].decode().startswith("Once upon a time")
+    main([*args, "--trainer.max_steps", "3", "--ckpt_path", str(checkpoint)])
+    [checkpoint] = list(tmp_path.glob(f"checkpoints/titans_{variant}/**/last.ckpt"))
+    assert torch.load(checkpoint, weights_only=False)["global_step"] == 3
+    main(["validate", *args[1:], "--ckpt_path", str(checkpoint)])
+    capsys.readouterr()
+    main(["generate", "--ckpt_path", str(checkpoint), "--prompt", "The cat", "--max_new_tokens", "8",
+          "--temperature", "0"])
+    out = capsys.readouterr().out
+    assert out.startswith("The cat") and len(out.strip()) > len("The cat")
