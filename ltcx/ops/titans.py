@@ -163,20 +163,36 @@ def neural_memory(
     does not depend on how a sequence is split into calls.
     """
     w1_start, w2_start, w1, w2, s1, s2 = state
-    outputs, start, length = [], 0, q.shape[2]
-    while start < length:
-        n = length - start if chunk_size is None else min(chunk_size - position % chunk_size, length - start)
-        piece = slice(start, start + n)
+    length = q.shape[2]
+    if length == 0:
+        return q.new_zeros(q.shape), state
+    sizes = chunk_sizes(position, length, chunk_size)
+    # torch.split, not slicing in the loop: the backward of a split is one concatenation, where each
+    # slice's backward would fill a zero tensor of the whole sequence (quadratic in the number of chunks).
+    pieces = zip(*(x.split(sizes, dim=2) for x in (q, k, v)), *(x.split(sizes, dim=-1) for x in (log_retain, log_momentum, step)))
+    outputs = []
+    for n, (q_c, k_c, v_c, retain_c, momentum_c, step_c) in zip(sizes, pieces):
         y, (w1, w2, s1, s2) = _memory_chunk(
-            q[:, :, piece], k[:, :, piece], v[:, :, piece], log_retain[..., piece], log_momentum[..., piece],
-            step[..., piece], w1_start, w2_start, w1, w2, s1, s2, normalize_step,
+            q_c, k_c, v_c, retain_c, momentum_c, step_c, w1_start, w2_start, w1, w2, s1, s2, normalize_step
         )
         outputs.append(y)
-        start, position = start + n, position + n
+        position += n
         if chunk_size is not None and position % chunk_size == 0:
             w1_start, w2_start = w1, w2
-    y = torch.cat(outputs, dim=2) if outputs else q.new_zeros(q.shape)
-    return y, MemoryState(w1_start, w2_start, w1, w2, s1, s2)
+    return torch.cat(outputs, dim=2), MemoryState(w1_start, w2_start, w1, w2, s1, s2)
+
+
+def chunk_sizes(position: int, length: int, chunk_size: int | None) -> list[int]:
+    """Lengths of the pieces that ``length`` tokens starting at absolute ``position`` fall into when chunks
+    start at multiples of ``chunk_size`` (None: one piece): e.g. (6, 10, 4) -> [2, 4, 4]."""
+    if chunk_size is None:
+        return [length]
+    sizes, end = [], position + length
+    while position < end:
+        n = min(chunk_size - position % chunk_size, end - position)
+        sizes.append(n)
+        position += n
+    return sizes
 
 
 def neural_memory_recurrent(
