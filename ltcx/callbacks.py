@@ -1,11 +1,16 @@
-"""Callbacks: sample generations in TensorBoard and a guard against non-finite losses."""
+"""Callbacks: sample generations in TensorBoard, a guard against non-finite losses, and Lightning's
+ModelCheckpoint that also saves the final step and the step a signal stopped at."""
 
 from __future__ import annotations
 
 import math
+import signal
 
 import lightning as L
 import torch
+from lightning.pytorch import callbacks as pl_callbacks
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ltcx.errors import LtcxError
 from ltcx.generation import generate_texts
@@ -66,12 +71,94 @@ class SampleGeneration(L.Callback):
 
 
 class FiniteLossGuard(L.Callback):
-    """Stop training with a clear message as soon as the training loss is NaN or infinite."""
+    """Stop training with a clear message as soon as the training loss is NaN or infinite.
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        if loss is not None and not math.isfinite(float(loss)):
+    Checked before the backward pass, so the optimizer never steps on it and the weights stay those of the
+    last good step (``SafeCheckpointIO`` refuses to write non-finite weights in any case).
+    """
+
+    def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
+        if not math.isfinite(float(loss.detach())):
             raise LtcxError(
-                f"training loss became {float(loss)} at step {trainer.global_step}; lower "
-                "model.learning_rate, raise model.warmup_steps or set trainer.gradient_clip_val"
+                f"training loss became {float(loss)} at step {trainer.global_step + 1}, so training stopped before "
+                "updating the weights (the last checkpoint is the last good one); lower model.learning_rate, raise "
+                "model.warmup_steps or set trainer.gradient_clip_val"
             )
+
+
+def _step_total(bar_class: type) -> type:
+    """``bar_class`` whose training total is the run's batches up to ``max_steps``: Lightning shows the steps
+    left (2 after resuming at step 4 of 6) against a count that continues from the resumed step ("6/2")."""
+
+    class StepProgressBar(bar_class):
+        @property
+        def total_train_batches(self) -> int | float:
+            trainer = self.trainer
+            if trainer.max_epochs == -1 and trainer.max_steps > 0:
+                return trainer.max_steps * trainer.accumulate_grad_batches
+            return super().total_train_batches
+
+    StepProgressBar.__qualname__ = StepProgressBar.__name__ = f"Step{bar_class.__name__}"
+    return StepProgressBar
+
+
+StepRichProgressBar = _step_total(pl_callbacks.RichProgressBar)
+StepTQDMProgressBar = _step_total(pl_callbacks.TQDMProgressBar)
+
+
+class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` that also saves the final step and the step a signal stopped at.
+
+    Lightning saves ``last.ckpt`` at the end of training only if nothing was saved before, so a run ending
+    between periodic saves lost its last steps. On SIGTERM Lightning stops after the current step and exits
+    0 without saving; Ctrl-C (SIGINT) stops wherever it lands. Here both stop after the current step, save it
+    (as ``last.ckpt`` when ``save_last``) and exit with 128 + the signal number (143, 130), so a preempted
+    job never looks finished. A second Ctrl-C stops at once without saving.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._stop_signal = signal.SIGTERM
+        self._previous_sigint = None
+
+    def _save_current_step(self, trainer: L.Trainer) -> None:
+        if self._should_skip_saving_checkpoint(trainer):  # also: already saved at this step
+            return
+        candidates = self._monitor_candidates(trainer)
+        if self.save_last:
+            self._save_last_checkpoint(trainer, candidates)
+        else:
+            self._save_topk_checkpoint(trainer, candidates)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # Lightning turns SIGTERM into a stop after the current step (and passes it to DDP workers): route
+        # the first Ctrl-C there too.
+        self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum, frame) -> None:
+        self._stop_signal = signal.SIGINT
+        signal.signal(signal.SIGINT, self._previous_sigint)  # a second Ctrl-C interrupts at once
+        lightning_handler = signal.getsignal(signal.SIGTERM)
+        if not callable(lightning_handler):  # Lightning installs none outside the main thread
+            raise KeyboardInterrupt
+        lightning_handler(signal.SIGTERM, frame)
+
+    def _restore_sigint(self) -> None:
+        if self._previous_sigint is not None:
+            signal.signal(signal.SIGINT, self._previous_sigint)
+            self._previous_sigint = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._restore_sigint()
+        self._save_current_step(trainer)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._restore_sigint()
+        if not isinstance(exception, SIGTERMException):  # other errors stop mid-step: nothing consistent to save
+            return
+        self._save_current_step(trainer)
+        # SIGTERMException is a SystemExit: its code becomes the process's exit status.
+        exception.code = 128 + self._stop_signal
+        saved = self.last_model_path or self.best_model_path
+        step = trainer.global_step
+        rank_zero_info(f"ltcx: {self._stop_signal.name} at step {step}: saved {saved}; resume with --ckpt_path last")

@@ -7,14 +7,23 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import signal
 import sys
 
 import torch
+from lightning.pytorch.callbacks.progress import ProgressBar
+from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from ltcx.callbacks import StepRichProgressBar, StepTQDMProgressBar
+from ltcx.checkpoint import SafeCheckpointIO, read_checkpoint
 from ltcx.data import TextDataModule
-from ltcx.errors import LtcxError
-from ltcx.lm import LanguageModel
+from ltcx.errors import ConfigError, LtcxError
+from ltcx.lm import LanguageModel, check_same_backbone
 
 
 DESCRIPTION = "ltcx: train and evaluate language models (`ltcx generate --help` samples from a checkpoint)"
@@ -33,6 +42,97 @@ class LtcxCLI(LightningCLI):
             # The same YAML trains in bf16 on a GPU and in float32 on a CPU-only machine.
             print(f"ltcx: no CUDA device, so trainer.precision {precision} -> 32-true", file=sys.stderr)
             config.trainer.precision = "32-true"
+        max_steps = config.trainer.max_steps
+        if max_steps is not None and max_steps < -1:
+            raise ConfigError(f"trainer.max_steps ({max_steps}) must be >= -1 (-1: no limit): fix --trainer.max_steps")
+
+    def _parse_ckpt_path(self) -> None:
+        """Where Lightning reads the ``--ckpt_path`` hyperparameters into the config (they win over the YAML), ltcx
+        first resolves folders and ``last`` and reads the file once through ``read_checkpoint``: a bad file is one
+        line before anything is built or written, and the trainer is later handed this same copy."""
+        self._checkpoint = None
+        subcommand = self.config.get("subcommand")
+        if not subcommand:
+            return
+        config = self.config[subcommand]
+        _resolve_under_root(config.trainer)
+        if config.get("ckpt_path") == "last":
+            config.ckpt_path = _find_last_checkpoint(config.trainer)
+        if config.get("ckpt_path") in (None, "last"):
+            return
+        self._checkpoint = read_checkpoint(config.ckpt_path)
+        hparams = {k: v for k, v in self._checkpoint.get("hyper_parameters", {}).items() if k != "_instantiator"}
+        if hparams:
+            self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+
+    def instantiate_trainer(self, **kwargs):
+        config = self._get(self.config_init, "trainer", default={})
+        callbacks = config.get("callbacks") or []
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            # Lightning would add its own bar, whose total is wrong after a resume
+            kwargs["callbacks"] = [*callbacks, StepRichProgressBar() if _RICH_AVAILABLE else StepTQDMProgressBar()]
+        trainer = super().instantiate_trainer(**kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default; keep a user's own
+            trainer.strategy.checkpoint_io = SafeCheckpointIO()
+        return trainer
+
+    def _check_ckpt_path(self) -> None:
+        """``--ckpt_path`` must hold the configured model; checked before anything is written."""
+        if self._checkpoint is None:
+            return
+        ckpt_path = self.config_init[self.subcommand].ckpt_path
+        check_same_backbone(self._checkpoint["ltcx"], self.model.backbone, ckpt_path)
+        checkpoint_io = self.trainer.strategy.checkpoint_io
+        if isinstance(checkpoint_io, SafeCheckpointIO):
+            checkpoint_io.hand_over(ckpt_path, self._checkpoint)
+        self._checkpoint = None  # the trainer holds it now (or reads it again through its own CheckpointIO)
+
+    before_fit = before_validate = before_test = before_predict = _check_ckpt_path
+
+
+def _init_args_with_paths(trainer_config):
+    """The init_args of the trainer's logger(s) and callbacks given as class_path + init_args."""
+    loggers = trainer_config.logger if isinstance(trainer_config.logger, list) else [trainer_config.logger]
+    for item in [*loggers, *(trainer_config.callbacks or [])]:
+        init_args = getattr(item, "init_args", None)
+        if init_args is not None:
+            yield init_args
+
+
+def _resolve_under_root(trainer_config) -> None:
+    """Relative log and checkpoint folders (``save_dir``, ``dirpath``) go under ``trainer.default_root_dir``."""
+    root = trainer_config.default_root_dir
+    if not root:
+        return
+    for init_args in _init_args_with_paths(trainer_config):
+        for key in ("save_dir", "dirpath"):
+            value = init_args.get(key)
+            if isinstance(value, str) and not os.path.isabs(value) and "://" not in value:
+                init_args[key] = os.path.join(root, value)
+
+
+_LAST = re.compile(r"last(-v\d+)?\.ckpt")
+
+
+def _find_last_checkpoint(trainer_config) -> str | None:
+    """``--ckpt_path last``: the one ``last.ckpt`` / ``last-vN.ckpt`` in the checkpoint folder, None (a fresh
+    start) when there is none, and an error listing them when runs sharing the folder left several."""
+    folders = [a.dirpath for a in _init_args_with_paths(trainer_config) if isinstance(a.get("dirpath"), str)]
+    if not folders:
+        return "last"  # no folder configured: Lightning's own search
+    candidates = sorted(
+        os.path.join(folder, name) for folder in folders if os.path.isdir(folder)
+        for name in os.listdir(folder) if _LAST.fullmatch(name)
+    )
+    if len(candidates) > 1:
+        raise LtcxError(
+            f"--ckpt_path last is ambiguous: {', '.join(candidates)} (runs sharing the folder wrote several); "
+            "pass --ckpt_path the one to resume"
+        )
+    if not candidates:
+        print(f"ltcx: --ckpt_path last: no last checkpoint in {', '.join(folders)}; starting afresh", file=sys.stderr)
+        return None
+    return candidates[0]
 
 
 def cli_main(args: list[str] | None = None) -> LtcxCLI:
@@ -47,7 +147,7 @@ def cli_main(args: list[str] | None = None) -> LtcxCLI:
 
 def generate_main(argv: list[str]) -> None:
     """``ltcx generate``: stream a completion of each prompt from a checkpoint to stdout."""
-    from ltcx.generation import stream_tokens
+    from ltcx.generation import check_generation_args, stream_tokens
     from ltcx.lm import load_language_model
     from ltcx.tokenizers import get_tokenizer
 
@@ -66,14 +166,23 @@ def generate_main(argv: list[str]) -> None:
     parser.add_argument("--tokenizer", default=None, help="override the tokenizer stored in the checkpoint")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
+    if args.num_samples < 1:
+        raise LtcxError(f"--num_samples ({args.num_samples}) must be >= 1")
+    device = _device(args.device)
 
-    model, meta = load_language_model(args.ckpt_path, map_location=args.device)
-    backbone = model.backbone.to(args.device)
+    model, meta = load_language_model(args.ckpt_path, map_location=device)
+    backbone = model.backbone.to(device)
     tokenizer_name = args.tokenizer or meta.get("tokenizer")
     if tokenizer_name is None:
         raise LtcxError("the checkpoint names no tokenizer: pass --tokenizer (e.g. gpt2)")
     tokenizer = get_tokenizer(tokenizer_name)
-    generator = torch.Generator(device=args.device)
+    model_vocab = meta.get("backbone_config", {}).get("vocab_size")
+    if model_vocab is not None and tokenizer.vocab_size > model_vocab:
+        raise LtcxError(
+            f"tokenizer '{tokenizer_name}' has {tokenizer.vocab_size} ids but the model's vocabulary is {model_vocab} "
+            f"(it was trained with '{meta.get('tokenizer')}'): pass that --tokenizer"
+        )
+    generator = torch.Generator(device=device)
     if args.seed is not None:
         generator.manual_seed(args.seed)
     else:
@@ -81,8 +190,10 @@ def generate_main(argv: list[str]) -> None:
     stop = None if args.no_stop_at_eot else tokenizer.eot_id
     # Without a prompt, generation starts from the end-of-text token, as at a document boundary in training.
     prompts = [(text, tokenizer.encode(text)) for text in args.prompt] if args.prompt else [("", [tokenizer.eot_id])]
+    for _, ids in prompts:  # every prompt is checked before anything is printed
+        check_generation_args(backbone, len(ids), args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     for prompt, ids in prompts:
-        batch = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=args.device)
+        batch = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
         rows: list[list[int]] = [[] for _ in range(args.num_samples)]
         printed = 0  # characters of rows[0]'s completion already written
         if args.num_samples == 1:
@@ -110,6 +221,19 @@ def generate_main(argv: list[str]) -> None:
         sys.stdout.flush()
 
 
+def _device(name: str) -> torch.device:
+    """``--device`` as a torch device that exists on this machine, else one line naming what does."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise LtcxError(f"--device '{name}' is not a device name: use cpu or cuda (cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise LtcxError(f"--device {name}: this machine has no usable CUDA device (torch sees none); use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise LtcxError(f"--device {name}: there are only {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
 def main(argv: list[str] | None = None) -> None:
     """``ltcx`` / ``python run.py``: ``generate`` or a LightningCLI subcommand; user errors as one line."""
     command_line = sys.argv[1:] if argv is None else argv
@@ -121,3 +245,5 @@ def main(argv: list[str] | None = None) -> None:
     except LtcxError as error:
         print(f"ltcx: error: {error}", file=sys.stderr)
         sys.exit(2)
+    except SIGTERMException as stop:  # training stopped by a signal: never report success
+        sys.exit(stop.code or 128 + signal.SIGTERM)

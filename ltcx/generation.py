@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -59,8 +60,8 @@ def check_generation_args(
         raise LtcxError("the prompt is empty: give at least one token of prompt text")
     if max_new_tokens < 0:
         raise LtcxError(f"max_new_tokens ({max_new_tokens}) must be >= 0")
-    if temperature < 0:
-        raise LtcxError(f"temperature ({temperature}) must be >= 0 (0 = greedy)")
+    if not 0 <= temperature < math.inf:
+        raise LtcxError(f"temperature ({temperature}) must be a finite number >= 0 (0 = greedy)")
     if top_k is not None and top_k < 1:
         raise LtcxError(f"top_k ({top_k}) must be >= 1")
     if top_p is not None and not 0 < top_p <= 1:

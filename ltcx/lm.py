@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import time
@@ -16,7 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
-from ltcx.errors import LtcxError
+from ltcx.checkpoint import read_checkpoint
+from ltcx.errors import ConfigError, LtcxError
+from ltcx.models.registry import class_path, resolve_backbone
 
 
 def lr_at_step(step: int, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:
@@ -70,6 +71,15 @@ class LanguageModel(L.LightningModule):
         compile: bool = False,
     ) -> None:
         super().__init__()
+        checks = [
+            (0 < learning_rate < math.inf, "learning_rate", learning_rate, "must be a positive number"),
+            (0 <= min_lr <= learning_rate, "min_lr", min_lr, f"must be in [0, model.learning_rate={learning_rate}]"),
+            (warmup_steps >= 0, "warmup_steps", warmup_steps, "must be >= 0"),
+            (decay_steps is None or decay_steps >= 1, "decay_steps", decay_steps, "must be >= 1 (null: max_steps)"),
+        ]
+        for ok, key, value, rule in checks:
+            if not ok:
+                raise ConfigError(f"model.{key} ({value}) {rule}: fix --model.{key}")
         self.save_hyperparameters(ignore=["backbone"])
         self.backbone = backbone
         self.val_loss = MeanMetric()
@@ -166,9 +176,8 @@ class LanguageModel(L.LightningModule):
 
     # -- checkpoints ---------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        backbone_class = type(self.backbone)
         checkpoint["ltcx"] = {
-            "backbone_class": f"{backbone_class.__module__}.{backbone_class.__qualname__}",
+            "backbone_class": class_path(type(self.backbone)),
             "backbone_config": self.backbone.config_dict(),
             "tokenizer": getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None),
             "tokens_seen": self.tokens_seen,
@@ -178,27 +187,47 @@ class LanguageModel(L.LightningModule):
         self.tokens_seen = checkpoint.get("ltcx", {}).get("tokens_seen", 0)
 
 
+def check_same_backbone(meta: dict, backbone: nn.Module, ckpt_path: str | Path) -> None:
+    """Raise one line if the checkpoint's ``ltcx`` metadata describes another model than ``backbone``."""
+    stored_class, stored = meta.get("backbone_class"), meta.get("backbone_config", {})
+    configured_class, configured = class_path(type(backbone)), backbone.config_dict()
+    if stored_class != configured_class:
+        difference = f"it holds a {stored_class}, the config builds a {configured_class}"
+    else:
+        keys = [k for k in sorted(set(stored) | set(configured)) if stored.get(k) != configured.get(k)]
+        if not keys:
+            return
+        difference = ", ".join(f"{k}: {stored.get(k)!r} in the file, {configured.get(k)!r} configured" for k in keys)
+    raise LtcxError(
+        f"checkpoint '{ckpt_path}' is of another model ({difference}): pass the config that trained it "
+        "(saved next to its logs as config.yaml)"
+    )
+
+
 def load_language_model(ckpt_path: str | Path, map_location: str | torch.device = "cpu") -> tuple[LanguageModel, dict]:
     """Rebuild a LanguageModel and its backbone from a checkpoint written by ltcx.
 
-    Returns the model in eval mode and the checkpoint's ``ltcx`` metadata (backbone class and config,
-    tokenizer name).
+    The file is read as data only (``weights_only=True``) and the backbone class is looked up in ltcx's
+    registry (``ltcx.models.registry``), never imported from the string in the file. Returns the model in
+    eval mode and the checkpoint's ``ltcx`` metadata (backbone class and config, tokenizer name).
     """
-    path = Path(ckpt_path)
-    if not path.is_file():
-        raise LtcxError(f"checkpoint '{path}' does not exist: pass --ckpt_path the path of a .ckpt file")
+    checkpoint = read_checkpoint(ckpt_path, map_location=map_location)
+    meta = checkpoint["ltcx"]
+    backbone_class = resolve_backbone(meta.get("backbone_class"))
+    config = meta.get("backbone_config")
     try:
-        checkpoint = torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as error:  # noqa: BLE001 - any unreadable file gets the same one-line answer
-        raise LtcxError(f"checkpoint '{path}' could not be read ({error}); is it a Lightning .ckpt file?") from None
-    meta = checkpoint.get("ltcx")
-    if meta is None:
-        raise LtcxError(f"checkpoint '{path}' was not written by ltcx (no 'ltcx' entry); train with `ltcx fit`")
-    module_name, class_name = meta["backbone_class"].rsplit(".", 1)
-    backbone = getattr(importlib.import_module(module_name), class_name)(**meta["backbone_config"])
+        backbone = backbone_class(**config)
+    except (TypeError, ValueError) as error:  # ConfigError is a ValueError
+        raise LtcxError(f"checkpoint '{ckpt_path}' has an invalid backbone_config ({error})") from None
     accepted = set(inspect.signature(LanguageModel).parameters) - {"backbone"}
     hparams = {k: v for k, v in checkpoint.get("hyper_parameters", {}).items() if k in accepted}
     model = LanguageModel(backbone, **hparams)
-    model.load_state_dict(checkpoint["state_dict"])
+    try:
+        model.load_state_dict(checkpoint["state_dict"])
+    except (KeyError, RuntimeError) as error:
+        first = str(error).strip().splitlines()[0][:200]
+        raise LtcxError(
+            f"checkpoint '{ckpt_path}': its weights do not match its backbone_config ({first}); the file is damaged"
+        ) from None
     model.on_load_checkpoint(checkpoint)
     return model.eval(), meta

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ltcx.errors import LtcxError
+from ltcx.hub import hub_unreachable
 
 __all__ = ["Tokenizer", "get_tokenizer", "padded_vocab_size"]
 
@@ -179,14 +180,16 @@ def get_tokenizer(name: str = "gpt2") -> Tokenizer:
         return TiktokenTokenizer("gpt2", _gpt2_encoding())
     if name == "bytes":
         return ByteTokenizer()
+    # A hub name with the hub out of reach: only the local cache, at once, instead of a minute of retries.
+    unreachable = None if os.path.isdir(name) else hub_unreachable()
     try:
         from transformers import AutoTokenizer
 
-        hf = AutoTokenizer.from_pretrained(name)
+        hf = AutoTokenizer.from_pretrained(name, local_files_only=unreachable is not None)
     except Exception as exc:  # noqa: BLE001 - any failure means "cannot use this name"
+        reason = f"not in the local cache and {unreachable}" if unreachable else _short_reason(exc)
         raise LtcxError(
-            f"unknown tokenizer {name!r}: use 'gpt2', 'bytes', or a Hugging Face tokenizer name/local folder "
-            f"({_short_reason(exc)})"
+            f"unknown tokenizer {name!r}: use 'gpt2', 'bytes', or a Hugging Face tokenizer name/local folder ({reason})"
         ) from exc
     return HFTokenizer(name, hf)
 

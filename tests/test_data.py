@@ -437,6 +437,7 @@ def test_hub_code_path_splits(tmp_path, monkeypatch, hf_offline):
     import ltcx.data.text as text
 
     monkeypatch.setattr(text, "looks_local", lambda path: False)
+    monkeypatch.setattr(text, "hub_unreachable", lambda: None)  # the "hub" is this folder: reachable
     repo = tmp_path / "repo"
     repo.mkdir()
     write_parquet(repo / "train-00000-of-00001.parquet", unit_docs(40))

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from ltcx.data.files import LocalFiles, looks_local, resolve_local_files
 from ltcx.data.packing import in_holdout, pack_blocks
 from ltcx.errors import ConfigError, LtcxError
+from ltcx.hub import hub_unreachable
 from ltcx.tokenizers import Tokenizer, _short_reason, get_tokenizer
 from ltcx.tokenizers import padded_vocab_size as _pad_vocab
 
@@ -59,6 +60,17 @@ def _worker() -> tuple[int, int]:
     except Exception:  # noqa: BLE001 - best effort
         pass
     return info.id, info.num_workers
+
+
+def _file_being_read(exc: BaseException) -> str | None:
+    """The file a `datasets` builder was reading when ``exc`` was raised: its json, text and parquet builders
+    all loop ``for file in files``, and the error itself does not name it."""
+    file, tb = None, exc.__traceback__
+    while tb is not None:
+        if "packaged_modules" in tb.tb_frame.f_code.co_filename and isinstance(tb.tb_frame.f_locals.get("file"), str):
+            file = tb.tb_frame.f_locals["file"]
+        tb = tb.tb_next
+    return file
 
 
 def _where(rank: int, world_size: int, worker: int, num_workers: int) -> str:
@@ -113,15 +125,20 @@ class _Source:
         keep_val = self.holdout == "val"
         # .iter() reads this process's part as set up above; plain iteration inside a torch worker would let
         # `datasets` re-split by worker on its own (by shards only, leaving workers idle on single-file sets).
-        for batch in ds.iter(batch_size=_READ_BATCH):
-            texts = [t for t in batch[col] if isinstance(t, str) and t.strip()]
-            if self.holdout is not None:
-                texts = [t for t in texts if in_holdout(t, self.holdout_fraction) == keep_val]
-            if not texts:
-                continue
-            for ids in tok.encode_batch(texts):
-                ids.append(eot)
-                yield ids
+        try:
+            for batch in ds.iter(batch_size=_READ_BATCH):
+                texts = [t for t in batch[col] if isinstance(t, str) and t.strip()]
+                if self.holdout is not None:
+                    texts = [t for t in texts if in_holdout(t, self.holdout_fraction) == keep_val]
+                if not texts:
+                    continue
+                for ids in tok.encode_batch(texts):
+                    ids.append(eot)
+                    yield ids
+        except Exception as exc:  # noqa: BLE001 - a bad file found mid-stream: one line naming it
+            file = _file_being_read(exc)
+            what = f"data file '{file}'" if file else "the data"
+            raise DataError(f"cannot read {what} ({_short_reason(exc)}): fix or remove it") from None
 
 
 class TrainBlocks(IterableDataset):
@@ -382,10 +399,13 @@ class TextDataModule(L.LightningDataModule):
     def _open_hub(self) -> tuple[Any, Any, str]:
         import datasets
 
+        unreachable = hub_unreachable()
+        if unreachable:  # say so now, not after `datasets` has retried for a minute
+            raise self._hub_error(unreachable)
         try:
             dd = datasets.load_dataset(self.path, self.name, streaming=True)
         except Exception as exc:  # noqa: BLE001
-            raise self._hub_error(exc) from exc
+            raise self._hub_error(_short_reason(exc)) from exc
         what = f"data set '{self.path}'" + (f" ({self.name})" if self.name else "")
         if self.train_split not in dd:
             raise ConfigError(
@@ -394,9 +414,9 @@ class TextDataModule(L.LightningDataModule):
         val = dd[self.val_split] if self.val_split and self.val_split in dd and self.val_batches > 0 else None
         return dd[self.train_split], val, what
 
-    def _hub_error(self, exc: BaseException) -> LtcxError:
+    def _hub_error(self, reason: str) -> LtcxError:
         return LtcxError(
-            f"cannot load data set '{self.path}' from the Hugging Face hub ({_short_reason(exc)}); "
+            f"cannot load data set '{self.path}' from the Hugging Face hub ({reason}); "
             "offline? point --data.path at local .txt/.jsonl/.parquet files"
         )
 
@@ -420,7 +440,7 @@ class TextDataModule(L.LightningDataModule):
             raise
         except Exception as exc:  # noqa: BLE001
             if hub:
-                raise self._hub_error(exc) from exc
+                raise self._hub_error(_short_reason(exc)) from exc
             raise LtcxError(f"cannot read {what} ({_short_reason(exc)}): check that the files are valid") from exc
         detail = f"every document in column '{self.text_column}' is empty" if found_column else "it has no documents"
         raise LtcxError(f"no text in the {split} split of {what}: {detail}; point --data.path at files with text")

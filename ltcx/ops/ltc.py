@@ -159,7 +159,7 @@ def ltc_transform(
     with _without_autocast(x.device):
         rotated = x.to(dtype).view(batch, groups, heads // groups, length, head_dim) @ basis.to(dtype)[:, :, None]
         rotated = rotated.view(batch, heads, length, head_dim)
-    return scale_modes(rotated, tau, start, centre, is_query, out_dtype)
+    return scale_modes(rotated, tau, start, centre, is_query, out_dtype or x.dtype)  # not rotated's float32
 
 
 def ltc_attention(

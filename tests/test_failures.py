@@ -1,0 +1,440 @@
+"""The failure catalogue (issue 9): crafted files, NaN, interrupted and failing saves, signals, shared
+folders, bad flags, offline, bf16 decoding, default_root_dir. Each case asserts the exact outcome: the
+message, the exit code, and which files exist and are intact."""
+
+import errno
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ltcx.checkpoint import SafeCheckpointIO, atomic_save, read_checkpoint
+from ltcx.cli import main
+from ltcx.errors import LtcxError
+from ltcx.generation import generate
+from ltcx.lm import LanguageModel, load_language_model
+from ltcx.models import registry
+from ltcx.models.gpt import GPT
+from ltcx.models.ltc import LTCGPT
+from ltcx.models.xlstm import XLSTM
+from test_cli import ROOT, fit_args, run_cli, write_corpus
+
+GPT_CONFIG = dict(block_size=64, vocab_size=320, n_layer=1, n_head=2, n_kv_head=1, n_embd=32)
+
+
+def one_error_line(args, capsys) -> str:
+    """Run ``ltcx args`` in process; it must exit 2 with exactly one line on stderr, which is returned."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.startswith("ltcx: error: ")]
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    return lines[0]
+
+
+def write_checkpoint(path: Path, tokenizer: str = "bytes", **meta) -> Path:
+    """A small ltcx checkpoint written without training (what `ltcx fit` writes, minus the trainer state)."""
+    torch.manual_seed(0)
+    model = LanguageModel(GPT(**GPT_CONFIG), warmup_steps=2)
+    checkpoint = {
+        "state_dict": model.state_dict(),
+        "hyper_parameters": dict(model.hparams),
+        "global_step": 3,
+        "ltcx": {"backbone_class": "ltcx.models.gpt.GPT", "backbone_config": model.backbone.config_dict(),
+                 "tokenizer": tokenizer, "tokens_seen": 0, **meta},
+    }
+    torch.save(checkpoint, path)
+    return path
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    return write_checkpoint(tmp_path / "good.ckpt")
+
+
+@pytest.fixture
+def fit_env(tmp_path, monkeypatch):
+    """In-process runs in tmp_path (checkpoints/ and lightning_logs/ land there) on a small corpus."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ltcx"])
+    return write_corpus(tmp_path / "corpus", 60, 10)
+
+
+def lean_fit_args(tmp_path: Path, data: Path, *extra: str, every: int = 100) -> list[str]:
+    """fit_args without validation or samples; checkpoints every ``every`` steps to checkpoints/gpt."""
+    callbacks = tmp_path / "lean.yaml"
+    callbacks.write_text(
+        "trainer:\n  callbacks:\n    - class_path: ltcx.callbacks.ModelCheckpoint\n      init_args:\n"
+        f"        dirpath: checkpoints/gpt\n        save_last: true\n        every_n_train_steps: {every}\n"
+        "    - class_path: ltcx.callbacks.FiniteLossGuard\n"
+    )
+    return fit_args(data, "--config", str(callbacks), "--trainer.limit_val_batches", "0", *extra)
+
+
+def step_and_weights(path: Path) -> tuple[int, dict]:
+    state = read_checkpoint(path)
+    return state["global_step"], state["state_dict"]
+
+
+# -- 1, 2: files a user hands us are data, never code ----------------------------------------------------------
+
+
+class RunsCode:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("kind", ["torch.save", "plain pickle"])
+def test_pickle_payload_runs_no_code(tmp_path, capsys, kind):
+    marker, path = tmp_path / "pwned", tmp_path / "evil.ckpt"
+    payload = {"state_dict": {}, "ltcx": {"backbone_class": "ltcx.models.gpt.GPT"}, "x": RunsCode(marker)}
+    if kind == "torch.save":
+        torch.save(payload, path)
+    else:
+        path.write_bytes(pickle.dumps(payload))
+    line = one_error_line(["generate", "--ckpt_path", str(path), "--prompt", "a"], capsys)
+    assert f"checkpoint '{path}'" in line
+    assert ("will not run code from a file" in line) if kind == "torch.save" else ("could not be read" in line)
+    assert not marker.exists()
+
+
+def test_backbone_class_from_the_file_is_never_imported(tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    path = write_checkpoint(tmp_path / "evil.ckpt", backbone_class="os.system",
+                            backbone_config={"command": f"touch {marker}"})
+    line = one_error_line(["generate", "--ckpt_path", str(path), "--prompt", "a"], capsys)
+    assert "backbone class 'os.system' is not a registered ltcx backbone" in line
+    assert not marker.exists()
+
+
+def test_registry_knows_ltcx_backbones_and_registered_ones(monkeypatch):
+    assert registry.resolve_backbone("ltcx.models.gpt.GPT") is GPT
+    assert registry.resolve_backbone("ltcx.models.ltc.LTCGPT") is LTCGPT
+    with pytest.raises(LtcxError, match="not a registered ltcx backbone"):
+        registry.resolve_backbone("test_failures.MyBackbone")
+    # An allow-listed class whose module is not there (yet) is a clear error, not an ImportError.
+    monkeypatch.setitem(registry._BUILTIN, "ltcx.models.nowhere.Model", ("ltcx.models.nowhere", "Model"))
+    with pytest.raises(LtcxError, match="not available in this ltcx version"):
+        registry.resolve_backbone("ltcx.models.nowhere.Model")
+
+    @registry.register_backbone
+    class MyBackbone(GPT):
+        pass
+
+    assert registry.resolve_backbone(registry.class_path(MyBackbone)) is MyBackbone
+
+
+# -- 3: a non-finite loss or weight never reaches a checkpoint -------------------------------------------------
+
+
+@pytest.mark.parametrize("poison_at,message", [
+    (4, "training loss became nan at step 5, so training stopped before updating the weights"),
+    (6, "weights backbone.wte.weight and 1 more are not finite at step 6, so '{last}' was not written and the previous "
+        "checkpoint is kept"),
+])
+def test_nan_stops_before_any_non_finite_weights_are_saved(tmp_path, fit_env, capsys, poison_at, message):
+    """Weights poisoned after step 4: the loss of step 5 is NaN and the guard stops before the update. Poisoned
+    after the last step (6): the final save refuses. Either way last.ckpt stays the good one of step 3."""
+    data = fit_env
+    main(lean_fit_args(tmp_path, data, "--trainer.max_steps", "3"))
+    last = tmp_path / "checkpoints/gpt/last.ckpt"
+    before = last.read_bytes()
+    line = one_error_line(lean_fit_args(
+        tmp_path, data, "--trainer.max_steps", "6", "--ckpt_path", "last",
+        "--trainer.callbacks+=fault_injection.PoisonWeights", f"--trainer.callbacks.at_step={poison_at}",
+    ), capsys)
+    assert message.format(last=last) in line
+    assert last.read_bytes() == before
+    step, weights = step_and_weights(last)
+    assert step == 3 and all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point())
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]
+
+
+# -- 4: the final step is always saved -------------------------------------------------------------------------
+
+
+def test_final_step_saved_after_periodic_saves(tmp_path, fit_env):
+    data = fit_env
+    main(lean_fit_args(tmp_path, data, "--trainer.max_steps", "5", every=2))
+    assert step_and_weights(tmp_path / "checkpoints/gpt/last.ckpt")[0] == 5
+
+
+# -- 5: atomic saves, full disk --------------------------------------------------------------------------------
+
+
+def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, fit_env, monkeypatch, capsys):
+    data = fit_env
+    main(lean_fit_args(tmp_path, data, "--trainer.max_steps", "2"))
+    last = tmp_path / "checkpoints/gpt/last.ckpt"
+    before = last.read_bytes()
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("ltcx.checkpoint.os.fsync", full_disk)
+    line = one_error_line(lean_fit_args(tmp_path, data, "--trainer.max_steps", "3", "--ckpt_path", "last"), capsys)
+    assert line == (f"ltcx: error: cannot write checkpoint '{last}' (disk full); the "
+                    "previous checkpoint there is intact: free space or point the checkpoint dirpath at another disk")
+    assert last.read_bytes() == before
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]  # no temp file left
+
+
+KILLED_MID_SAVE = """
+import os, signal, sys, torch
+import ltcx.checkpoint as c
+def die(*args):  # the new file is written and synced, the rename not done
+    os.kill(os.getpid(), signal.SIGKILL)
+c.os.replace = die
+c.atomic_save({"new": torch.ones(3)}, sys.argv[1])
+"""
+
+
+def test_kill_9_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    target = tmp_path / "last.ckpt"
+    atomic_save({"old": torch.zeros(3)}, target)
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_SAVE, str(target)], cwd=ROOT, timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    [temp] = [p for p in tmp_path.iterdir() if p.name.startswith(".last.ckpt.tmp-")]  # same folder, hidden
+    assert torch.load(target, weights_only=True)["old"].eq(0).all()
+    atomic_save({"newer": torch.ones(3)}, target)  # the next save clears the dead process's temp file
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+    assert torch.load(target, weights_only=True)["newer"].eq(1).all()
+
+
+def test_checkpoint_io_refuses_non_finite_weights(tmp_path):
+    target = tmp_path / "last.ckpt"
+    with pytest.raises(LtcxError, match=r"weights w are not finite at step 7, so '.*last.ckpt' was not written"):
+        SafeCheckpointIO().save_checkpoint({"global_step": 7, "state_dict": {"w": torch.tensor([1.0, float("inf")])}},
+                                           target)
+    assert not list(tmp_path.iterdir())
+
+
+# -- 6: SIGTERM / Ctrl-C save the current step and exit non-zero; resuming continues exactly --------------------
+
+
+def test_sigterm_saves_the_step_exits_143_and_resumes_exactly(tmp_path):
+    data = write_corpus(tmp_path / "corpus", 60, 10)
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    whole.mkdir(), parts.mkdir()
+    done = run_cli(lean_fit_args(tmp_path, data, "--trainer.max_steps", "6"), whole)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    stopped = run_cli(lean_fit_args(tmp_path, data, "--trainer.max_steps", "6",
+                                    "--trainer.callbacks+=fault_injection.SignalSelf",
+                                    "--trainer.callbacks.at_step=3", "--trainer.callbacks.signal_name=SIGTERM"), parts)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    assert "ltcx: SIGTERM at step 3: saved" in stopped.stderr and "Traceback" not in stopped.stderr
+    assert step_and_weights(parts / "checkpoints/gpt/last.ckpt")[0] == 3
+
+    resumed = run_cli(lean_fit_args(tmp_path, data, "--trainer.max_steps", "6", "--ckpt_path", "last"), parts)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    step, weights = step_and_weights(parts / "checkpoints/gpt/last.ckpt")
+    step_whole, weights_whole = step_and_weights(whole / "checkpoints/gpt/last.ckpt")
+    assert step == step_whole == 6
+    assert all(torch.equal(weights[k], weights_whole[k]) for k in weights_whole)  # bit for bit
+
+
+def test_ctrl_c_saves_the_step_and_exits_130(tmp_path):
+    data = write_corpus(tmp_path / "corpus", 60, 10)
+    stopped = run_cli(lean_fit_args(tmp_path, data, "--trainer.max_steps", "6",
+                                    "--trainer.callbacks+=fault_injection.SignalSelf",
+                                    "--trainer.callbacks.at_step=2", "--trainer.callbacks.signal_name=SIGINT"), tmp_path)
+    assert stopped.returncode == 128 + signal.SIGINT, stopped.stderr[-3000:]
+    assert "ltcx: SIGINT at step 2: saved" in stopped.stderr
+    assert step_and_weights(tmp_path / "checkpoints/gpt/last.ckpt")[0] == 2
+
+
+# -- 7: --ckpt_path last never takes another run's checkpoint ---------------------------------------------------
+
+
+def test_ckpt_path_last_refuses_when_runs_share_the_folder(tmp_path, fit_env, capsys, checkpoint):
+    folder = tmp_path / "checkpoints/gpt"
+    folder.mkdir(parents=True)
+    shutil.copy(checkpoint, folder / "last.ckpt")
+    shutil.copy(checkpoint, folder / "last-v1.ckpt")
+    line = one_error_line(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1", "--ckpt_path", "last"), capsys)
+    assert line == ("ltcx: error: --ckpt_path last is ambiguous: checkpoints/gpt/last-v1.ckpt, checkpoints/gpt/last.ckpt"
+                    " (runs sharing the folder wrote several); pass --ckpt_path the one to resume")
+    assert not (tmp_path / "lightning_logs").exists()
+
+
+# -- 8, 9: bad files and flags: one line, exit 2, nothing written ----------------------------------------------
+
+
+def damaged(tmp_path: Path, checkpoint: Path, how: str) -> Path:
+    path = tmp_path / f"{how}.ckpt"
+    if how == "empty":
+        path.write_bytes(b"")
+    elif how == "truncated":
+        path.write_bytes(checkpoint.read_bytes()[: checkpoint.stat().st_size // 2])
+    elif how == "random":
+        path.write_bytes(os.urandom(4096))
+    return path
+
+
+@pytest.mark.parametrize("how,message", [
+    ("missing", "does not exist: pass --ckpt_path the path of a .ckpt file"),
+    ("empty", "is empty (0 bytes): use another checkpoint"),
+    ("truncated", "it is truncated or not a checkpoint"),
+    ("random", "could not be read"),
+    ("another architecture", "is of another model (bias: True in the file, False configured, n_embd: 32 in the file, "
+                             "16 configured, vocab_size: 320 in the file, 50304 configured): pass the config that"),
+])
+def test_fit_ckpt_path_failures(tmp_path, fit_env, capsys, checkpoint, how, message):
+    path = checkpoint if how == "another architecture" else damaged(tmp_path, checkpoint, how)
+    line = one_error_line(fit_args(fit_env, "--trainer.max_steps", "1", "--ckpt_path", str(path),
+                                   "--model.backbone.init_args.n_embd", "16"), capsys)
+    assert f"checkpoint '{path}'" in line and message in line
+    assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("override,message", [
+    (["--model.learning_rate", "0"], "model.learning_rate (0.0) must be a positive number"),
+    (["--model.learning_rate=-1e-3"], "model.learning_rate (-0.001) must be a positive number"),
+    (["--model.min_lr", "1e-2"], "model.min_lr (0.01) must be in [0, model.learning_rate=0.0006]"),
+    (["--model.warmup_steps", "-1"], "model.warmup_steps (-1) must be >= 0"),
+    (["--trainer.max_steps", "-2"], "trainer.max_steps (-2) must be >= -1 (-1: no limit)"),
+])
+def test_bad_training_flags(tmp_path, fit_env, capsys, override, message):
+    line = one_error_line(fit_args(fit_env, "--trainer.max_steps", "1", *override), capsys)
+    assert message in line
+    assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_unreadable_file_mid_training_is_named(tmp_path, fit_env, capsys):
+    corpus = tmp_path / "jsonl"
+    corpus.mkdir()
+    for i in range(4):
+        lines = [f'{{"text": "the cat sat on the mat number {i} {j} and ran off"}}' for j in range(12)]
+        if i == 2:
+            lines.insert(3, "{not json")
+        (corpus / f"part-{i}.jsonl").write_text("\n".join(lines) + "\n")
+    line = one_error_line(lean_fit_args(tmp_path, corpus, "--trainer.max_steps", "200"), capsys)
+    assert line.startswith(f"ltcx: error: cannot read data file '{corpus / 'part-2.jsonl'}' (ArrowInvalid: JSON parse")
+    assert line.endswith("): fix or remove it")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--num_samples", "0"], "--num_samples (0) must be >= 1"),
+    (["--temperature", "nan"], "temperature (nan) must be a finite number >= 0"),
+    (["--temperature", "inf"], "temperature (inf) must be a finite number >= 0"),
+    (["--tokenizer", "gpt2"], "tokenizer 'gpt2' has 50257 ids but the model's vocabulary is 320 (it was trained with "
+                              "'bytes'): pass that --tokenizer"),
+    (["--prompt", "x" * 80], "prompt (80 tokens) plus max_new_tokens (5) is 85 tokens, more than the model's context"),
+])
+def test_generate_flag_errors_print_nothing_else(capsys, checkpoint, flags, message):
+    line = one_error_line(["generate", "--ckpt_path", str(checkpoint), "--max_new_tokens", "5", *flags], capsys)
+    assert message in line
+    assert capsys.readouterr().out == ""  # the prompt is not echoed before it is checked
+
+
+def test_generate_metadata_not_matching_weights(tmp_path, capsys):
+    path = write_checkpoint(tmp_path / "bad.ckpt")
+    state = torch.load(path, weights_only=True)
+    state["ltcx"]["backbone_config"]["n_layer"] = 2
+    torch.save(state, path)
+    line = one_error_line(["generate", "--ckpt_path", str(path)], capsys)
+    assert f"checkpoint '{path}': its weights do not match its backbone_config (Error(s) in loading" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_generate_device_cuda_without_cuda(capsys, checkpoint):
+    line = one_error_line(["generate", "--ckpt_path", str(checkpoint), "--device", "cuda"], capsys)
+    assert line == "ltcx: error: --device cuda: this machine has no usable CUDA device (torch sees none); use --device cpu"
+
+
+def test_generate_reads_a_good_checkpoint(capsys, checkpoint):
+    main(["generate", "--ckpt_path", str(checkpoint), "--prompt", "ab", "--max_new_tokens", "4", "--seed", "0"])
+    assert capsys.readouterr().out.startswith("ab")
+    model, meta = load_language_model(checkpoint)
+    assert type(model.backbone) is GPT and meta["tokenizer"] == "bytes"
+
+
+# -- 10: offline fails at once ----------------------------------------------------------------------------------
+
+
+def test_offline_hub_data_and_tokenizer_fail_at_once(tmp_path, fit_env, capsys):
+    start = time.monotonic()
+    line = one_error_line(fit_args(Path("roneneldan/TinyStories"), "--trainer.max_steps", "1"), capsys)
+    assert line == ("ltcx: error: cannot load data set 'roneneldan/TinyStories' from the Hugging Face hub (offline mode "
+                    "is set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)); offline? point --data.path at local "
+                    ".txt/.jsonl/.parquet files")
+    line = one_error_line(fit_args(fit_env, "--data.tokenizer", "some-org/no-such-tokenizer"), capsys)
+    assert "unknown tokenizer 'some-org/no-such-tokenizer'" in line and "not in the local cache and offline mode" in line
+    assert time.monotonic() - start < 10
+
+
+def test_unreachable_hub_is_found_by_one_short_probe(tmp_path, fit_env, monkeypatch, capsys):
+    """Offline mode not set, but no hub: one connection attempt (here to a closed local port) and the line."""
+    import huggingface_hub.constants
+
+    for flag in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(flag, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("NO_PROXY", "*")
+    start = time.monotonic()
+    line = one_error_line(fit_args(Path("roneneldan/TinyStories"), "--trainer.max_steps", "1"), capsys)
+    assert "from the Hugging Face hub (no connection to 127.0.0.1:9 within 3 s" in line
+    assert time.monotonic() - start < 10
+
+
+# -- 11: bf16 generation for every backbone ---------------------------------------------------------------------
+
+TINY_BACKBONES = {
+    "gpt": lambda: GPT(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_kv_head=1, n_embd=32),
+    "ltc": lambda: LTCGPT(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, num_decay_modes=4),
+    "xlstm": lambda: XLSTM(vocab_size=64, embedding_dim=32, num_layers=2, signature=[1, 1], num_heads=2,
+                           slstm_num_heads=2, chunk_size=16),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_BACKBONES))
+@pytest.mark.parametrize("mode", ["bf16 weights", "autocast"])
+def test_bf16_generation(arch, mode):
+    torch.manual_seed(0)
+    backbone = TINY_BACKBONES[arch]().eval()
+    prompt = torch.randint(0, 64, (2, 5))
+    if mode == "bf16 weights":
+        out = generate(backbone.to(torch.bfloat16), prompt, 6, temperature=0)
+        _, state = backbone(out[:, :-1])
+    else:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = generate(backbone, prompt, 6, temperature=0)
+            _, state = backbone(out[:, :1])
+            _, state = backbone(out[:, 1:2], state)  # a cached step
+    assert out.shape == (2, 11)
+    if arch != "xlstm":  # attention caches stay bf16 (xLSTM keeps its recurrent state in float32 by design)
+        assert all(layer.k.dtype == layer.v.dtype == torch.bfloat16 for layer in state)
+
+
+# -- 12: default_root_dir ---------------------------------------------------------------------------------------
+
+
+def test_default_root_dir_holds_logs_and_checkpoints(tmp_path, fit_env):
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1", "--trainer.default_root_dir", "runs"))
+    assert (tmp_path / "runs/checkpoints/gpt/last.ckpt").is_file()
+    assert (tmp_path / "runs/lightning_logs/gpt/version_0/config.yaml").is_file()
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "lightning_logs").exists()
+
+
+def test_progress_bar_total_after_resume():
+    from ltcx.callbacks import StepTQDMProgressBar
+
+    class Trainer:
+        max_epochs, max_steps, accumulate_grad_batches, global_step, num_training_batches = -1, 6, 1, 4, float("inf")
+
+    bar = StepTQDMProgressBar()
+    bar._trainer = Trainer()
+    assert bar.total_train_batches == 6  # Lightning's own bar says 2 (the steps left) against a count of 6
