@@ -327,7 +327,7 @@ def test_cli_fits_samples_resumes_and_generates(variant, tmp_path, monkeypatch, 
     assert samples and samples[0].tensor_proto.string_val[0].decode().startswith("Once upon a time")
     main([*args, "--trainer.max_steps", "3", "--ckpt_path", str(checkpoint)])
     [checkpoint] = list(tmp_path.glob(f"checkpoints/titans_{variant}/**/last.ckpt"))
-    assert torch.load(checkpoint, weights_only=False)["global_step"] == 3
+    assert torch.load(checkpoint, weights_only=True)["global_step"] == 3
     main(["validate", *args[1:], "--ckpt_path", str(checkpoint)])
     capsys.readouterr()
     main(["generate", "--ckpt_path", str(checkpoint), "--prompt", "The cat", "--max_new_tokens", "8",
