@@ -334,3 +334,27 @@ def test_cli_fits_samples_resumes_and_generates(variant, tmp_path, monkeypatch, 
           "--temperature", "0"])
     out = capsys.readouterr().out
     assert out.startswith("The cat") and len(out.strip()) > len("The cat")
+
+
+def test_cli_diverging_memory_stops_with_one_line(tmp_path, monkeypatch, capsys):
+    """The paper-literal raw step at an absurd size blows the memory up: the finite-loss guard stops the run
+    with one line and exit code 2, and no checkpoint holds the non-finite weights."""
+    from test_cli import write_corpus
+
+    from ltcx.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ltcx"])
+    data = write_corpus(tmp_path / "corpus", 30, 5)
+    with pytest.raises(SystemExit) as exit_info:
+        main([
+            "fit", "--config", str(ROOT / "configs/titans_lmm.yaml"), "--config", str(ROOT / "configs/trainer/smoke.yaml"),
+            "--data.path", str(data), "--data.block_size", "24", "--data.batch_size", "2", "--data.val_batches", "1",
+            "--trainer.max_steps", "3", "--trainer.enable_progress_bar", "false", *TINY_CLI,
+            "--model.backbone.init_args.theta_mode", "free", "--model.backbone.init_args.normalize_step", "false",
+            "--model.backbone.init_args.theta_max", "1.0e+30",
+        ])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "ltcx: error: training loss became" in err and "Traceback" not in err
+    assert not list(tmp_path.glob("checkpoints/**/*.ckpt"))
