@@ -1,4 +1,5 @@
 import json
+import os
 import random
 import time
 from types import SimpleNamespace
@@ -314,7 +315,10 @@ def test_error_unreachable_hub(hf_offline):
     assert time.monotonic() - start < 10
     msg = one_line(info)
     assert msg.startswith("cannot load data set 'no-such-user/no-such-dataset' from the Hugging Face hub (")
-    assert msg.endswith("); offline? point --data.path at local .txt/.jsonl/.parquet files")
+    assert msg.endswith(
+        "); offline? use --data.path sample (a TinyStories sample shipped with ltcx) or point --data.path at local "
+        ".txt/.jsonl/.parquet files"
+    )
 
 
 def test_error_unknown_tokenizer(tmp_path, hf_offline):
@@ -434,10 +438,10 @@ def test_trainer_fit_validate_and_resume(tmp_path):
 
 def test_hub_code_path_splits(tmp_path, monkeypatch, hf_offline):
     """The hub branch (load_dataset(path, name)) on a local repository-like folder: split selection and hold-out."""
-    import ltcx.data.text as text
+    import ltcx.data.sources as sources
 
-    monkeypatch.setattr(text, "looks_local", lambda path: False)
-    monkeypatch.setattr(text, "hub_unreachable", lambda: None)  # the "hub" is this folder: reachable
+    monkeypatch.setattr(sources, "looks_local", lambda path: False)
+    monkeypatch.setattr(sources, "hub_unreachable", lambda: None)  # the "hub" is this folder: reachable
     repo = tmp_path / "repo"
     repo.mkdir()
     write_parquet(repo / "train-00000-of-00001.parquet", unit_docs(40))
@@ -452,3 +456,23 @@ def test_hub_code_path_splits(tmp_path, monkeypatch, hf_offline):
     assert sorted(doc_of(b) for b in dm.train_dataset(infinite=False)) == sorted(set(unit_docs(40)) - set(held))
     with pytest.raises(ConfigError, match=r"no split 'training' \(splits: train, validation\): set --data.train_split"):
         make_dm(repo, train_split="training")
+
+
+# ---------------------------------------------------------------- the built-in sample
+def test_sample_path_is_the_shipped_tinystories_sample(tmp_path, monkeypatch):
+    from ltcx.data.files import SAMPLE_DIR, resolve_local_files
+
+    monkeypatch.chdir(tmp_path)
+    files = resolve_local_files("sample")
+    assert [os.path.basename(f) for f in files.train + files.validation] == ["train.txt", "validation.txt"]
+    assert all(os.path.dirname(f) == SAMPLE_DIR for f in files.train + files.validation)
+    assert 250_000 < os.path.getsize(files.train[0]) < 400_000 and 40_000 < os.path.getsize(files.validation[0]) < 60_000
+    dm = make_dm("sample", tokenizer="gpt2", block_size=128, batch_size=4, val_batches=2)
+    block = next(iter(dm.train_dataset()))
+    text = dm.tokenizer_obj.decode(block.tolist())
+    assert block.shape == (129,) and text.isascii() and " the " in text
+    assert len(as_lists(dm.val_dataset())) == 8
+    # a folder named "sample" in the working directory is the user's data and wins
+    (tmp_path / "sample").mkdir()
+    write_txt(tmp_path / "sample" / "mine.txt", unit_docs(3))
+    assert sorted(doc_of(b) for b in make_dm("sample", val_batches=0).train_dataset(infinite=False)) == unit_docs(3)

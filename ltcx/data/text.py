@@ -16,10 +16,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from ltcx.data.files import LocalFiles, looks_local, resolve_local_files
 from ltcx.data.packing import in_holdout, pack_blocks
+from ltcx.data.sources import open_text
 from ltcx.errors import ConfigError, LtcxError
-from ltcx.hub import hub_unreachable
 from ltcx.tokenizers import Tokenizer, _short_reason, get_tokenizer
 from ltcx.tokenizers import padded_vocab_size as _pad_vocab
 
@@ -355,13 +354,11 @@ class TextDataModule(L.LightningDataModule):
         if self._train_source is not None:
             return
         self.tokenizer_obj  # noqa: B018 - raises "unknown tokenizer ..." early
-        if looks_local(self.path):
-            train, val, what = self._open_local()
-        else:
-            train, val, what = self._open_hub()
-        self._check_split(train, what, split="train")
-        if val is not None:
-            self._check_split(val, what, split="validation")
+        train, val, what = open_text(
+            self.path, name=self.name, train_split=self.train_split,
+            val_split=self.val_split if self.val_batches > 0 else None,
+            txt_sample_by=self.txt_sample_by, text_column=self.text_column,
+        )
         holdout = val is None and self.val_batches > 0
         if holdout and self.holdout_fraction <= 0.0:
             raise ConfigError(
@@ -378,72 +375,6 @@ class TextDataModule(L.LightningDataModule):
         self._train_source = _Source(train, holdout="train" if holdout else None, **common)
         if self.val_batches > 0:
             self._val_source = _Source(val if val is not None else train, holdout="val" if holdout else None, **common)
-
-    def _open_local(self) -> tuple[Any, Any, str]:
-        import datasets
-
-        files: LocalFiles = resolve_local_files(self.path)
-        data_files = {"train": files.train}
-        if files.validation and self.val_split is not None and self.val_batches > 0:
-            data_files["validation"] = files.validation
-        kwargs: dict[str, Any] = {"sample_by": self.txt_sample_by} if files.builder == "text" else {}
-        what = f"data files '{self.path}'"
-        try:
-            dd = datasets.load_dataset(files.builder, data_files=data_files, streaming=True, **kwargs)
-        except Exception as exc:  # noqa: BLE001
-            raise LtcxError(
-                f"cannot read {what} ({_short_reason(exc)}): check that they are valid {files.kind} files"
-            ) from exc
-        return dd["train"], dd.get("validation"), what
-
-    def _open_hub(self) -> tuple[Any, Any, str]:
-        import datasets
-
-        unreachable = hub_unreachable()
-        if unreachable:  # say so now, not after `datasets` has retried for a minute
-            raise self._hub_error(unreachable)
-        try:
-            dd = datasets.load_dataset(self.path, self.name, streaming=True)
-        except Exception as exc:  # noqa: BLE001
-            raise self._hub_error(_short_reason(exc)) from exc
-        what = f"data set '{self.path}'" + (f" ({self.name})" if self.name else "")
-        if self.train_split not in dd:
-            raise ConfigError(
-                f"{what} has no split '{self.train_split}' (splits: {', '.join(dd)}): set --data.train_split"
-            )
-        val = dd[self.val_split] if self.val_split and self.val_split in dd and self.val_batches > 0 else None
-        return dd[self.train_split], val, what
-
-    def _hub_error(self, reason: str) -> LtcxError:
-        return LtcxError(
-            f"cannot load data set '{self.path}' from the Hugging Face hub ({reason}); "
-            "offline? point --data.path at local .txt/.jsonl/.parquet files"
-        )
-
-    def _check_split(self, ds: Any, what: str, *, split: str) -> None:
-        """Peek at the first examples: the text column exists and some document is non-empty."""
-        hub = not looks_local(self.path)
-        try:
-            found_column = False
-            for example in ds:
-                if self.text_column not in example:
-                    cols = ", ".join(repr(c) for c in example)
-                    raise LtcxError(
-                        f"column '{self.text_column}' not found in the {split} split of {what} (columns: {cols}): "
-                        "set --data.text_column"
-                    )
-                found_column = True
-                text = example[self.text_column]
-                if isinstance(text, str) and text.strip():
-                    return
-        except LtcxError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            if hub:
-                raise self._hub_error(_short_reason(exc)) from exc
-            raise LtcxError(f"cannot read {what} ({_short_reason(exc)}): check that the files are valid") from exc
-        detail = f"every document in column '{self.text_column}' is empty" if found_column else "it has no documents"
-        raise LtcxError(f"no text in the {split} split of {what}: {detail}; point --data.path at files with text")
 
     # ------------------------------------------------------------------ datasets and loaders
     def _rank_world(self, rank: int | None, world_size: int | None) -> tuple[int, int]:
