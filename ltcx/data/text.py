@@ -2,7 +2,8 @@
 
 One code path for the Hugging Face hub and for local files: both become ``datasets`` streaming
 ``IterableDataset`` s. Per split and pass: (shuffle) -> split by DDP rank -> split by dataloader worker ->
-tokenize -> append end-of-text -> cut blocks of ``block_size + 1`` tokens.
+tokenize -> append end-of-text -> cut blocks of ``block_size + 1`` tokens. A ``path`` prepared by ``ltcx prepare``
+switches the data module to token shards (``shard_data.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from ltcx.data.files import local_path
 from ltcx.data.packing import in_holdout, pack_blocks
+from ltcx.data.shard_data import SAMPLING, ShardBlocks
+from ltcx.data.shards import VERIFY_MODES, is_prepared, load_meta, verify_shards
 from ltcx.data.sources import open_text
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.tokenizers import Tokenizer, _short_reason, get_tokenizer
@@ -246,10 +250,13 @@ class ValBlocks(IterableDataset):
 
 
 class TextDataModule(L.LightningDataModule):
-    """Text from the Hugging Face hub or local files, tokenized and packed into blocks of ``block_size + 1`` tokens.
+    """Language-model blocks of ``block_size + 1`` tokens, from text (streamed from the Hugging Face hub or local files,
+    tokenized as it is read) or from token shards made by ``ltcx prepare`` (read by memory map).
 
     Args:
-        path: Hugging Face hub data set id, or a local file, folder (recursive) or glob of .txt/.jsonl/.parquet files.
+        path: Hugging Face hub data set id; a local file, folder (recursive) or glob of .txt/.jsonl/.parquet files;
+            ``sample`` (the TinyStories sample shipped with ltcx, unless ./sample exists); or a folder prepared by
+            ``ltcx prepare`` (it holds meta.json): then the text options below do not apply.
         name: configuration name of the hub data set, if it has several.
         text_column: column holding the document text (.txt files have the column "text").
         train_split: hub split to train on.
@@ -264,6 +271,9 @@ class TextDataModule(L.LightningDataModule):
         holdout_fraction: fraction of training documents held out for validation when there is no validation split.
         txt_sample_by: one document of a .txt file: "line", "paragraph" (blank-line separated) or "document" (file).
         pad_vocab_to_multiple_of: round the model's vocabulary size up to a multiple of this (1 = no padding).
+        sampling: token shards only: "blocks" (every block once per epoch, shuffled) or "random" (random offsets).
+        verify: token shards only: check them against meta.json at start, "fast" (size and header), "full" (SHA-256)
+            or "none".
     """
 
     def __init__(
@@ -283,6 +293,8 @@ class TextDataModule(L.LightningDataModule):
         holdout_fraction: float = 0.005,
         txt_sample_by: str = "paragraph",
         pad_vocab_to_multiple_of: int = 64,
+        sampling: str = "blocks",
+        verify: str = "fast",
     ) -> None:
         super().__init__()
         checks = [
@@ -294,6 +306,8 @@ class TextDataModule(L.LightningDataModule):
             (0.0 <= holdout_fraction < 1.0, "holdout_fraction", holdout_fraction, "must be in [0, 1)"),
             (txt_sample_by in _SAMPLE_BY, "txt_sample_by", txt_sample_by, "must be 'line', 'paragraph' or 'document'"),
             (pad_vocab_to_multiple_of >= 1, "pad_vocab_to_multiple_of", pad_vocab_to_multiple_of, "must be >= 1"),
+            (sampling in SAMPLING, "sampling", sampling, "must be 'blocks' or 'random'"),
+            (verify in VERIFY_MODES, "verify", verify, "must be 'fast', 'full' or 'none'"),
             (bool(path), "path", path, "must name a hub data set or local files"),
         ]
         for ok, key, value, rule in checks:
@@ -315,6 +329,9 @@ class TextDataModule(L.LightningDataModule):
         self.holdout_fraction = holdout_fraction
         self.txt_sample_by = txt_sample_by
         self.pad_vocab_to_multiple_of = pad_vocab_to_multiple_of
+        self.sampling = sampling
+        self.verify = verify
+        self._shards: tuple[str, dict] | None = None  # (folder, meta.json) in token-shard mode
         self._train_source: _Source | None = None
         self._val_source: _Source | None = None
         self._resume_batches = 0
@@ -351,9 +368,13 @@ class TextDataModule(L.LightningDataModule):
 
         Idempotent; every problem is a one-line ``LtcxError`` raised before training writes anything.
         """
-        if self._train_source is not None:
+        if self._train_source is not None or self._shards is not None:
             return
         self.tokenizer_obj  # noqa: B018 - raises "unknown tokenizer ..." early
+        folder = local_path(self.path)
+        if is_prepared(folder):
+            self._setup_shards(folder)
+            return
         train, val, what = open_text(
             self.path, name=self.name, train_split=self.train_split,
             val_split=self.val_split if self.val_batches > 0 else None,
@@ -376,6 +397,29 @@ class TextDataModule(L.LightningDataModule):
         if self.val_batches > 0:
             self._val_source = _Source(val if val is not None else train, holdout="val" if holdout else None, **common)
 
+    def _setup_shards(self, folder: str) -> None:
+        meta = load_meta(folder)
+        if meta["tokenizer"] != self.tokenizer:
+            raise ConfigError(
+                f"the token shards in '{self.path}' were made with tokenizer '{meta['tokenizer']}', not "
+                f"'{self.tokenizer}': set --data.tokenizer {meta['tokenizer']}"
+            )
+        if self.val_batches > 0 and not meta["shards"]["validation"]:
+            raise ConfigError(
+                f"the token shards in '{self.path}' have no validation split (prepared with --val_fraction 0): "
+                "set --data.val_batches 0 or prepare with a validation fraction"
+            )
+        verify_shards(folder, meta, self.verify)
+        self._shards = folder, meta
+
+    def _shard_blocks(self, split: str, rank: int, world_size: int, **kw: Any) -> ShardBlocks:
+        assert self._shards is not None
+        folder, meta = self._shards
+        return ShardBlocks(
+            folder, meta["shards"][split], meta["dtype"], block_len=self.block_len, rank=rank, world_size=world_size,
+            batch_size=self.batch_size, seed=self.seed, sampling=self.sampling, **kw,
+        )
+
     # ------------------------------------------------------------------ datasets and loaders
     def _rank_world(self, rank: int | None, world_size: int | None) -> tuple[int, int]:
         trainer = getattr(self, "trainer", None)
@@ -394,30 +438,38 @@ class TextDataModule(L.LightningDataModule):
         *,
         infinite: bool = True,
         skip_batches: int | None = None,
-    ) -> TrainBlocks:
-        """The training blocks of ``rank`` of ``world_size`` (default: the trainer's, else 0 of 1).
+    ) -> TrainBlocks | ShardBlocks:
+        """The training blocks of ``rank`` of ``world_size`` (default: the trainer's, else 0 of 1); from token shards,
+        whole batches, endless.
 
-        ``infinite=False`` gives a single pass (for tests); ``skip_batches`` defaults to the resumed position.
+        ``infinite=False`` gives a single pass of text (for tests); ``skip_batches`` defaults to the resumed position.
         """
         self.setup("fit")
-        assert self._train_source is not None
         rank, world_size = self._rank_world(rank, world_size)
+        skip = self._resume_batches if skip_batches is None else skip_batches
+        if self._shards is not None:
+            return self._shard_blocks("train", rank, world_size, start_batch=skip)
+        assert self._train_source is not None
         return TrainBlocks(
             self._train_source,
             block_len=self.block_len,
             rank=rank,
             world_size=world_size,
             batch_size=self.batch_size,
-            skip_batches=self._resume_batches if skip_batches is None else skip_batches,
+            skip_batches=skip,
             infinite=infinite,
         )
 
-    def val_dataset(self, rank: int | None = None, world_size: int | None = None) -> ValBlocks:
-        """Exactly ``val_batches * batch_size`` validation blocks of ``rank`` of ``world_size``."""
+    def val_dataset(self, rank: int | None = None, world_size: int | None = None) -> ValBlocks | ShardBlocks:
+        """Exactly ``val_batches * batch_size`` validation blocks of ``rank`` of ``world_size`` (from token shards, as
+        ``val_batches`` batches)."""
         self.setup("validate")
-        if self._val_source is None:
+        if self.val_batches == 0:
             raise ConfigError("validation is disabled (data.val_batches=0): set --data.val_batches > 0")
         rank, world_size = self._rank_world(rank, world_size)
+        if self._shards is not None:
+            return self._shard_blocks("validation", rank, world_size, num_batches=self.val_batches)
+        assert self._val_source is not None
         return ValBlocks(
             self._val_source,
             block_len=self.block_len,
@@ -430,7 +482,7 @@ class TextDataModule(L.LightningDataModule):
     def _loader(self, dataset: IterableDataset) -> DataLoader:
         return DataLoader(
             dataset,
-            batch_size=self.batch_size,
+            batch_size=None if isinstance(dataset, ShardBlocks) else self.batch_size,  # ShardBlocks makes batches
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=False,
