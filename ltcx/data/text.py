@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ltcx.data.files import local_path
-from ltcx.data.packing import in_holdout, pack_blocks
+from ltcx.data.packing import in_holdout, pack_blocks, pack_positions
 from ltcx.data.shard_data import SAMPLING, ShardBlocks
 from ltcx.data.shards import VERIFY_MODES, is_prepared, load_meta, verify_shards
 from ltcx.data.sources import open_text
@@ -106,9 +106,10 @@ class _Source:
         self.shuffle_buffer = shuffle_buffer
 
     def token_lists(
-        self, *, epoch: int | None, parts: list[tuple[int, int]]
+        self, *, epoch: int | None, parts: list[tuple[int, int]], first_doc: int = 0
     ) -> Iterator[list[int]]:
-        """Token ids (end-of-text appended) of each document of one pass.
+        """Token ids (end-of-text appended) of each document of one pass, from document ``first_doc`` on (the
+        documents before it are read but not tokenized).
 
         ``epoch`` None reads in file order; otherwise the stream is shuffled with ``seed + epoch``. ``parts`` are
         successive ``(index, count)`` splits (rank of world size, then worker of workers) via
@@ -133,6 +134,8 @@ class _Source:
                 texts = [t for t in batch[col] if isinstance(t, str) and t.strip()]
                 if self.holdout is not None:
                     texts = [t for t in texts if in_holdout(t, self.holdout_fraction) == keep_val]
+                if first_doc:
+                    texts, first_doc = texts[first_doc:], max(0, first_doc - len(texts))
                 if not texts:
                     continue
                 for ids in tok.encode_batch(texts):
@@ -145,11 +148,14 @@ class _Source:
 
 
 class TrainBlocks(IterableDataset):
-    """Training blocks of one rank: ``LongTensor[block_size + 1]``, endless by default.
+    """Training blocks of one rank, endless by default: ``{"idx": LongTensor[block_size + 1], "position":
+    LongTensor[4]}``, the position being ``(part, pass, doc, tok)`` right after the block (``pack_positions``).
 
-    Each pass reshuffles with ``seed + pass``; inside a dataloader each worker reads its own part of the rank's
-    part. The first ``skip_batches`` batches of the rank (as a DataLoader with ``batch_size`` would assemble them,
-    batch ``i`` from worker ``i % num_workers``) are skipped, for exact resume.
+    Each pass reshuffles with ``seed + pass``; inside a dataloader each worker reads its own part of the rank's part.
+    A resume continues after ``skip_batches`` batches of the rank (as a DataLoader with ``batch_size`` assembles them,
+    batch ``i`` from worker ``i % num_workers``): from ``starts[part]``, the position the saving run reached in each
+    part, reading the documents before it without tokenizing them; without ``starts`` (a checkpoint from before
+    positions were saved) by re-tokenizing and dropping the blocks already served.
     """
 
     def __init__(
@@ -161,6 +167,7 @@ class TrainBlocks(IterableDataset):
         world_size: int,
         batch_size: int,
         skip_batches: int = 0,
+        starts: list[list[int]] | None = None,
         infinite: bool = True,
     ) -> None:
         self.source = source
@@ -169,31 +176,35 @@ class TrainBlocks(IterableDataset):
         self.world_size = world_size
         self.batch_size = batch_size
         self.skip_batches = skip_batches
+        self.starts = starts  # per part: (pass, doc, tok), or (-1, -1, -1) for a part not read yet
         self.infinite = infinite
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         worker, num_workers = _worker()
         # The DataLoader takes batch i from worker i % num_workers, starting again at worker 0 after a resume:
         # after `skip_batches` batches, worker w continues the stream of the worker that would have served
-        # batch skip_batches + w, past the batches that worker already served.
+        # batch skip_batches + w.
         part = (worker + self.skip_batches) % num_workers
-        skip = len(range(part, self.skip_batches, num_workers)) * self.batch_size
         parts = [(self.rank, self.world_size), (part, num_workers)]
-        for epoch in itertools.count():
-            produced = 0
-            for block in pack_blocks(self.source.token_lists(epoch=epoch, parts=parts), self.block_len):
+        first_epoch, doc, tok = max(self.starts[part], [0, 0, 0]) if self.starts else (0, 0, 0)
+        skip = 0 if self.starts else len(range(part, self.skip_batches, num_workers)) * self.batch_size
+        for epoch in itertools.count(first_epoch):
+            produced, whole_pass = 0, doc == tok == 0
+            stream = self.source.token_lists(epoch=epoch, parts=parts, first_doc=doc)
+            for block, doc, tok in pack_positions(stream, self.block_len, first_doc=doc, offset=tok):
                 produced += 1
                 if skip:
                     skip -= 1
                     continue
-                yield torch.tensor(block, dtype=torch.long)
+                yield {"idx": torch.tensor(block, dtype=torch.long), "position": torch.tensor([part, epoch, doc, tok])}
             if not self.infinite:
                 return
-            if produced == 0:
+            if produced == 0 and whole_pass:
                 raise DataError(
                     f"data set too small: {_where(self.rank, self.world_size, part, num_workers)} got no block of "
                     f"{self.block_len} tokens; use more data, a smaller block_size or fewer devices/workers"
                 )
+            doc = tok = 0
 
 
 class ValBlocks(IterableDataset):
@@ -335,6 +346,8 @@ class TextDataModule(L.LightningDataModule):
         self._train_source: _Source | None = None
         self._val_source: _Source | None = None
         self._resume_batches = 0
+        self._resume_positions: list | None = None  # [rank][part] = (pass, doc, tok) saved by the last run
+        self._positions: dict[int, list[int]] = {}  # part -> (pass, doc, tok) after the last batch trained on
 
     # ------------------------------------------------------------------ tokenizer facts
     @property
@@ -450,6 +463,10 @@ class TextDataModule(L.LightningDataModule):
         if self._shards is not None:
             return self._shard_blocks("train", rank, world_size, start_batch=skip)
         assert self._train_source is not None
+        starts = None
+        if skip_batches is None:  # the trainer's loader: positions continue from those resumed (none: afresh)
+            starts = self._resume_starts(rank, world_size)
+            self._positions = {part: list(start) for part, start in enumerate(starts or []) if start[0] >= 0}
         return TrainBlocks(
             self._train_source,
             block_len=self.block_len,
@@ -457,8 +474,23 @@ class TextDataModule(L.LightningDataModule):
             world_size=world_size,
             batch_size=self.batch_size,
             skip_batches=skip,
+            starts=starts,
             infinite=infinite,
         )
+
+    def _resume_starts(self, rank: int, world_size: int) -> list[list[int]] | None:
+        """This rank's saved stream position per dataloader part, checked against the present layout."""
+        saved = self._resume_positions
+        if not saved:
+            return None
+        parts = max(self.num_workers, 1)
+        if len(saved) != world_size or len(saved[rank]) != parts:
+            raise ConfigError(
+                f"the checkpoint's text stream was read by {len(saved)} rank(s) x {len(saved[0])} dataloader part(s), "
+                f"this run has {world_size} x {parts}: resume with the same devices x num_nodes and data.num_workers "
+                "(max(num_workers, 1) parts), or train on token shards (ltcx prepare), whose position needs neither"
+            )
+        return saved[rank]
 
     def val_dataset(self, rank: int | None = None, world_size: int | None = None) -> ValBlocks | ShardBlocks:
         """Exactly ``val_batches * batch_size`` validation blocks of ``rank`` of ``world_size`` (from token shards, as
@@ -503,13 +535,36 @@ class TextDataModule(L.LightningDataModule):
     predict_dataloader = test_dataloader
 
     # ------------------------------------------------------------------ exact resume
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """A training batch of text carries the stream position after it: keep it, hand on the blocks."""
+        if isinstance(batch, dict):
+            part, *position = batch["position"][-1].tolist()
+            self._positions[part] = position
+            return batch["idx"]
+        return batch
+
     def state_dict(self) -> dict[str, Any]:
-        """Training batches this rank has consumed: ``global_step * accumulate_grad_batches``."""
+        """Training batches this rank has consumed (``global_step * accumulate_grad_batches``) and, for text, where
+        every rank's stream stands: ``stream_positions[rank][part] = (pass, doc, tok)``, gathered from all ranks
+        (Lightning calls this on every rank and saves rank 0's)."""
         trainer = getattr(self, "trainer", None)
         if trainer is None:
             return {"train_batches_consumed": 0}
-        return {"train_batches_consumed": int(trainer.global_step) * int(trainer.accumulate_grad_batches)}
+        state: dict[str, Any] = {
+            "train_batches_consumed": int(trainer.global_step) * int(trainer.accumulate_grad_batches)
+        }
+        if self._shards is None and self._train_source is not None:
+            mine = torch.full((max(self.num_workers, 1), 3), -1, dtype=torch.long)
+            for part, position in self._positions.items():
+                mine[part] = torch.tensor(position)
+            if trainer.world_size > 1:
+                every = trainer.strategy.all_gather(mine.to(trainer.strategy.root_device))
+            else:
+                every = mine[None]
+            state["stream_positions"] = every.cpu().tolist()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume: the next training dataloader skips the batches already consumed."""
+        """Resume: the next training dataloader continues after the batches already consumed."""
         self._resume_batches = int(state_dict.get("train_batches_consumed", 0))
+        self._resume_positions = state_dict.get("stream_positions")
