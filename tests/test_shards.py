@@ -246,3 +246,32 @@ def test_prepare_and_fit_on_shards_through_the_cli(tmp_path, monkeypatch, capsys
     main([*args, "--trainer.max_steps", "3", "--ckpt_path", "last"])
     state = torch.load(tmp_path / "checkpoints/gpt/last.ckpt", weights_only=False)
     assert state["global_step"] == 3 and state["TextDataModule"]["train_batches_consumed"] == 3
+
+
+def test_prepare_reads_the_hub_path(tmp_path, monkeypatch):
+    """The hub branch of prepare (load_dataset(source, name), split selection) on a local repository-like folder."""
+    import ltcx.data.sources as sources
+
+    for module in (sources, prepare_module):
+        monkeypatch.setattr(module, "looks_local", lambda path: False)
+    monkeypatch.setattr(sources, "hub_unreachable", lambda: None)  # the "hub" is this folder: reachable
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": unit_docs(40)}), repo / "train-00000-of-00001.parquet")
+    meta = prepare(str(repo), str(tmp_path / "out"), name=None, tokenizer="bytes", val_fraction=0.0, num_proc=1)
+    assert shard_docs(tmp_path / "out", meta, "train") == unit_docs(40)
+    assert meta["settings"]["split"] == "train" and meta["shards"]["validation"] == []
+    with pytest.raises(LtcxError, match=r"no split 'validation' \(splits: train\): set --split"):
+        prepare(str(repo), str(tmp_path / "out2"), name=None, split="validation", tokenizer="bytes", num_proc=1)
+
+
+def test_prepare_offline_hub_names_the_fix(tmp_path):
+    with pytest.raises(LtcxError) as info:
+        prepare(out=str(tmp_path / "out"), num_proc=1)  # FineWeb-Edu sample-10BT, offline in the tests
+    assert str(info.value).startswith("cannot load data set 'HuggingFaceFW/fineweb-edu' from the Hugging Face hub (")
+    assert str(info.value).endswith("offline? use --source sample (a TinyStories sample shipped with ltcx) or point "
+                                    "--source at local .txt/.jsonl/.parquet files")
+    assert not (tmp_path / "out").exists()

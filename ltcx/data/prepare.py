@@ -120,22 +120,24 @@ def prepare(
         "text_column": text_column, "txt_sample_by": txt_sample_by if local else None, "tokenizer": tokenizer,
         "val_fraction": val_fraction, "shard_tokens": shard_tokens, "max_tokens": max_tokens,
     }
-    meta = _start(out, settings, tok, dtype)
-    if meta["complete"]:
+    meta = _existing(out, settings)
+    if meta is not None and meta["complete"]:
         print(f"ltcx: '{out}' is already prepared ({_summary(meta)})", file=sys.stderr)
         return meta
+    if local:
+        ds, _, what = open_local(source, txt_sample_by=txt_sample_by, validation=False)
+    else:
+        ds, _, what = open_hub(source, name, split, None, flags=("--source", "--split"))
+    check_text(ds, source, what, text_column, split=split if not local else "train")
+    if meta is None:  # everything checked: only now is anything written
+        meta = _create(out, settings, tok, dtype)
+    elif meta["resume"]["stream"] is not None:
+        ds.load_state_dict(meta["resume"]["stream"])
 
     num_proc = max(1, num_proc or os.cpu_count() or 1)
-    # Fork the workers before `datasets` starts its reader threads.
+    # The workers only tokenize (no `datasets` or fsspec state is used after the fork).
     pool = multiprocessing.Pool(num_proc, _init_worker, (tokenizer,)) if num_proc > 1 else None
     try:
-        if local:
-            ds, _, what = open_local(source, txt_sample_by=txt_sample_by, validation=False)
-        else:
-            ds, _, what = open_hub(source, name, split, None)
-        check_text(ds, source, what, text_column, split=split if not local else "train")
-        if meta["resume"]["stream"] is not None:
-            ds.load_state_dict(meta["resume"]["stream"])
         if pool is None:
             _init_worker(tokenizer)
         _run(ds, meta, out, text_column, dtype, batch_docs, pool, num_proc)
@@ -146,8 +148,8 @@ def prepare(
     return meta
 
 
-def _start(out: str, settings: dict, tok: Any, dtype: np.dtype) -> dict[str, Any]:
-    """A new ``meta.json`` in an empty ``out``, or the one found there when its settings are the same."""
+def _existing(out: str, settings: dict) -> dict[str, Any] | None:
+    """The ``meta.json`` in ``out`` when its settings are the same; None for a new or empty folder."""
     path = os.path.join(out, META)
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
@@ -159,6 +161,10 @@ def _start(out: str, settings: dict, tok: Any, dtype: np.dtype) -> dict[str, Any
         return meta
     if os.path.isdir(out) and os.listdir(out):
         raise LtcxError(f"'{out}' is not empty and holds no {META}: pass --out a new or empty folder")
+    return None
+
+
+def _create(out: str, settings: dict, tok: Any, dtype: np.dtype) -> dict[str, Any]:
     os.makedirs(out, exist_ok=True)
     meta = {
         "format": FORMAT, "version": VERSION, "complete": False, "settings": settings,
@@ -167,7 +173,7 @@ def _start(out: str, settings: dict, tok: Any, dtype: np.dtype) -> dict[str, Any
         "resume": {"stream": None, "seen": 0},
     }
     open(os.path.join(out, SEEN), "wb").close()
-    write_json(path, meta)
+    write_json(os.path.join(out, META), meta)
     return meta
 
 

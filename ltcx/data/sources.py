@@ -14,14 +14,11 @@ from ltcx.tokenizers import _short_reason
 
 __all__ = ["check_text", "hub_error", "open_hub", "open_local", "open_text"]
 
-OFFLINE_HINT = (
-    "offline? use --data.path sample (a TinyStories sample shipped with ltcx) or point --data.path at local "
-    ".txt/.jsonl/.parquet files"
-)
-
-
-def hub_error(path: str, reason: str) -> LtcxError:
-    return LtcxError(f"cannot load data set '{path}' from the Hugging Face hub ({reason}); {OFFLINE_HINT}")
+def hub_error(path: str, reason: str, flag: str = "--data.path") -> LtcxError:
+    return LtcxError(
+        f"cannot load data set '{path}' from the Hugging Face hub ({reason}); offline? use {flag} sample "
+        f"(a TinyStories sample shipped with ltcx) or point {flag} at local .txt/.jsonl/.parquet files"
+    )
 
 
 def open_local(path: str, *, txt_sample_by: str, validation: bool = True) -> tuple[Any, Any, str]:
@@ -44,20 +41,25 @@ def open_local(path: str, *, txt_sample_by: str, validation: bool = True) -> tup
     return dd["train"], dd.get("validation"), what
 
 
-def open_hub(path: str, name: str | None, train_split: str, val_split: str | None) -> tuple[Any, Any, str]:
-    """``(train, validation or None, description)`` of a hub data set, streamed; a missing ``val_split`` is None."""
+def open_hub(
+    path: str, name: str | None, train_split: str, val_split: str | None,
+    *, flags: tuple[str, str] = ("--data.path", "--data.train_split"),
+) -> tuple[Any, Any, str]:
+    """``(train, validation or None, description)`` of a hub data set, streamed; a missing ``val_split`` is None.
+    ``flags``: the options that set the data set and the split, as messages name them."""
     import datasets
 
+    source, split_flag = flags
     unreachable = hub_unreachable()
     if unreachable:  # say so now, not after `datasets` has retried for a minute
-        raise hub_error(path, unreachable)
+        raise hub_error(path, unreachable, source)
     try:
         dd = datasets.load_dataset(path, name, streaming=True)
     except Exception as exc:  # noqa: BLE001
-        raise hub_error(path, _short_reason(exc)) from exc
+        raise hub_error(path, _short_reason(exc), source) from exc
     what = f"data set '{path}'" + (f" ({name})" if name else "")
     if train_split not in dd:
-        raise ConfigError(f"{what} has no split '{train_split}' (splits: {', '.join(dd)}): set --data.train_split")
+        raise ConfigError(f"{what} has no split '{train_split}' (splits: {', '.join(dd)}): set {split_flag}")
     return dd[train_split], dd[val_split] if val_split and val_split in dd else None, what
 
 
