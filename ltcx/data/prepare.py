@@ -201,9 +201,9 @@ def _run(
     seen = set(np.fromfile(seen_path, dtype="<u8").tolist())
     train = _Shards(out, "train", meta["shards"]["train"])
     val = _Shards(out, "val", meta["shards"]["validation"])
-    # The reader runs ahead of the tokenizers: each batch's stream position, new hashes and counts wait here
-    # until its tokens arrive, and only then join what the next commit writes.
-    # The pool reads jobs() in a thread of its own and would read the whole corpus ahead: a semaphore caps it.
+    # The pool reads jobs() in a thread of its own, ahead of the tokenizers (a semaphore caps how far): each
+    # batch's stream position, new hashes and counts wait here until its tokens arrive, and only then join what
+    # the next commit writes.
     in_flight: deque[tuple[dict, list[int], dict[str, int]]] = deque()
     room, stop = threading.Semaphore(4 * num_proc), threading.Event()
     new_keys: list[int] = []
