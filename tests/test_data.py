@@ -1,4 +1,5 @@
 import json
+import os
 import random
 import time
 from types import SimpleNamespace
@@ -51,12 +52,18 @@ def expected_blocks(docs, tokenizer="bytes", block_size=B):
     return list(pack_blocks((tok.encode(d) + [tok.eot_id] for d in docs), block_size + 1))
 
 
+def blocks_of(item):
+    """The block(s) of a training item or batch (which also carries its stream position), or of a validation one."""
+    return item["idx"] if isinstance(item, dict) else item
+
+
 def as_lists(tensors):
-    return [t.tolist() for t in tensors]
+    return [blocks_of(t).tolist() for t in tensors]
 
 
 def doc_of(block) -> str:
     """The document of a one-block document (bytes tokenizer)."""
+    block = blocks_of(block)
     ids = block.tolist() if hasattr(block, "tolist") else block
     assert ids[-1] == 256
     return bytes(ids[:-1]).decode()
@@ -237,20 +244,55 @@ def test_resume_continues_exactly(tmp_path, num_workers):
     kw = dict(val_batches=0, batch_size=2, shuffle_buffer=100, num_workers=num_workers)
 
     def batches(dm, n):
-        return [b.tolist() for b, _ in zip(dm.train_dataloader(), range(n))]
+        return [blocks_of(b).tolist() for b, _ in zip(dm.train_dataloader(), range(n))]
 
     reference = batches(make_dm(path, **kw), 14)  # crosses several passes
-    for n in (0, 3, 5, 9):
+    for n in (0, 3, 5, 9):  # a checkpoint without stream positions (older ltcx): re-tokenize and drop
         dm = make_dm(path, **kw)
         dm.load_state_dict({"train_batches_consumed": n})
         assert batches(dm, 14 - n) == reference[n:], n
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_from_stream_positions_tokenizes_only_what_follows(tmp_path, num_workers, monkeypatch):
+    """Each batch carries the stream position after it; resuming there reads the documents before it without
+    tokenizing them, and continues exactly, also mid-document and across passes."""
+    from ltcx.tokenizers import ByteTokenizer
+
+    docs = [d * 3 for d in unit_docs(11)]  # 3 blocks a document (plus end-of-text): blocks end mid-document
+    path = write_txt(tmp_path / "a.txt", docs)
+    kw = dict(val_batches=0, batch_size=2, shuffle_buffer=100, num_workers=num_workers)
+    dm = make_dm(path, **kw)
+    reference, saved = [], []
+    for step, (batch, _) in enumerate(zip(dm.train_dataloader(), range(30)), 1):  # about 3 passes
+        reference.append(dm.on_before_batch_transfer(batch, 0).tolist())
+        dm.trainer = SimpleNamespace(global_step=step, accumulate_grad_batches=1, global_rank=0, world_size=1)
+        saved.append(dm.state_dict())
+    import ltcx.data.text as text
+
+    monkeypatch.setattr(text, "_READ_BATCH", 1)  # tokenize document by document, to count them
+    encoded = []
+    encode_batch = ByteTokenizer.encode_batch
+    monkeypatch.setattr(ByteTokenizer, "encode_batch", lambda tok, texts: encoded.extend(texts) or encode_batch(tok, texts))
+    for n in (1, 4, 17, 25):
+        encoded.clear()
+        dm = make_dm(path, **kw)
+        dm.load_state_dict(saved[n - 1])
+        got = [dm.on_before_batch_transfer(b, 0).tolist() for b, _ in zip(dm.train_dataloader(), range(2))]
+        assert got == reference[n : n + 2], n
+        if num_workers == 0:  # 2 batches of 2 blocks need at most 3 documents (plus one read ahead)
+            assert len(encoded) <= 4, (n, len(encoded))
+    dm = make_dm(path, **{**kw, "num_workers": num_workers + 2})
+    dm.load_state_dict(saved[3])
+    with pytest.raises(ConfigError, match=r"resume with the same devices x num_nodes and data.num_workers"):
+        dm.train_dataloader()
 
 
 def test_state_dict_counts_consumed_batches(tmp_path):
     dm = make_dm(write_txt(tmp_path / "a.txt", unit_docs(4)), val_batches=0)
     assert dm.state_dict() == {"train_batches_consumed": 0}
     dm.trainer = SimpleNamespace(global_step=7, accumulate_grad_batches=3, global_rank=0, world_size=1)
-    assert dm.state_dict() == {"train_batches_consumed": 21}
+    assert dm.state_dict() == {"train_batches_consumed": 21, "stream_positions": [[[-1, -1, -1]]]}
 
 
 def test_vocab_properties(tmp_path):
@@ -314,7 +356,10 @@ def test_error_unreachable_hub(hf_offline):
     assert time.monotonic() - start < 10
     msg = one_line(info)
     assert msg.startswith("cannot load data set 'no-such-user/no-such-dataset' from the Hugging Face hub (")
-    assert msg.endswith("); offline? point --data.path at local .txt/.jsonl/.parquet files")
+    assert msg.endswith(
+        "); offline? use --data.path sample (a TinyStories sample shipped with ltcx) or point --data.path at local "
+        ".txt/.jsonl/.parquet files"
+    )
 
 
 def test_error_unknown_tokenizer(tmp_path, hf_offline):
@@ -330,7 +375,7 @@ def test_error_unknown_tokenizer(tmp_path, hf_offline):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_error_data_too_small_for_a_rank(tmp_path, num_workers):
     dm = make_dm(write_txt(tmp_path / "a.txt", unit_docs(1)), val_batches=0, num_workers=num_workers)
-    assert len(next(iter(dm.train_dataset(0, 2)))) == B + 1  # rank 0 has the one document
+    assert len(next(iter(dm.train_dataset(0, 2)))["idx"]) == B + 1  # rank 0 has the one document
 
     def first_batch_error():
         it = iter(DataLoader(dm.train_dataset(1, 2), batch_size=2, num_workers=num_workers))
@@ -427,17 +472,18 @@ def test_trainer_fit_validate_and_resume(tmp_path):
     assert len(full.train_seen) == 16  # 8 optimizer steps of 2 accumulated batches
     assert len(full.val_seen) == 2 * 4  # val_batches per validation run, a run every 4 training batches
     assert full.val_seen[:2] == full.val_seen[2:4]  # the same validation batches every time
-    assert torch.load(ckpt, weights_only=False)["TextDataModule"] == {"train_batches_consumed": 6}
+    saved = torch.load(ckpt, weights_only=False)["TextDataModule"]
+    assert saved["train_batches_consumed"] == 6 and len(saved["stream_positions"][0]) == 1
     resumed = fit(ckpt_path=str(ckpt))
     assert resumed.train_seen == full.train_seen[6:]
 
 
 def test_hub_code_path_splits(tmp_path, monkeypatch, hf_offline):
     """The hub branch (load_dataset(path, name)) on a local repository-like folder: split selection and hold-out."""
-    import ltcx.data.text as text
+    import ltcx.data.sources as sources
 
-    monkeypatch.setattr(text, "looks_local", lambda path: False)
-    monkeypatch.setattr(text, "hub_unreachable", lambda: None)  # the "hub" is this folder: reachable
+    monkeypatch.setattr(sources, "looks_local", lambda path: False)
+    monkeypatch.setattr(sources, "hub_unreachable", lambda: None)  # the "hub" is this folder: reachable
     repo = tmp_path / "repo"
     repo.mkdir()
     write_parquet(repo / "train-00000-of-00001.parquet", unit_docs(40))
@@ -452,3 +498,23 @@ def test_hub_code_path_splits(tmp_path, monkeypatch, hf_offline):
     assert sorted(doc_of(b) for b in dm.train_dataset(infinite=False)) == sorted(set(unit_docs(40)) - set(held))
     with pytest.raises(ConfigError, match=r"no split 'training' \(splits: train, validation\): set --data.train_split"):
         make_dm(repo, train_split="training")
+
+
+# ---------------------------------------------------------------- the built-in sample
+def test_sample_path_is_the_shipped_tinystories_sample(tmp_path, monkeypatch):
+    from ltcx.data.files import SAMPLE_DIR, resolve_local_files
+
+    monkeypatch.chdir(tmp_path)
+    files = resolve_local_files("sample")
+    assert [os.path.basename(f) for f in files.train + files.validation] == ["train.txt", "validation.txt"]
+    assert all(os.path.dirname(f) == SAMPLE_DIR for f in files.train + files.validation)
+    assert 250_000 < os.path.getsize(files.train[0]) < 400_000 and 40_000 < os.path.getsize(files.validation[0]) < 60_000
+    dm = make_dm("sample", tokenizer="gpt2", block_size=128, batch_size=4, val_batches=2)
+    block = next(iter(dm.train_dataset()))["idx"]
+    text = dm.tokenizer_obj.decode(block.tolist())
+    assert block.shape == (129,) and text.isascii() and " the " in text
+    assert len(as_lists(dm.val_dataset())) == 8
+    # a folder named "sample" in the working directory is the user's data and wins
+    (tmp_path / "sample").mkdir()
+    write_txt(tmp_path / "sample" / "mine.txt", unit_docs(3))
+    assert sorted(doc_of(b) for b in make_dm("sample", val_batches=0).train_dataset(infinite=False)) == unit_docs(3)

@@ -368,8 +368,8 @@ def test_offline_hub_data_and_tokenizer_fail_at_once(tmp_path, fit_env, capsys):
     start = time.monotonic()
     line = one_error_line(fit_args(Path("roneneldan/TinyStories"), "--trainer.max_steps", "1"), capsys)
     assert line == ("ltcx: error: cannot load data set 'roneneldan/TinyStories' from the Hugging Face hub (offline mode "
-                    "is set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)); offline? point --data.path at local "
-                    ".txt/.jsonl/.parquet files")
+                    "is set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)); offline? use --data.path sample (a TinyStories "
+                    "sample shipped with ltcx) or point --data.path at local .txt/.jsonl/.parquet files")
     line = one_error_line(fit_args(fit_env, "--data.tokenizer", "some-org/no-such-tokenizer"), capsys)
     assert "unknown tokenizer 'some-org/no-such-tokenizer'" in line and "not in the local cache and offline mode" in line
     assert time.monotonic() - start < 10

@@ -1,4 +1,4 @@
-"""Data: streaming text data sets packed into fixed-size token blocks."""
+"""Data: streaming text, or token shards prepared once (``ltcx.data.prepare``), served as fixed-size token blocks."""
 
 from ltcx.data.packing import in_holdout, pack_blocks
 from ltcx.data.text import DataError, TextDataModule

@@ -9,7 +9,12 @@ from dataclasses import dataclass, field
 
 from ltcx.errors import LtcxError
 
-__all__ = ["LocalFiles", "looks_local", "resolve_local_files", "file_kind"]
+__all__ = ["LocalFiles", "SAMPLE", "file_kind", "local_path", "looks_local", "resolve_local_files"]
+
+# `--data.path sample`: the TinyStories sample shipped in the package (ltcx/data/sample/README.md), unless a
+# file or folder named "sample" exists in the working directory: the user's own data always wins.
+SAMPLE = "sample"
+SAMPLE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sample")
 
 # extension -> `datasets` packaged builder
 _BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -33,8 +38,17 @@ def file_kind(path: str) -> str | None:
     return ext if ext in _BUILDERS else None
 
 
+def local_path(path: str) -> str:
+    """``path`` as a local file system path: ``sample`` is the built-in sample unless ``./sample`` exists."""
+    if path == SAMPLE and not os.path.exists(SAMPLE):
+        return SAMPLE_DIR
+    return os.path.expanduser(path)
+
+
 def looks_local(path: str) -> bool:
-    """Whether ``path`` means local files rather than a Hugging Face hub data set id."""
+    """Whether ``path`` means local files (or the built-in sample) rather than a Hugging Face hub data set id."""
+    if path == SAMPLE:
+        return True
     p = os.path.expanduser(path)
     if os.path.exists(p) or glob.has_magic(p):
         return True
@@ -74,7 +88,7 @@ def resolve_local_files(path: str) -> LocalFiles:
     file, or a set without a validation-named file, is training data only. Hidden files and files of other types
     in a folder or glob are ignored; mixing types, and an empty file, are errors.
     """
-    p = os.path.expanduser(path)
+    p = local_path(path)
     if os.path.isfile(p):
         if file_kind(p) is None:
             raise LtcxError(

@@ -2,7 +2,8 @@
 
 One code path for the Hugging Face hub and for local files: both become ``datasets`` streaming
 ``IterableDataset`` s. Per split and pass: (shuffle) -> split by DDP rank -> split by dataloader worker ->
-tokenize -> append end-of-text -> cut blocks of ``block_size + 1`` tokens.
+tokenize -> append end-of-text -> cut blocks of ``block_size + 1`` tokens. A ``path`` prepared by ``ltcx prepare``
+switches the data module to token shards (``shard_data.py``).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from ltcx.data.files import LocalFiles, looks_local, resolve_local_files
-from ltcx.data.packing import in_holdout, pack_blocks
+from ltcx.data.files import local_path
+from ltcx.data.packing import in_holdout, pack_blocks, pack_positions
+from ltcx.data.shard_data import SAMPLING, ShardBlocks
+from ltcx.data.shards import VERIFY_MODES, is_prepared, load_meta, verify_shards
+from ltcx.data.sources import open_text
 from ltcx.errors import ConfigError, LtcxError
-from ltcx.hub import hub_unreachable
 from ltcx.tokenizers import Tokenizer, _short_reason, get_tokenizer
 from ltcx.tokenizers import padded_vocab_size as _pad_vocab
 
@@ -103,9 +106,10 @@ class _Source:
         self.shuffle_buffer = shuffle_buffer
 
     def token_lists(
-        self, *, epoch: int | None, parts: list[tuple[int, int]]
+        self, *, epoch: int | None, parts: list[tuple[int, int]], first_doc: int = 0
     ) -> Iterator[list[int]]:
-        """Token ids (end-of-text appended) of each document of one pass.
+        """Token ids (end-of-text appended) of each document of one pass, from document ``first_doc`` on (the
+        documents before it are read but not tokenized).
 
         ``epoch`` None reads in file order; otherwise the stream is shuffled with ``seed + epoch``. ``parts`` are
         successive ``(index, count)`` splits (rank of world size, then worker of workers) via
@@ -130,6 +134,8 @@ class _Source:
                 texts = [t for t in batch[col] if isinstance(t, str) and t.strip()]
                 if self.holdout is not None:
                     texts = [t for t in texts if in_holdout(t, self.holdout_fraction) == keep_val]
+                if first_doc:
+                    texts, first_doc = texts[first_doc:], max(0, first_doc - len(texts))
                 if not texts:
                     continue
                 for ids in tok.encode_batch(texts):
@@ -142,11 +148,14 @@ class _Source:
 
 
 class TrainBlocks(IterableDataset):
-    """Training blocks of one rank: ``LongTensor[block_size + 1]``, endless by default.
+    """Training blocks of one rank, endless by default: ``{"idx": LongTensor[block_size + 1], "position":
+    LongTensor[4]}``, the position being ``(part, pass, doc, tok)`` right after the block (``pack_positions``).
 
-    Each pass reshuffles with ``seed + pass``; inside a dataloader each worker reads its own part of the rank's
-    part. The first ``skip_batches`` batches of the rank (as a DataLoader with ``batch_size`` would assemble them,
-    batch ``i`` from worker ``i % num_workers``) are skipped, for exact resume.
+    Each pass reshuffles with ``seed + pass``; inside a dataloader each worker reads its own part of the rank's part.
+    A resume continues after ``skip_batches`` batches of the rank (as a DataLoader with ``batch_size`` assembles them,
+    batch ``i`` from worker ``i % num_workers``): from ``starts[part]``, the position the saving run reached in each
+    part, reading the documents before it without tokenizing them; without ``starts`` (a checkpoint from before
+    positions were saved) by re-tokenizing and dropping the blocks already served.
     """
 
     def __init__(
@@ -158,6 +167,7 @@ class TrainBlocks(IterableDataset):
         world_size: int,
         batch_size: int,
         skip_batches: int = 0,
+        starts: list[list[int]] | None = None,
         infinite: bool = True,
     ) -> None:
         self.source = source
@@ -166,31 +176,35 @@ class TrainBlocks(IterableDataset):
         self.world_size = world_size
         self.batch_size = batch_size
         self.skip_batches = skip_batches
+        self.starts = starts  # per part: (pass, doc, tok), or (-1, -1, -1) for a part not read yet
         self.infinite = infinite
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         worker, num_workers = _worker()
         # The DataLoader takes batch i from worker i % num_workers, starting again at worker 0 after a resume:
         # after `skip_batches` batches, worker w continues the stream of the worker that would have served
-        # batch skip_batches + w, past the batches that worker already served.
+        # batch skip_batches + w.
         part = (worker + self.skip_batches) % num_workers
-        skip = len(range(part, self.skip_batches, num_workers)) * self.batch_size
         parts = [(self.rank, self.world_size), (part, num_workers)]
-        for epoch in itertools.count():
-            produced = 0
-            for block in pack_blocks(self.source.token_lists(epoch=epoch, parts=parts), self.block_len):
+        first_epoch, doc, tok = max(self.starts[part], [0, 0, 0]) if self.starts else (0, 0, 0)
+        skip = 0 if self.starts else len(range(part, self.skip_batches, num_workers)) * self.batch_size
+        for epoch in itertools.count(first_epoch):
+            produced, whole_pass = 0, doc == tok == 0
+            stream = self.source.token_lists(epoch=epoch, parts=parts, first_doc=doc)
+            for block, doc, tok in pack_positions(stream, self.block_len, first_doc=doc, offset=tok):
                 produced += 1
                 if skip:
                     skip -= 1
                     continue
-                yield torch.tensor(block, dtype=torch.long)
+                yield {"idx": torch.tensor(block, dtype=torch.long), "position": torch.tensor([part, epoch, doc, tok])}
             if not self.infinite:
                 return
-            if produced == 0:
+            if produced == 0 and whole_pass:
                 raise DataError(
                     f"data set too small: {_where(self.rank, self.world_size, part, num_workers)} got no block of "
                     f"{self.block_len} tokens; use more data, a smaller block_size or fewer devices/workers"
                 )
+            doc = tok = 0
 
 
 class ValBlocks(IterableDataset):
@@ -247,10 +261,13 @@ class ValBlocks(IterableDataset):
 
 
 class TextDataModule(L.LightningDataModule):
-    """Text from the Hugging Face hub or local files, tokenized and packed into blocks of ``block_size + 1`` tokens.
+    """Language-model blocks of ``block_size + 1`` tokens, from text (streamed from the Hugging Face hub or local files,
+    tokenized as it is read) or from token shards made by ``ltcx prepare`` (read by memory map).
 
     Args:
-        path: Hugging Face hub data set id, or a local file, folder (recursive) or glob of .txt/.jsonl/.parquet files.
+        path: Hugging Face hub data set id; a local file, folder (recursive) or glob of .txt/.jsonl/.parquet files;
+            ``sample`` (the TinyStories sample shipped with ltcx, unless ./sample exists); or a folder prepared by
+            ``ltcx prepare`` (it holds meta.json): then the text options below do not apply.
         name: configuration name of the hub data set, if it has several.
         text_column: column holding the document text (.txt files have the column "text").
         train_split: hub split to train on.
@@ -265,6 +282,9 @@ class TextDataModule(L.LightningDataModule):
         holdout_fraction: fraction of training documents held out for validation when there is no validation split.
         txt_sample_by: one document of a .txt file: "line", "paragraph" (blank-line separated) or "document" (file).
         pad_vocab_to_multiple_of: round the model's vocabulary size up to a multiple of this (1 = no padding).
+        sampling: token shards only: "blocks" (every block once per epoch, shuffled) or "random" (random offsets).
+        verify: token shards only: check them against meta.json at start, "fast" (size and header), "full" (SHA-256)
+            or "none".
     """
 
     def __init__(
@@ -284,6 +304,8 @@ class TextDataModule(L.LightningDataModule):
         holdout_fraction: float = 0.005,
         txt_sample_by: str = "paragraph",
         pad_vocab_to_multiple_of: int = 64,
+        sampling: str = "blocks",
+        verify: str = "fast",
     ) -> None:
         super().__init__()
         checks = [
@@ -295,6 +317,8 @@ class TextDataModule(L.LightningDataModule):
             (0.0 <= holdout_fraction < 1.0, "holdout_fraction", holdout_fraction, "must be in [0, 1)"),
             (txt_sample_by in _SAMPLE_BY, "txt_sample_by", txt_sample_by, "must be 'line', 'paragraph' or 'document'"),
             (pad_vocab_to_multiple_of >= 1, "pad_vocab_to_multiple_of", pad_vocab_to_multiple_of, "must be >= 1"),
+            (sampling in SAMPLING, "sampling", sampling, "must be 'blocks' or 'random'"),
+            (verify in VERIFY_MODES, "verify", verify, "must be 'fast', 'full' or 'none'"),
             (bool(path), "path", path, "must name a hub data set or local files"),
         ]
         for ok, key, value, rule in checks:
@@ -316,9 +340,14 @@ class TextDataModule(L.LightningDataModule):
         self.holdout_fraction = holdout_fraction
         self.txt_sample_by = txt_sample_by
         self.pad_vocab_to_multiple_of = pad_vocab_to_multiple_of
+        self.sampling = sampling
+        self.verify = verify
+        self._shards: tuple[str, dict] | None = None  # (folder, meta.json) in token-shard mode
         self._train_source: _Source | None = None
         self._val_source: _Source | None = None
         self._resume_batches = 0
+        self._resume_positions: list | None = None  # [rank][part] = (pass, doc, tok) saved by the last run
+        self._positions: dict[int, list[int]] = {}  # part -> (pass, doc, tok) after the last batch trained on
 
     # ------------------------------------------------------------------ tokenizer facts
     @property
@@ -352,16 +381,18 @@ class TextDataModule(L.LightningDataModule):
 
         Idempotent; every problem is a one-line ``LtcxError`` raised before training writes anything.
         """
-        if self._train_source is not None:
+        if self._train_source is not None or self._shards is not None:
             return
         self.tokenizer_obj  # noqa: B018 - raises "unknown tokenizer ..." early
-        if looks_local(self.path):
-            train, val, what = self._open_local()
-        else:
-            train, val, what = self._open_hub()
-        self._check_split(train, what, split="train")
-        if val is not None:
-            self._check_split(val, what, split="validation")
+        folder = local_path(self.path)
+        if is_prepared(folder):
+            self._setup_shards(folder)
+            return
+        train, val, what = open_text(
+            self.path, name=self.name, train_split=self.train_split,
+            val_split=self.val_split if self.val_batches > 0 else None,
+            txt_sample_by=self.txt_sample_by, text_column=self.text_column,
+        )
         holdout = val is None and self.val_batches > 0
         if holdout and self.holdout_fraction <= 0.0:
             raise ConfigError(
@@ -379,71 +410,28 @@ class TextDataModule(L.LightningDataModule):
         if self.val_batches > 0:
             self._val_source = _Source(val if val is not None else train, holdout="val" if holdout else None, **common)
 
-    def _open_local(self) -> tuple[Any, Any, str]:
-        import datasets
-
-        files: LocalFiles = resolve_local_files(self.path)
-        data_files = {"train": files.train}
-        if files.validation and self.val_split is not None and self.val_batches > 0:
-            data_files["validation"] = files.validation
-        kwargs: dict[str, Any] = {"sample_by": self.txt_sample_by} if files.builder == "text" else {}
-        what = f"data files '{self.path}'"
-        try:
-            dd = datasets.load_dataset(files.builder, data_files=data_files, streaming=True, **kwargs)
-        except Exception as exc:  # noqa: BLE001
-            raise LtcxError(
-                f"cannot read {what} ({_short_reason(exc)}): check that they are valid {files.kind} files"
-            ) from exc
-        return dd["train"], dd.get("validation"), what
-
-    def _open_hub(self) -> tuple[Any, Any, str]:
-        import datasets
-
-        unreachable = hub_unreachable()
-        if unreachable:  # say so now, not after `datasets` has retried for a minute
-            raise self._hub_error(unreachable)
-        try:
-            dd = datasets.load_dataset(self.path, self.name, streaming=True)
-        except Exception as exc:  # noqa: BLE001
-            raise self._hub_error(_short_reason(exc)) from exc
-        what = f"data set '{self.path}'" + (f" ({self.name})" if self.name else "")
-        if self.train_split not in dd:
+    def _setup_shards(self, folder: str) -> None:
+        meta = load_meta(folder)
+        if meta["tokenizer"] != self.tokenizer:
             raise ConfigError(
-                f"{what} has no split '{self.train_split}' (splits: {', '.join(dd)}): set --data.train_split"
+                f"the token shards in '{self.path}' were made with tokenizer '{meta['tokenizer']}', not "
+                f"'{self.tokenizer}': set --data.tokenizer {meta['tokenizer']}"
             )
-        val = dd[self.val_split] if self.val_split and self.val_split in dd and self.val_batches > 0 else None
-        return dd[self.train_split], val, what
+        if self.val_batches > 0 and not meta["shards"]["validation"]:
+            raise ConfigError(
+                f"the token shards in '{self.path}' have no validation split (prepared with --val_fraction 0): "
+                "set --data.val_batches 0 or prepare with a validation fraction"
+            )
+        verify_shards(folder, meta, self.verify)
+        self._shards = folder, meta
 
-    def _hub_error(self, reason: str) -> LtcxError:
-        return LtcxError(
-            f"cannot load data set '{self.path}' from the Hugging Face hub ({reason}); "
-            "offline? point --data.path at local .txt/.jsonl/.parquet files"
+    def _shard_blocks(self, split: str, rank: int, world_size: int, **kw: Any) -> ShardBlocks:
+        assert self._shards is not None
+        folder, meta = self._shards
+        return ShardBlocks(
+            folder, meta["shards"][split], meta["dtype"], block_len=self.block_len, rank=rank, world_size=world_size,
+            batch_size=self.batch_size, seed=self.seed, sampling=self.sampling, **kw,
         )
-
-    def _check_split(self, ds: Any, what: str, *, split: str) -> None:
-        """Peek at the first examples: the text column exists and some document is non-empty."""
-        hub = not looks_local(self.path)
-        try:
-            found_column = False
-            for example in ds:
-                if self.text_column not in example:
-                    cols = ", ".join(repr(c) for c in example)
-                    raise LtcxError(
-                        f"column '{self.text_column}' not found in the {split} split of {what} (columns: {cols}): "
-                        "set --data.text_column"
-                    )
-                found_column = True
-                text = example[self.text_column]
-                if isinstance(text, str) and text.strip():
-                    return
-        except LtcxError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            if hub:
-                raise self._hub_error(_short_reason(exc)) from exc
-            raise LtcxError(f"cannot read {what} ({_short_reason(exc)}): check that the files are valid") from exc
-        detail = f"every document in column '{self.text_column}' is empty" if found_column else "it has no documents"
-        raise LtcxError(f"no text in the {split} split of {what}: {detail}; point --data.path at files with text")
 
     # ------------------------------------------------------------------ datasets and loaders
     def _rank_world(self, rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -463,30 +451,57 @@ class TextDataModule(L.LightningDataModule):
         *,
         infinite: bool = True,
         skip_batches: int | None = None,
-    ) -> TrainBlocks:
-        """The training blocks of ``rank`` of ``world_size`` (default: the trainer's, else 0 of 1).
+    ) -> TrainBlocks | ShardBlocks:
+        """The training blocks of ``rank`` of ``world_size`` (default: the trainer's, else 0 of 1); from token shards,
+        whole batches, endless.
 
-        ``infinite=False`` gives a single pass (for tests); ``skip_batches`` defaults to the resumed position.
+        ``infinite=False`` gives a single pass of text (for tests); ``skip_batches`` defaults to the resumed position.
         """
         self.setup("fit")
-        assert self._train_source is not None
         rank, world_size = self._rank_world(rank, world_size)
+        skip = self._resume_batches if skip_batches is None else skip_batches
+        if self._shards is not None:
+            return self._shard_blocks("train", rank, world_size, start_batch=skip)
+        assert self._train_source is not None
+        starts = None
+        if skip_batches is None:  # the trainer's loader: positions continue from those resumed (none: afresh)
+            starts = self._resume_starts(rank, world_size)
+            self._positions = {part: list(start) for part, start in enumerate(starts or []) if start[0] >= 0}
         return TrainBlocks(
             self._train_source,
             block_len=self.block_len,
             rank=rank,
             world_size=world_size,
             batch_size=self.batch_size,
-            skip_batches=self._resume_batches if skip_batches is None else skip_batches,
+            skip_batches=skip,
+            starts=starts,
             infinite=infinite,
         )
 
-    def val_dataset(self, rank: int | None = None, world_size: int | None = None) -> ValBlocks:
-        """Exactly ``val_batches * batch_size`` validation blocks of ``rank`` of ``world_size``."""
+    def _resume_starts(self, rank: int, world_size: int) -> list[list[int]] | None:
+        """This rank's saved stream position per dataloader part, checked against the present layout."""
+        saved = self._resume_positions
+        if not saved:
+            return None
+        parts = max(self.num_workers, 1)
+        if len(saved) != world_size or len(saved[rank]) != parts:
+            raise ConfigError(
+                f"the checkpoint's text stream was read by {len(saved)} rank(s) x {len(saved[0])} dataloader part(s), "
+                f"this run has {world_size} x {parts}: resume with the same devices x num_nodes and data.num_workers "
+                "(max(num_workers, 1) parts), or train on token shards (ltcx prepare), whose position needs neither"
+            )
+        return saved[rank]
+
+    def val_dataset(self, rank: int | None = None, world_size: int | None = None) -> ValBlocks | ShardBlocks:
+        """Exactly ``val_batches * batch_size`` validation blocks of ``rank`` of ``world_size`` (from token shards, as
+        ``val_batches`` batches)."""
         self.setup("validate")
-        if self._val_source is None:
+        if self.val_batches == 0:
             raise ConfigError("validation is disabled (data.val_batches=0): set --data.val_batches > 0")
         rank, world_size = self._rank_world(rank, world_size)
+        if self._shards is not None:
+            return self._shard_blocks("validation", rank, world_size, num_batches=self.val_batches)
+        assert self._val_source is not None
         return ValBlocks(
             self._val_source,
             block_len=self.block_len,
@@ -499,7 +514,7 @@ class TextDataModule(L.LightningDataModule):
     def _loader(self, dataset: IterableDataset) -> DataLoader:
         return DataLoader(
             dataset,
-            batch_size=self.batch_size,
+            batch_size=None if isinstance(dataset, ShardBlocks) else self.batch_size,  # ShardBlocks makes batches
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=False,
@@ -520,13 +535,36 @@ class TextDataModule(L.LightningDataModule):
     predict_dataloader = test_dataloader
 
     # ------------------------------------------------------------------ exact resume
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """A training batch of text carries the stream position after it: keep it, hand on the blocks."""
+        if isinstance(batch, dict):
+            part, *position = batch["position"][-1].tolist()
+            self._positions[part] = position
+            return batch["idx"]
+        return batch
+
     def state_dict(self) -> dict[str, Any]:
-        """Training batches this rank has consumed: ``global_step * accumulate_grad_batches``."""
+        """Training batches this rank has consumed (``global_step * accumulate_grad_batches``) and, for text, where
+        every rank's stream stands: ``stream_positions[rank][part] = (pass, doc, tok)``, gathered from all ranks
+        (Lightning calls this on every rank and saves rank 0's)."""
         trainer = getattr(self, "trainer", None)
         if trainer is None:
             return {"train_batches_consumed": 0}
-        return {"train_batches_consumed": int(trainer.global_step) * int(trainer.accumulate_grad_batches)}
+        state: dict[str, Any] = {
+            "train_batches_consumed": int(trainer.global_step) * int(trainer.accumulate_grad_batches)
+        }
+        if self._shards is None and self._train_source is not None:
+            mine = torch.full((max(self.num_workers, 1), 3), -1, dtype=torch.long)
+            for part, position in self._positions.items():
+                mine[part] = torch.tensor(position)
+            if trainer.world_size > 1:
+                every = trainer.strategy.all_gather(mine.to(trainer.strategy.root_device))
+            else:
+                every = mine[None]
+            state["stream_positions"] = every.cpu().tolist()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume: the next training dataloader skips the batches already consumed."""
+        """Resume: the next training dataloader continues after the batches already consumed."""
         self._resume_batches = int(state_dict.get("train_batches_consumed", 0))
+        self._resume_positions = state_dict.get("stream_positions")

@@ -1,0 +1,305 @@
+"""``ltcx prepare``: a text corpus, read once in streaming, into deduplicated, tokenized token shards.
+
+    ltcx prepare --out data/fineweb-edu-10BT                          # FineWeb-Edu sample-10BT from the hub
+    ltcx prepare --source my_corpus/ --out data/my_corpus --val_fraction 0.01
+
+Documents are read in order; exact duplicates (after whitespace normalisation) are dropped; a stable hash of the
+normalised text sends a document to validation (so the splits share no document); worker processes tokenize
+batches of documents; the main process appends them, each followed by end-of-text, to the current shard.
+A shard is committed when it holds ``shard_tokens``: shard files first, then the hashes seen, then ``meta.json``
+with the stream position. A killed run resumes from the last commit: the source stream is restored with
+``datasets``' ``load_state_dict``, the hash file is cut back to its committed length, later files are overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing
+import os
+import sys
+import threading
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ltcx.data.files import looks_local
+from ltcx.data.packing import in_holdout
+from ltcx.data.shards import FORMAT, META, VERSION, token_dtype, write_json, write_shard
+from ltcx.data.sources import check_text, open_hub, open_local
+from ltcx.errors import LtcxError
+from ltcx.tokenizers import get_tokenizer
+
+__all__ = ["prepare", "prepare_main"]
+
+SEEN = "seen.u64"  # 8-byte hashes of the normalised documents kept so far (append-only, cut back on resume)
+COUNTS = ("documents_read", "empty", "duplicates", "train_documents", "validation_documents", "train_tokens",
+          "validation_tokens")
+
+
+def _key(normalised: str) -> int:
+    # 64 bits: for 10^7 documents the chance of one false duplicate is about 3e-6
+    return int.from_bytes(hashlib.blake2b(normalised.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+_TOKENIZER = None
+
+
+def _init_worker(tokenizer: str) -> None:
+    global _TOKENIZER
+    _TOKENIZER = get_tokenizer(tokenizer)
+
+
+def _tokenize(job: tuple[list[str], list[str], str]) -> tuple[np.ndarray, np.ndarray]:
+    """Token arrays of the training and validation documents of one batch, each document followed by end-of-text."""
+    train, val, dtype = job
+    tok = _TOKENIZER
+    assert tok is not None
+
+    def flat(texts: list[str]) -> np.ndarray:
+        ids = [t for doc in tok.encode_batch(texts) for t in (*doc, tok.eot_id)] if texts else []
+        return np.asarray(ids, dtype=dtype)
+
+    return flat(train), flat(val)
+
+
+class _Shards:
+    """The documents of one split waiting to be written, and that split's committed shards."""
+
+    def __init__(self, out: str, prefix: str, shards: list[dict]) -> None:
+        self.out, self.prefix, self.shards = out, prefix, shards
+        self.parts: list[np.ndarray] = []
+        self.tokens = self.documents = 0
+
+    def add(self, tokens: np.ndarray, documents: int) -> None:
+        self.parts.append(tokens)
+        self.tokens += tokens.size
+        self.documents += documents
+
+    def flush(self) -> None:
+        if self.documents:
+            path = os.path.join(self.out, f"{self.prefix}_{len(self.shards):06d}.bin")
+            self.shards.append(write_shard(path, np.concatenate(self.parts), self.documents))
+        self.parts, self.tokens, self.documents = [], 0, 0
+
+
+def prepare(
+    source: str = "HuggingFaceFW/fineweb-edu",
+    out: str = "",
+    *,
+    name: str | None = "sample-10BT",
+    split: str = "train",
+    text_column: str = "text",
+    txt_sample_by: str = "paragraph",
+    tokenizer: str = "gpt2",
+    val_fraction: float = 0.001,
+    shard_tokens: int = 100_000_000,
+    max_tokens: int | None = None,
+    num_proc: int | None = None,
+    batch_docs: int = 1024,
+) -> dict[str, Any]:
+    """Prepare ``source`` (hub data set id, or local files) into token shards in ``out``; returns ``meta.json``.
+
+    ``max_tokens`` stops after about that many training tokens (at a batch boundary). Rerunning the same call
+    resumes an interrupted preparation and does nothing for a finished one.
+    """
+    if not out:
+        raise LtcxError("no output folder: pass --out (a new or empty folder, or one to resume)")
+    if not 0.0 <= val_fraction < 1.0:
+        raise LtcxError(f"--val_fraction ({val_fraction}) must be in [0, 1)")
+    if shard_tokens < 1 or batch_docs < 1 or (max_tokens is not None and max_tokens < 1):
+        raise LtcxError("--shard_tokens, --batch_docs and --max_tokens must be >= 1")
+    local = looks_local(source)
+    tok = get_tokenizer(tokenizer)
+    dtype = token_dtype(tok.vocab_size)
+    settings = {
+        "source": source, "name": None if local else name, "split": None if local else split,
+        "text_column": text_column, "txt_sample_by": txt_sample_by if local else None, "tokenizer": tokenizer,
+        "val_fraction": val_fraction, "shard_tokens": shard_tokens, "max_tokens": max_tokens,
+    }
+    meta = _existing(out, settings)
+    if meta is not None and meta["complete"]:
+        print(f"ltcx: '{out}' is already prepared ({_summary(meta)})", file=sys.stderr)
+        return meta
+    if local:
+        ds, _, what = open_local(source, txt_sample_by=txt_sample_by, validation=False)
+    else:
+        ds, _, what = open_hub(source, name, split, None, flags=("--source", "--split"))
+    check_text(ds, source, what, text_column, split=split if not local else "train")
+    if meta is None:  # everything checked: only now is anything written
+        meta = _create(out, settings, tok, dtype)
+    elif meta["resume"]["stream"] is not None:
+        ds.load_state_dict(meta["resume"]["stream"])
+
+    num_proc = max(1, num_proc or os.cpu_count() or 1)
+    # The workers only tokenize (no `datasets` or fsspec state is used after the fork).
+    pool = multiprocessing.Pool(num_proc, _init_worker, (tokenizer,)) if num_proc > 1 else None
+    try:
+        if pool is None:
+            _init_worker(tokenizer)
+        _run(ds, meta, out, text_column, dtype, batch_docs, pool, num_proc)
+    finally:
+        if pool is not None:
+            pool.terminate()
+    print(f"ltcx: prepared '{out}': {_summary(meta)}", file=sys.stderr)
+    return meta
+
+
+def _existing(out: str, settings: dict) -> dict[str, Any] | None:
+    """The ``meta.json`` in ``out`` when its settings are the same; None for a new or empty folder."""
+    path = os.path.join(out, META)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+        if meta.get("format") != FORMAT or meta.get("settings") != settings:
+            theirs = meta.get("settings", {})
+            diff = ", ".join(f"{k}: {theirs.get(k)!r} there, {v!r} now" for k, v in settings.items() if theirs.get(k) != v)
+            raise LtcxError(f"'{out}' holds a preparation with other settings ({diff}): use another --out")
+        return meta
+    if os.path.isdir(out) and os.listdir(out):
+        raise LtcxError(f"'{out}' is not empty and holds no {META}: pass --out a new or empty folder")
+    return None
+
+
+def _create(out: str, settings: dict, tok: Any, dtype: np.dtype) -> dict[str, Any]:
+    os.makedirs(out, exist_ok=True)
+    meta = {
+        "format": FORMAT, "version": VERSION, "complete": False, "settings": settings,
+        "tokenizer": settings["tokenizer"], "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "dtype": dtype.name,
+        "counts": dict.fromkeys(COUNTS, 0), "shards": {"train": [], "validation": []},
+        "resume": {"stream": None, "seen": 0},
+    }
+    open(os.path.join(out, SEEN), "wb").close()
+    write_json(os.path.join(out, META), meta)
+    return meta
+
+
+def _batches(ds: Any, column: str, batch_docs: int) -> Iterator[tuple[list[Any], dict]]:
+    """Documents in batches, each with the stream position after it."""
+    batch: list[Any] = []
+    for example in ds:
+        batch.append(example[column])
+        if len(batch) == batch_docs:
+            yield batch, ds.state_dict()
+            batch = []
+    if batch:
+        yield batch, ds.state_dict()
+
+
+def _run(
+    ds: Any, meta: dict, out: str, column: str, dtype: np.dtype, batch_docs: int, pool: Any, num_proc: int
+) -> None:
+    from tqdm import tqdm
+
+    settings, counts = meta["settings"], meta["counts"]
+    seen_path = os.path.join(out, SEEN)
+    with open(seen_path, "r+b") as f:  # cut back to the last commit: later hashes belong to uncommitted documents
+        f.truncate(meta["resume"]["seen"] * 8)
+    seen = set(np.fromfile(seen_path, dtype="<u8").tolist())
+    train = _Shards(out, "train", meta["shards"]["train"])
+    val = _Shards(out, "val", meta["shards"]["validation"])
+    # The pool reads jobs() in a thread of its own, ahead of the tokenizers (a semaphore caps how far): each
+    # batch's stream position, new hashes and counts wait here until its tokens arrive, and only then join what
+    # the next commit writes.
+    in_flight: deque[tuple[dict, list[int], dict[str, int]]] = deque()
+    room, stop = threading.Semaphore(4 * num_proc), threading.Event()
+    new_keys: list[int] = []
+    pending = dict.fromkeys(COUNTS, 0)
+
+    def jobs() -> Iterator[tuple[list[str], list[str], str]]:
+        for texts, state in _batches(ds, column, batch_docs):
+            while not room.acquire(timeout=0.1):
+                if stop.is_set():
+                    return
+            keys: list[int] = []
+            tally = dict(documents_read=len(texts), empty=0, duplicates=0)
+            kept: tuple[list[str], list[str]] = ([], [])
+            for text in texts:
+                normalised = " ".join(text.split()) if isinstance(text, str) else ""
+                key = _key(normalised) if normalised else None
+                if key is None or key in seen:
+                    tally["empty" if key is None else "duplicates"] += 1
+                    continue
+                seen.add(key)
+                keys.append(key)
+                kept[in_holdout(normalised, settings["val_fraction"])].append(text)
+            tally.update(train_documents=len(kept[0]), validation_documents=len(kept[1]))
+            in_flight.append((state, keys, tally))
+            yield kept[0], kept[1], dtype.name
+
+    def commit(state: dict, *, complete: bool) -> None:
+        pending.update(train_tokens=train.tokens, validation_tokens=val.tokens)
+        train.flush()
+        val.flush()
+        with open(seen_path, "ab") as f:
+            f.write(np.asarray(new_keys, dtype="<u8").tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        for k in COUNTS:
+            counts[k] += pending[k]
+            pending[k] = 0
+        meta["resume"] = {"stream": state, "seen": meta["resume"]["seen"] + len(new_keys)}
+        meta["complete"] = complete
+        new_keys.clear()
+        write_json(os.path.join(out, META), meta)
+
+    results = pool.imap(_tokenize, jobs()) if pool is not None else map(_tokenize, jobs())
+    state = meta["resume"]["stream"]
+    limit = settings["max_tokens"]
+    bar = tqdm(desc="prepare", unit="tok", unit_scale=True, total=limit, initial=counts["train_tokens"],
+               dynamic_ncols=True)
+    try:
+        for train_ids, val_ids in results:
+            state, keys, tally = in_flight.popleft()
+            room.release()
+            new_keys.extend(keys)
+            for k, v in tally.items():
+                pending[k] += v
+            train.add(train_ids, tally["train_documents"])
+            val.add(val_ids, tally["validation_documents"])
+            bar.update(train_ids.size)
+            bar.set_postfix(docs=counts["documents_read"] + pending["documents_read"],
+                            dups=counts["duplicates"] + pending["duplicates"], refresh=False)
+            done = limit is not None and counts["train_tokens"] + train.tokens >= limit
+            if train.tokens >= settings["shard_tokens"] or done:
+                commit(state, complete=done)
+            if done:
+                break
+        else:
+            commit(state, complete=True)
+    finally:
+        stop.set()  # the pool's reader thread returns, so that the pool can be shut down
+        bar.close()
+
+
+def _summary(meta: dict) -> str:
+    c = meta["counts"]
+    return (f"{c['train_tokens']:,} training and {c['validation_tokens']:,} validation tokens in "
+            f"{len(meta['shards']['train'])} + {len(meta['shards']['validation'])} shards; {c['documents_read']:,} "
+            f"documents read, {c['duplicates']:,} duplicates and {c['empty']:,} empty dropped")
+
+
+def prepare_main(argv: list[str]) -> None:
+    """``ltcx prepare``: a hub data set or local files into deduplicated token shards (resumable)."""
+    parser = argparse.ArgumentParser(prog="ltcx prepare", description=prepare_main.__doc__)
+    parser.add_argument("--source", default="HuggingFaceFW/fineweb-edu",
+                        help="hub data set id, or local .txt/.jsonl/.parquet file, folder or glob, or 'sample'")
+    parser.add_argument("--name", default="sample-10BT", help="hub configuration (ignored for local files)")
+    parser.add_argument("--split", default="train", help="hub split to read (local files: all of them)")
+    parser.add_argument("--out", required=True, help="output folder: new or empty, or an interrupted one to resume")
+    parser.add_argument("--text_column", default="text")
+    parser.add_argument("--txt_sample_by", default="paragraph", choices=("line", "paragraph", "document"))
+    parser.add_argument("--tokenizer", default="gpt2")
+    parser.add_argument("--val_fraction", type=float, default=0.001, help="documents held out, by a hash of the text")
+    parser.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per shard (about)")
+    parser.add_argument("--max_tokens", type=int, default=None, help="stop after about this many training tokens")
+    parser.add_argument("--num_proc", type=int, default=None, help="tokenizer processes (default: one per CPU)")
+    args = parser.parse_args(argv)
+    prepare(
+        args.source, args.out, name=args.name, split=args.split, text_column=args.text_column,
+        txt_sample_by=args.txt_sample_by, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+        shard_tokens=args.shard_tokens, max_tokens=args.max_tokens, num_proc=args.num_proc,
+    )

@@ -1,0 +1,133 @@
+"""Batches of token blocks read by memory map from prepared shards, with an arithmetic (O(1)) position.
+
+A split's shards are cut into non-overlapping blocks of ``block_len`` tokens (a shard's tail shorter than a block is
+not used); block ``g`` is tokens ``[j * block_len, (j + 1) * block_len)`` of the shard it falls in.
+
+Training, ``sampling="blocks"``: epoch ``e`` is a permutation of all ``N`` blocks seeded by ``seed + e``; rank ``r`` of
+``R`` takes its entries ``r, r + R, ...`` (``N // R`` of them, so every rank's epoch has the same length and no block
+is seen twice in an epoch by any rank). Sample ``p`` of a rank is entry ``p % (N // R)`` of epoch ``p // (N // R)``.
+``sampling="random"``: every block starts at a uniformly random token (nanoGPT's sampling), from a generator seeded by
+``(seed, rank, batch)``; ranks draw independently. Either way batch ``b`` of a rank is a function of ``b`` alone, so
+dataloader worker ``w`` of ``W`` makes batches ``start + w, start + w + W, ...`` (the order the loader takes them in)
+and a resume at batch ``start`` reads nothing it skips.
+
+Validation: rank ``r`` takes blocks ``r, r + R, ...`` in order, cycled to exactly ``num_batches`` batches.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ltcx.data.shards import Shard, open_shard
+from ltcx.errors import LtcxError
+
+__all__ = ["SAMPLING", "ShardBlocks"]
+
+SAMPLING = ("blocks", "random")
+
+
+class ShardBlocks(IterableDataset):
+    """Batches ``LongTensor[batch_size, block_len]`` of one rank from one split's shards (use ``batch_size=None`` in
+    the DataLoader). ``num_batches`` None: endless training batches from batch ``start_batch`` on; else exactly that
+    many validation batches."""
+
+    def __init__(
+        self,
+        folder: str,
+        shards: list[Shard],
+        dtype: str,
+        *,
+        block_len: int,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        seed: int = 0,
+        sampling: str = "blocks",
+        start_batch: int = 0,
+        num_batches: int | None = None,
+    ) -> None:
+        self.folder, self.shards, self.dtype = folder, shards, np.dtype(dtype)
+        self.block_len, self.rank, self.world_size, self.batch_size = block_len, rank, world_size, batch_size
+        self.seed, self.sampling, self.start_batch, self.num_batches = seed, sampling, start_batch, num_batches
+        tokens = np.array([s["tokens"] for s in shards], dtype=np.int64)
+        per_shard = tokens // block_len
+        self._block_start = np.concatenate([[0], np.cumsum(per_shard)])  # first block of each shard
+        self.num_blocks = int(self._block_start[-1])
+        self._windows = np.maximum(tokens - block_len + 1, 0)  # start tokens of a random block, per shard
+        self._maps: list[np.memmap] | None = None
+        self._epoch: tuple[int, np.ndarray] | None = None  # (epoch, this rank's blocks in it)
+        if sampling not in SAMPLING:
+            raise LtcxError(f"data.sampling={sampling!r} must be 'blocks' or 'random': fix --data.sampling")
+        if (self._windows.sum() if sampling == "random" and num_batches is None else self.blocks_per_rank) == 0:
+            what = "validation" if num_batches is not None else "training"
+            raise LtcxError(
+                f"{what} shards in '{folder}' too small: {self.num_blocks} blocks of {block_len} tokens for "
+                f"{world_size} rank(s); use a smaller block_size, fewer devices or more data"
+            )
+
+    @property
+    def blocks_per_rank(self) -> int:
+        """Blocks of one rank: per training epoch (``N // R``), or before validation cycles."""
+        if self.num_batches is not None:
+            return len(range(self.rank, self.num_blocks, self.world_size))
+        return self.num_blocks // self.world_size
+
+    def __len__(self) -> int:
+        if self.num_batches is None:
+            raise TypeError("the training batches are endless")
+        return self.num_batches
+
+    def __getstate__(self) -> dict[str, Any]:  # memory maps are opened anew in each worker process
+        return {**self.__dict__, "_maps": None, "_epoch": None}
+
+    def _tokens(self, blocks: np.ndarray) -> np.ndarray:
+        """``[len(blocks), block_len]`` tokens of global block ids ``blocks``."""
+        shard = np.searchsorted(self._block_start, blocks, side="right") - 1
+        starts = (blocks - self._block_start[shard]) * self.block_len
+        return self._read(shard, starts)
+
+    def _read(self, shard: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        if self._maps is None:
+            self._maps = [open_shard(self.folder, s, self.dtype) for s in self.shards]
+        return np.stack([self._maps[k][s : s + self.block_len] for k, s in zip(shard.tolist(), starts.tolist())])
+
+    def epoch_blocks(self, epoch: int) -> np.ndarray:
+        """This rank's block ids of training epoch ``epoch``, in order: ``[N // R]``."""
+        if self._epoch is None or self._epoch[0] != epoch:
+            order = np.random.default_rng(self.seed + epoch).permutation(self.num_blocks)
+            self._epoch = epoch, order[self.rank :: self.world_size][: self.blocks_per_rank].copy()
+        return self._epoch[1]
+
+    def batch(self, b: int) -> torch.Tensor:
+        """Batch ``b`` of this rank: ``LongTensor[batch_size, block_len]``."""
+        positions = np.arange(b * self.batch_size, (b + 1) * self.batch_size, dtype=np.int64)
+        per_rank = self.blocks_per_rank
+        if self.num_batches is not None:  # validation: this rank's blocks in order, cycled
+            tokens = self._tokens(self.rank + (positions % per_rank) * self.world_size)
+        elif self.sampling == "blocks":
+            epochs, index = np.divmod(positions, per_rank)
+            blocks = np.concatenate([self.epoch_blocks(int(e))[index[epochs == e]] for e in np.unique(epochs)])
+            tokens = self._tokens(blocks)
+        else:
+            rng = np.random.default_rng([self.seed, self.rank, b])
+            cum = np.cumsum(self._windows)
+            u = rng.integers(cum[-1], size=self.batch_size)
+            shard = np.searchsorted(cum, u, side="right")
+            tokens = self._read(shard, u - (cum[shard] - self._windows[shard]))
+        return torch.from_numpy(tokens.astype(np.int64))
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        start = self.start_batch if self.num_batches is None else 0
+        batches = itertools.count(start + worker, workers)
+        if self.num_batches is not None:
+            batches = iter(range(worker, self.num_batches, workers))
+        for b in batches:
+            yield self.batch(b)

@@ -1,0 +1,139 @@
+"""Token shards on disk: written by ``ltcx prepare``, memory-mapped by the shard data mode.
+
+A prepared folder holds ``train_NNNNNN.bin``, ``val_NNNNNN.bin`` and ``meta.json`` (tokenizer, settings, counts, and
+for every shard its token and document counts and SHA-256). A shard is a 64-byte header and the token ids:
+
+    magic b"LTCXTOK\\0" | version u32 | bytes per token u32 (2: uint16, 4: uint32) | tokens u64 | documents u64 | 0...
+    tokens x little-endian uint16/uint32, every document followed by the tokenizer's end-of-text id
+
+so the fast check (file size and header against meta.json) needs no reading beyond 64 bytes a shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from typing import Any
+
+import numpy as np
+
+from ltcx.errors import LtcxError
+
+__all__ = [
+    "HEADER_BYTES", "META", "Shard", "is_prepared", "load_meta", "open_shard", "token_dtype", "verify_shards",
+    "write_json", "write_shard",
+]
+
+MAGIC = b"LTCXTOK\0"
+VERSION = 1
+HEADER_BYTES = 64
+_HEADER = struct.Struct("<8sIIQQ")  # magic, version, bytes per token, tokens, documents (then zeros to 64 bytes)
+META = "meta.json"
+FORMAT = "ltcx-token-shards"
+VERIFY_MODES = ("fast", "full", "none")
+
+Shard = dict[str, Any]  # meta.json's record of one shard: file, tokens, documents, sha256
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 while every id fits (GPT-2's 50,257 do), else uint32."""
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_shard(path: str, tokens: np.ndarray, documents: int) -> Shard:
+    """Write ``tokens`` (1-D uint16/uint32) as a shard: temp file, fsync, ``os.replace``. Returns its record."""
+    header = _HEADER.pack(MAGIC, VERSION, tokens.dtype.itemsize, tokens.size, documents).ljust(HEADER_BYTES, b"\0")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(header)
+        f.write(tokens.astype(tokens.dtype.newbyteorder("<"), copy=False).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return {"file": os.path.basename(path), "tokens": int(tokens.size), "documents": documents, "sha256": _sha256(path)}
+
+
+def write_json(path: str, data: dict) -> None:
+    """Atomically: the old complete file or the new complete one."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def is_prepared(folder: str) -> bool:
+    """Whether ``folder`` is (or was being made into) a prepared token-shard folder."""
+    return os.path.isfile(os.path.join(folder, META))
+
+
+def load_meta(folder: str) -> dict[str, Any]:
+    """``meta.json`` of a prepared folder; one line if it is unreadable or the preparation did not finish."""
+    path = os.path.join(folder, META)
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise LtcxError(f"cannot read '{path}' ({exc}): prepare the data again with ltcx prepare") from None
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise LtcxError(f"'{path}' is not an ltcx token-shard meta.json (version {VERSION}): prepare the data again")
+    if not meta.get("complete"):
+        raise LtcxError(
+            f"the preparation of '{folder}' did not finish: run the same ltcx prepare command again to complete it"
+        )
+    return meta
+
+
+def open_shard(folder: str, shard: Shard, dtype: np.dtype) -> np.memmap:
+    """The tokens of one shard, memory-mapped read-only: ``[shard['tokens']]``."""
+    return np.memmap(os.path.join(folder, shard["file"]), dtype=dtype, mode="r", offset=HEADER_BYTES,
+                     shape=(shard["tokens"],))
+
+
+def verify_shards(folder: str, meta: dict[str, Any], mode: str = "fast") -> None:
+    """Check every shard against ``meta.json``: ``fast`` its size and header, ``full`` also its SHA-256.
+
+    Raises one ``LtcxError`` line naming the first shard that does not match.
+    """
+    if mode not in VERIFY_MODES:
+        raise LtcxError(f"data.verify={mode!r} must be 'fast', 'full' or 'none': fix --data.verify")
+    if mode == "none":
+        return
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for shard in meta["shards"]["train"] + meta["shards"]["validation"]:
+        path = os.path.join(folder, shard["file"])
+        problem = _shard_problem(path, shard, itemsize, full=mode == "full")
+        if problem:
+            raise LtcxError(
+                f"token shard '{path}' does not match {META} ({problem}): it was changed or damaged after "
+                "ltcx prepare; prepare the data again into a new folder"
+            )
+
+
+def _shard_problem(path: str, shard: Shard, itemsize: int, *, full: bool) -> str | None:
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(_HEADER.size)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    expected = HEADER_BYTES + shard["tokens"] * itemsize
+    if size != expected:
+        return f"{size} bytes, expected {expected}"
+    if len(head) < _HEADER.size or _HEADER.unpack(head) != (MAGIC, VERSION, itemsize, shard["tokens"],
+                                                             shard["documents"]):
+        return "its header differs"
+    if full and _sha256(path) != shard["sha256"]:
+        return "SHA-256 differs"
+    return None

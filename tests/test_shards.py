@@ -1,0 +1,277 @@
+"""`ltcx prepare` and the token-shard data mode: dedup, document-disjoint validation, checksums, resume after a kill,
+rank/worker-disjoint epochs without replacement, O(1) exact resume, and a fit on prepared shards."""
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import ltcx.data.prepare as prepare_module
+from ltcx.cli import main
+from ltcx.data import TextDataModule, in_holdout
+from ltcx.data.prepare import prepare
+from ltcx.data.shards import HEADER_BYTES, token_dtype, verify_shards, write_shard
+from ltcx.errors import LtcxError
+
+B = 16  # block_size; blocks hold B + 1 tokens
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def unit_docs(n: int, start: int = 0) -> list[str]:
+    """Documents of B bytes: with the bytes tokenizer each one plus its end-of-text is exactly one block."""
+    return [f"doc{i:0{B - 3}d}" for i in range(start, start + n)]
+
+
+def write_jsonl(path: Path, docs: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    return path
+
+
+def shard_docs(folder: Path, meta: dict, split: str) -> list[str]:
+    """The documents stored in a split's shards, in order (bytes tokenizer: end-of-text is 256)."""
+    ids = np.concatenate([np.fromfile(folder / s["file"], dtype=meta["dtype"], offset=HEADER_BYTES)
+                          for s in meta["shards"][split]])
+    cuts = np.flatnonzero(ids == 256)
+    return [bytes(ids[a + 1 : b].tolist()).decode() for a, b in zip(np.r_[-1, cuts[:-1]], cuts)]
+
+
+def shard_dm(folder: Path, **kw) -> TextDataModule:
+    kw = {"tokenizer": "bytes", "block_size": B, "batch_size": 2, "val_batches": 1, **kw}
+    dm = TextDataModule(path=str(folder), **kw)
+    dm.setup("fit")
+    return dm
+
+
+def block_ids(batches) -> list[str]:
+    return [bytes(row[:-1].tolist()).decode() for batch in batches for row in batch]
+
+
+@pytest.fixture
+def corpus(tmp_path) -> tuple[Path, list[str]]:
+    """300 distinct one-block documents, plus 25 exact and whitespace-variant duplicates and 5 blank ones."""
+    docs = unit_docs(300)
+    dups = [docs[i] for i in range(0, 50, 5)] + [f"  {docs[i]}\n" for i in range(1, 75, 5)]
+    lines = docs[:150] + dups + ["", "  ", "\n", "", " "] + docs[150:]
+    return write_jsonl(tmp_path / "corpus.jsonl", lines), docs
+
+
+def prepared(tmp_path, corpus, name="prep", **kw) -> tuple[Path, dict]:
+    kw = {"tokenizer": "bytes", "val_fraction": 0.1, "shard_tokens": 40 * (B + 1), "num_proc": 1, "batch_docs": 16,
+          **kw}
+    out = tmp_path / name
+    return out, prepare(str(corpus[0]), str(out), **kw)
+
+
+# ---------------------------------------------------------------- prepare
+def test_prepare_dedups_splits_by_document_and_checksums(tmp_path, corpus):
+    out, meta = prepared(tmp_path, corpus)
+    docs = corpus[1]
+    val = [d for d in docs if in_holdout(d, 0.1)]
+    assert 10 < len(val) < 50
+    assert meta["counts"] == {
+        "documents_read": 330, "empty": 5, "duplicates": 25, "train_documents": 300 - len(val),
+        "validation_documents": len(val), "train_tokens": (300 - len(val)) * (B + 1),
+        "validation_tokens": len(val) * (B + 1),
+    }
+    assert shard_docs(out, meta, "train") == [d for d in docs if d not in val]  # first copies, in order
+    assert shard_docs(out, meta, "validation") == val
+    assert meta["dtype"] == "uint16" and meta["complete"] and len(meta["shards"]["train"]) > 3
+    for shard in meta["shards"]["train"] + meta["shards"]["validation"]:
+        data = (out / shard["file"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == shard["sha256"]
+        assert len(data) == HEADER_BYTES + 2 * shard["tokens"] and data[:8] == b"LTCXTOK\0"
+    verify_shards(str(out), meta, "full")
+    assert not [f for f in os.listdir(out) if ".tmp" in f]
+
+
+def test_prepare_resumes_after_a_kill(tmp_path, corpus, monkeypatch):
+    _, reference = prepared(tmp_path, corpus, name="reference")
+    write_json, commits = prepare_module.write_json, []
+
+    def killed_at_third_commit(path, data):
+        commits.append(path)
+        if len(commits) == 4:  # meta.json at creation, then commits: this one's shards and hashes are written
+            raise KeyboardInterrupt
+        write_json(path, data)
+
+    monkeypatch.setattr(prepare_module, "write_json", killed_at_third_commit)
+    with pytest.raises(KeyboardInterrupt):
+        prepared(tmp_path, corpus, num_proc=2)
+    monkeypatch.setattr(prepare_module, "write_json", write_json)
+    out = tmp_path / "prep"
+    half = json.loads((out / "meta.json").read_text())
+    assert not half["complete"] and len(half["shards"]["train"]) == 2
+    assert (out / "train_000002.bin").exists()  # written by the killed commit: not in meta.json, so redone
+    (out / "train_000003.bin.tmp-1").write_bytes(b"half-written")
+    with pytest.raises(LtcxError, match="did not finish: run the same ltcx prepare command again"):
+        shard_dm(out)
+    _, resumed = prepared(tmp_path, corpus, num_proc=2)
+
+    def outcome(meta):  # settings, counts, every shard's SHA-256 (the stream position's spelling may differ)
+        return {k: v for k, v in meta.items() if k != "resume"}
+
+    assert outcome(resumed) == outcome(reference)
+    assert outcome(prepared(tmp_path, corpus)[1]) == outcome(reference)  # finished: nothing to do
+    with pytest.raises(LtcxError, match=r"holds a preparation with other settings \(val_fraction: 0.1 there, 0.2 now"):
+        prepared(tmp_path, corpus, val_fraction=0.2)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "x").write_text("mine")
+    with pytest.raises(LtcxError, match="is not empty and holds no meta.json"):
+        prepared(tmp_path, corpus, name="other")
+
+
+def test_token_dtype_and_uint32_shards(tmp_path):
+    assert token_dtype(50257) == np.uint16 and token_dtype(65536) == np.uint16 and token_dtype(100277) == np.uint32
+    ids = np.array([0, 70000, 100276], dtype=np.uint32)
+    record = write_shard(str(tmp_path / "t.bin"), ids, documents=1)
+    meta = {"dtype": "uint32", "shards": {"train": [record], "validation": []}}
+    verify_shards(str(tmp_path), meta, "full")
+    assert np.fromfile(tmp_path / "t.bin", dtype="<u4", offset=HEADER_BYTES).tolist() == ids.tolist()
+
+
+def test_checksum_mismatch_is_one_line(tmp_path, corpus):
+    out, meta = prepared(tmp_path, corpus)
+    shard = out / meta["shards"]["train"][1]["file"]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # same size, same header: only the full check sees it
+    shard.write_bytes(bytes(data))
+    shard_dm(out)
+    with pytest.raises(LtcxError) as info:
+        shard_dm(out, verify="full")
+    assert str(info.value) == (
+        f"token shard '{shard}' does not match meta.json (SHA-256 differs): it was changed or damaged after "
+        "ltcx prepare; prepare the data again into a new folder"
+    )
+    shard.write_bytes(bytes(data[:-2]))
+    with pytest.raises(LtcxError, match=r"\(\d+ bytes, expected \d+\)"):
+        shard_dm(out)
+
+
+# ---------------------------------------------------------------- the shard data mode
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("nodes,devices", [(1, 2), (2, 2)])
+def test_epochs_are_disjoint_across_ranks_and_workers_without_replacement(tmp_path, corpus, nodes, devices,
+                                                                           num_workers):
+    out, meta = prepared(tmp_path, corpus)
+    world = nodes * devices
+    train_docs = shard_docs(out, meta, "train")
+    dm = shard_dm(out, num_workers=num_workers, batch_size=3)
+    epochs = []
+    for rank in range(world):  # global rank = node * devices + local rank, as Lightning numbers them
+        dm.trainer = SimpleNamespace(global_rank=rank, world_size=world)
+        per_epoch = dm.train_dataset().blocks_per_rank
+        assert per_epoch == len(train_docs) // world
+        batches = list(zip(range(2 * per_epoch // 3 + 1), dm.train_dataloader()))
+        seen = block_ids(b for _, b in batches)
+        epochs.append((seen[:per_epoch], seen[per_epoch : 2 * per_epoch]))
+    for e in (0, 1):
+        blocks = [b for rank_epochs in epochs for b in rank_epochs[e]]
+        assert len(blocks) == len(set(blocks)) == world * per_epoch  # disjoint, no block twice in an epoch
+        assert set(blocks) <= set(train_docs)
+    assert epochs[0][0] != epochs[0][1]  # each epoch has its own order
+
+
+@pytest.mark.parametrize("sampling", ["blocks", "random"])
+def test_resume_is_exact_and_reads_nothing_it_skips(tmp_path, corpus, sampling):
+    out, _ = prepared(tmp_path, corpus)
+    dm = shard_dm(out, sampling=sampling, num_workers=2)
+    reference = [b for _, b in zip(range(40), dm.train_dataloader())]  # crosses several epochs
+    for consumed in (1, 7, 33):
+        resumed = shard_dm(out, sampling=sampling, num_workers=2)
+        resumed.load_state_dict({"train_batches_consumed": consumed})
+        got = [b for _, b in zip(range(40 - consumed), resumed.train_dataloader())]
+        assert all(torch.equal(a, b) for a, b in zip(got, reference[consumed:]))
+    far = shard_dm(out, sampling=sampling).train_dataset(skip_batches=10**9)
+    start = time.perf_counter()
+    batch = next(iter(far))
+    assert time.perf_counter() - start < 0.5 and batch.shape == (2, B + 1)  # position arithmetic, not a replay
+
+
+def test_random_offsets_stay_inside_shards(tmp_path, corpus):
+    out, meta = prepared(tmp_path, corpus)
+    shards = [np.fromfile(out / s["file"], dtype="<u2", offset=HEADER_BYTES).tobytes() for s in meta["shards"]["train"]]
+    dm = shard_dm(out, sampling="random")
+    ranks = [dm.train_dataset(r, 2) for r in (0, 1)]
+    for batch in (ranks[0].batch(0), ranks[0].batch(5), ranks[1].batch(0)):
+        for row in batch:  # a window of one shard
+            assert any(row.numpy().astype("<u2").tobytes() in shard for shard in shards)
+    assert not torch.equal(ranks[0].batch(0), ranks[1].batch(0))  # ranks draw independently
+    assert torch.equal(ranks[0].batch(3), shard_dm(out, sampling="random").train_dataset(0, 2).batch(3))
+
+
+def test_validation_batches_are_fixed_and_disjoint(tmp_path, corpus):
+    out, meta = prepared(tmp_path, corpus)
+    dm = shard_dm(out, val_batches=3, batch_size=2, num_workers=2)
+    per_rank = []
+    for rank in (0, 1):
+        loader = DataLoader(dm.val_dataset(rank, 2), batch_size=None, num_workers=2)
+        assert len(loader) == 3
+        per_rank.append(block_ids(loader))
+        assert block_ids(dm.val_dataset(rank, 2)) == per_rank[-1]  # the same without workers
+    assert not set(per_rank[0]) & set(per_rank[1])
+    assert set(per_rank[0]) | set(per_rank[1]) <= set(shard_docs(out, meta, "validation"))
+
+
+def test_shard_mode_errors(tmp_path, corpus):
+    out, _ = prepared(tmp_path, corpus)
+    with pytest.raises(LtcxError, match=r"made with tokenizer 'bytes', not 'gpt2': set --data.tokenizer bytes"):
+        shard_dm(out, tokenizer="gpt2")
+    with pytest.raises(LtcxError, match=r"training shards in .* too small: \d+ blocks of 4097 tokens for 1 rank"):
+        shard_dm(out, block_size=4096).train_dataset()
+
+
+def test_prepare_and_fit_on_shards_through_the_cli(tmp_path, monkeypatch, capsys):
+    """`ltcx prepare` on the built-in sample, then `fit` on the folder it wrote, then an exact-position resume."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ltcx"])
+    main(["prepare", "--source", "sample", "--out", "shards", "--num_proc", "1", "--val_fraction", "0.05"])
+    assert "ltcx: prepared 'shards': " in capsys.readouterr().err
+    args = [
+        "fit", "--config", str(ROOT / "configs/gpt.yaml"), "--config", str(ROOT / "configs/trainer/smoke.yaml"),
+        "--data.path", "shards", "--data.block_size", "32", "--data.batch_size", "2", "--data.val_batches", "1",
+        "--trainer.val_check_interval", "2", "--trainer.enable_progress_bar", "false",
+        "--model.backbone.init_args.n_layer", "1", "--model.backbone.init_args.n_embd", "32",
+        "--model.backbone.init_args.n_head", "2", "--model.backbone.init_args.n_kv_head", "1",
+        "--model.backbone.init_args.block_size", "32", "--model.warmup_steps", "2",
+    ]
+    main([*args, "--trainer.max_steps", "2"])
+    main([*args, "--trainer.max_steps", "3", "--ckpt_path", "last"])
+    state = torch.load(tmp_path / "checkpoints/gpt/last.ckpt", weights_only=False)
+    assert state["global_step"] == 3 and state["TextDataModule"]["train_batches_consumed"] == 3
+
+
+def test_prepare_reads_the_hub_path(tmp_path, monkeypatch):
+    """The hub branch of prepare (load_dataset(source, name), split selection) on a local repository-like folder."""
+    import ltcx.data.sources as sources
+
+    for module in (sources, prepare_module):
+        monkeypatch.setattr(module, "looks_local", lambda path: False)
+    monkeypatch.setattr(sources, "hub_unreachable", lambda: None)  # the "hub" is this folder: reachable
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": unit_docs(40)}), repo / "train-00000-of-00001.parquet")
+    meta = prepare(str(repo), str(tmp_path / "out"), name=None, tokenizer="bytes", val_fraction=0.0, num_proc=1)
+    assert shard_docs(tmp_path / "out", meta, "train") == unit_docs(40)
+    assert meta["settings"]["split"] == "train" and meta["shards"]["validation"] == []
+    with pytest.raises(LtcxError, match=r"no split 'validation' \(splits: train\): set --split"):
+        prepare(str(repo), str(tmp_path / "out2"), name=None, split="validation", tokenizer="bytes", num_proc=1)
+
+
+def test_prepare_offline_hub_names_the_fix(tmp_path):
+    with pytest.raises(LtcxError) as info:
+        prepare(out=str(tmp_path / "out"), num_proc=1)  # FineWeb-Edu sample-10BT, offline in the tests
+    assert str(info.value).startswith("cannot load data set 'HuggingFaceFW/fineweb-edu' from the Hugging Face hub (")
+    assert str(info.value).endswith("offline? use --source sample (a TinyStories sample shipped with ltcx) or point "
+                                    "--source at local .txt/.jsonl/.parquet files")
+    assert not (tmp_path / "out").exists()
