@@ -13,8 +13,8 @@ MODELS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
 PIECES = [None] + sorted(str(p.relative_to(ROOT / "configs")) for p in (ROOT / "configs").glob("*/*.yaml"))
 
 
-def test_the_three_models_have_configs():
-    assert MODELS == ["gpt.yaml", "ltc.yaml", "xlstm.yaml"]
+def test_every_model_has_a_config():
+    assert MODELS == ["gpt.yaml", "gta.yaml", "ltc.yaml", "xlstm.yaml"]
 
 
 @pytest.mark.parametrize("piece", PIECES)
@@ -32,7 +32,7 @@ def test_config_composes(model, piece, monkeypatch, capsys):
     assert "vocab_size" not in resolved["model"]["backbone"]["init_args"]  # linked from the tokenizer
 
 
-@pytest.mark.parametrize("model,expected", [("gpt", 28_758_912), ("ltc", 29_104_512), ("xlstm", 28_768_136)])
+@pytest.mark.parametrize("model,expected", [("gpt", 28_758_912), ("ltc", 29_104_512), ("xlstm", 28_768_136), ("gta", 29_053_824)])
 def test_config_model_sizes(model, expected):
     import importlib
 
