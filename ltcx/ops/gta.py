@@ -36,10 +36,10 @@ def latent_attention(q: torch.Tensor, k: torch.Tensor, latent: torch.Tensor, dro
         k = k.repeat_interleave(heads // n_key, dim=1)
         latent = latent.repeat_interleave(heads // n_latent, dim=1)
     key_dim, latent_dim = q.shape[-1], latent.shape[-1]
-    if key_dim != latent_dim and q.shape[-2] > 1:
+    if key_dim != latent_dim:
         # The fused (flash) kernels want one width for q, k and v; otherwise the math path materialises
-        # [B, G, T, P + T] weights. Zero columns add nothing to q.k, and padded value columns are cut off.
-        # One query (a decode step) is cheap on the math path, and padding would copy the whole cache.
+        # [B, G, T, P + T] weights (and is about 2x slower for a decode step on CPU). Zero columns add
+        # nothing to q.k, and padded value columns are cut off.
         width = max(key_dim, latent_dim)
         q, k = F.pad(q, (0, width - key_dim)), F.pad(k, (0, width - key_dim))
         latent = F.pad(latent, (0, width - latent_dim))
@@ -54,6 +54,9 @@ def expand_identity(groups: int, latent_dim: int, width: int, **tensor_options) 
 
 
 def decode_latent(o: torch.Tensor, decoder: torch.Tensor) -> torch.Tensor:
-    """o [B, G, T, d_l] attended latents, decoder D [G, d_l, W] -> u [B, T, G * W], group-major columns."""
-    batch, _, length, _ = o.shape
-    return torch.matmul(o, decoder).transpose(1, 2).reshape(batch, length, -1)
+    """o [B, G, T, d_l] attended latents, decoder D [G, d_l, W] -> u [B, T, G * W], group-major columns:
+    einsum('bgtv,gvw->btgw'), as one bmm over the G groups with B * T rows each (a matmul broadcast over
+    [B, G] would first copy D B times)."""
+    batch, groups, length, latent_dim = o.shape
+    u = torch.bmm(o.transpose(0, 1).reshape(groups, batch * length, latent_dim), decoder)  # [G, B T, W]
+    return u.view(groups, batch, length, -1).permute(1, 2, 0, 3).reshape(batch, length, -1)
