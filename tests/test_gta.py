@@ -173,14 +173,6 @@ def test_heads_of_a_group_share_one_attention_map():
     assert (maps[0] - maps[per_group]).abs().max() > 1e-3  # different groups, different maps
 
 
-def test_linear_decoder_commutes_with_attention_and_caching_is_exact():
-    """sum_j a_ij (c_j D) = (sum_j a_ij c_j) D: the identity the latent cache rests on."""
-    gen = torch.Generator().manual_seed(4)
-    weights = torch.softmax(torch.randn(7, 7, dtype=F64, generator=gen), -1).tril()
-    latent, decoder = torch.randn(7, 5, dtype=F64, generator=gen), torch.randn(5, 10, dtype=F64, generator=gen)
-    torch.testing.assert_close(weights @ (latent @ decoder), (weights @ latent) @ decoder, rtol=0, atol=1e-12)
-
-
 def test_rotary_embedding_scores_depend_only_on_the_offset():
     gen = torch.Generator().manual_seed(5)
     q, k = torch.randn(1, 1, 1, 8, dtype=F64, generator=gen), torch.randn(1, 1, 1, 8, dtype=F64, generator=gen)
