@@ -13,11 +13,12 @@ import torch
 from ltcx.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_MODEL = [
+TINY_SHAPE = [
     "--model.backbone.init_args.n_layer", "1", "--model.backbone.init_args.n_embd", "32",
-    "--model.backbone.init_args.n_head", "2", "--model.backbone.init_args.n_kv_head", "1",
-    "--model.backbone.init_args.block_size", "64", "--model.warmup_steps", "2",
+    "--model.backbone.init_args.n_head", "2", "--model.backbone.init_args.block_size", "64",
+    "--model.warmup_steps", "2",
 ]
+TINY_MODEL = [*TINY_SHAPE, "--model.backbone.init_args.n_kv_head", "1"]
 
 
 def write_corpus(folder: Path, train_docs: int = 300, val_docs: int = 30) -> Path:
@@ -147,6 +148,7 @@ def test_unreachable_hub_names_the_offline_fix(tmp_path, monkeypatch, capsys):
 TINY_OVERRIDES = {
     "gpt": TINY_MODEL,
     "ltc": TINY_MODEL + ["--model.backbone.init_args.num_decay_modes", "4"],
+    "gta": TINY_SHAPE + ["--model.backbone.init_args.key_dim", "16", "--model.backbone.init_args.latent_dim", "8"],
     "xlstm": [
         "--model.backbone.init_args.embedding_dim", "32", "--model.backbone.init_args.num_layers", "2",
         "--model.backbone.init_args.signature", "[1, 1]", "--model.backbone.init_args.num_heads", "2",
@@ -156,9 +158,10 @@ TINY_OVERRIDES = {
 }
 
 
-@pytest.mark.parametrize("arch", ["ltc", "xlstm"])
+@pytest.mark.parametrize("arch", ["ltc", "xlstm", "gta"])
 def test_every_config_trains_and_generates(arch, tmp_path, monkeypatch, capsys):
-    """Each architecture's own YAML fits a few steps in process, checkpoints, and `generate` reads it back."""
+    """Each architecture's own YAML fits a few steps in process, checkpoints, writes samples, resumes, and
+    `generate` reads the checkpoint back."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["ltcx"])
     data = write_corpus(tmp_path / "corpus", 60, 10)
@@ -171,6 +174,10 @@ def test_every_config_trains_and_generates(arch, tmp_path, monkeypatch, capsys):
     main(args)
     checkpoint = tmp_path / f"checkpoints/{arch}/last.ckpt"
     assert torch.load(checkpoint, weights_only=False)["global_step"] == 2
+    samples = read_events(tmp_path / f"lightning_logs/{arch}/version_0").Tensors("samples/text_summary")
+    assert [e.step for e in samples] == [2] and samples[0].tensor_proto.string_val[0].decode().startswith("Once")
+    main([*args, "--trainer.max_steps", "3", "--ckpt_path", "last"])
+    assert torch.load(checkpoint, weights_only=False)["global_step"] == 3
     for subcommand in ("validate", "test", "predict"):
         main([subcommand, *args[1:], "--ckpt_path", str(checkpoint)])
     capsys.readouterr()

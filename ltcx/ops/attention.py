@@ -7,13 +7,15 @@ import torch
 import torch.nn.functional as F
 
 
-def causal_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+def causal_gqa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, scale: float | None = None
+) -> torch.Tensor:
     """Softmax attention of new queries over all keys, causal in absolute position.
 
     q: [B, H, T, D], the queries of the last T positions.
-    k, v: [B, H_kv, P + T, D], keys and values of the P cached positions followed by the T new ones.
-    H must be a multiple of H_kv; query head h reads KV head h // (H / H_kv).
-    Returns [B, H, T, D].
+    k: [B, H_kv, P + T, D], v: [B, H_kv, P + T, D_v], keys and values of the P cached positions followed
+    by the T new ones. H must be a multiple of H_kv; query head h reads KV head h // (H / H_kv).
+    scale: of the scores; None = 1 / sqrt(D). Returns [B, H, T, D_v].
 
     One call to ``scaled_dot_product_attention``: its ``is_causal`` aligns the mask to the top-left
     corner, which is right only without a cache, so with P > 0 the mask is built explicitly.
@@ -22,13 +24,13 @@ def causal_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, drop
     past_len = total_len - new_len
     gqa = q.shape[1] != k.shape[1]
     if past_len == 0:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=gqa)
     if new_len == 1:  # one new query sees every key
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
     key_pos = torch.arange(total_len, device=q.device)
     query_pos = torch.arange(past_len, total_len, device=q.device)
     mask = key_pos[None, :] <= query_pos[:, None]  # [T, P+T], True = may attend
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:

@@ -1,0 +1,203 @@
+"""GTA GPT: the GQA GPT with grouped-head latent attention (GTA, Sun et al. 2025, arXiv 2506.17286).
+
+G query heads each give one attention map, shared by the S = n_head / G output heads of its group; n_k
+key heads are shared by the groups; values are n_c latent heads of width d_l, attended as they are and
+decoded after attention by a linear per-group map D_g = [I ... I] + B_g; a sigmoid gate of the current
+token's input scales the decoded heads before the output projection. The cache keeps only the keys
+and the latents. Everything outside attention is the GPT's. Equations in ``ltcx.ops.gta``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from ltcx.errors import ConfigError
+from ltcx.models.gpt import GPT, GPTConfig
+from ltcx.ops import gta as gta_ops
+from ltcx.ops.attention import apply_rope
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass
+class GTAConfig(GPTConfig):
+    """Shape of a GTA GPT: the GPT fields (less n_kv_head) plus the GTA attention's."""
+
+    # GTA has no KV heads (keys: n_key_head, values: n_latent_head), so this GPT field is not an argument.
+    n_kv_head: int | None = field(default=None, init=False, repr=False)
+    n_query_group: int = 2  # G: attention maps per layer, each shared by n_head / G output heads
+    n_key_head: int = 1  # n_k: key heads, shared by G / n_k groups each
+    key_dim: int | None = None  # d_k: query/key width; None = head_dim
+    n_latent_head: int = 1  # n_c: latent value heads, shared by G / n_c groups each
+    latent_dim: int | None = None  # d_l: latent width; None = n_embd / (2 G), an expand factor of 2
+    gate: bool = True  # sigmoid gate from the current token on the decoded heads
+    rope: bool = False  # rotary embedding on queries and keys (the official model's), besides wpe
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("n_query_group", "n_key_head", "n_latent_head"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, f"{name} ({value}) must be a positive integer")
+        groups = self.n_query_group
+        _require(
+            self.n_head % groups == 0,
+            f"n_head ({self.n_head}) must be divisible by n_query_group ({groups}): a group owns whole heads",
+        )
+        for name in ("n_key_head", "n_latent_head"):
+            value = getattr(self, name)
+            _require(groups % value == 0, f"n_query_group ({groups}) must be divisible by {name} ({value})")
+        if self.key_dim is None:
+            self.key_dim = self.head_dim
+        width = self.n_embd // groups  # output width of one group
+        if self.latent_dim is None and width % 2 == 0:
+            self.latent_dim = width // 2
+        for name in ("key_dim", "latent_dim"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, f"{name} ({value}) must be a positive integer")
+        _require(
+            width % self.latent_dim == 0,
+            f"latent_dim ({self.latent_dim}) must divide n_embd / n_query_group ({width}): "
+            "the decoder repeats the latent a whole number of times",
+        )
+        for name in ("gate", "rope"):
+            value = getattr(self, name)
+            _require(isinstance(value, bool), f"{name} ({value!r}) must be true or false")
+        _require(not self.rope or self.key_dim % 2 == 0, f"key_dim ({self.key_dim}) must be even with rope")
+
+    def init_dict(self) -> dict:
+        """The constructor arguments (every field but n_kv_head)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+
+@dataclass
+class GTACache:
+    """Append-only cache of one GTA layer, every tensor batch-first.
+
+    k: [B, n_k, T_cached, d_k] keys (after RoPE when enabled); latent: [B, n_c, T_cached, d_l].
+    """
+
+    k: torch.Tensor
+    latent: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+
+class GTAAttention(nn.Module):
+    """Grouped-head latent attention: one SDPA call over G maps, linear decode after it, gate, c_proj.
+
+    Parameters (bias false): in_proj [G d_k + n_k d_k + n_c d_l (+ C with the gate), C] holds W_q, W_k,
+    W_v (to the latent) and W_g in one matrix, so one matmul projects the input; decoder B [G, d_l, C / G];
+    c_proj [C, C]. Per layer C (G d_k + n_k d_k + n_c d_l) + C d_l + C^2 (+ C^2 with the gate).
+    """
+
+    def __init__(self, config: GTAConfig) -> None:
+        super().__init__()
+        self.groups, self.n_key_head, self.n_latent_head = config.n_query_group, config.n_key_head, config.n_latent_head
+        self.key_dim, self.latent_dim, self.rope = config.key_dim, config.latent_dim, config.rope
+        width = config.n_embd // self.groups
+        self.widths = [self.groups * self.key_dim, self.n_key_head * self.key_dim, self.n_latent_head * self.latent_dim]
+        if config.gate:
+            self.widths.append(config.n_embd)
+        self.in_proj = nn.Linear(config.n_embd, sum(self.widths), bias=config.bias)
+        # B_g ~ N(0, 0.02) like every matrix (the official init), so D_g starts near [I ... I].
+        self.decoder = nn.Parameter(torch.randn(self.groups, self.latent_dim, width) * 0.02)
+        self.register_buffer("identity", gta_ops.expand_identity(self.groups, self.latent_dim, width), persistent=False)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def project(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, ...]:
+        """x [B, T, C] at positions [start, start + T) -> q [B, G, T, d_k], k [B, n_k, T, d_k],
+        latent [B, n_c, T, d_l], gate logits [B, T, C] or None."""
+        batch, length, _ = x.shape
+        q, k, latent, *gate = self.in_proj(x).split(self.widths, dim=-1)
+        q = q.view(batch, length, self.groups, self.key_dim).transpose(1, 2)
+        k = k.view(batch, length, self.n_key_head, self.key_dim).transpose(1, 2)
+        latent = latent.view(batch, length, self.n_latent_head, self.latent_dim).transpose(1, 2)
+        if self.rope:
+            positions = torch.arange(start, start + length, device=x.device)
+            q, k = apply_rope(q, positions), apply_rope(k, positions)
+        return q, k, latent, (gate[0] if gate else None)
+
+    def forward(self, x: torch.Tensor, cache: GTACache | None = None) -> tuple[torch.Tensor, GTACache]:
+        """x [B, T, C] at positions [P, P+T), where P is the cache length -> (y [B, T, C], extended cache)."""
+        q, k, latent, gate = self.project(x, 0 if cache is None else cache.length)
+        if cache is not None:
+            k, latent = torch.cat([cache.k, k], dim=2), torch.cat([cache.latent, latent], dim=2)
+        o = gta_ops.latent_attention(q, k, latent, dropout_p=self.dropout if self.training else 0.0)
+        u = gta_ops.decode_latent(o, self.identity + self.decoder)  # [B, T, C]
+        if gate is not None:
+            u = torch.sigmoid(gate) * u
+        return self.resid_dropout(self.c_proj(u)), GTACache(k, latent)
+
+
+class GTAGPT(GPT):
+    """GPT with grouped-head latent attention (GTA).
+
+    Keeps the backbone contract ``logits [B, T, V], state = model(idx [B, T], state=None)``; the state
+    holds one ``GTACache`` (keys and latents) per layer.
+
+    Args:
+        block_size: context length (prompt plus generated tokens can not exceed it).
+        vocab_size: output vocabulary; set by the CLI from the data's tokenizer.
+        n_layer: number of transformer blocks.
+        n_head: number of output heads (head_dim = n_embd / n_head); a multiple of n_query_group.
+        n_embd: residual stream width.
+        dropout: dropout on attention weights (one mask per shared map), residual branches and embeddings.
+        bias: use biases in Linear and LayerNorm layers.
+        n_query_group: G, query heads; each map is shared by n_head / G output heads.
+        n_key_head: n_k, key heads; divides n_query_group.
+        key_dim: d_k, query and key width; None means head_dim.
+        n_latent_head: n_c, latent value heads; divides n_query_group.
+        latent_dim: d_l, latent width; must divide n_embd / n_query_group; None means n_embd / (2 G).
+        gate: multiply the decoded heads by sigmoid(W_g x) of the current token.
+        rope: rotary embedding on queries and keys (in addition to the learned position embeddings).
+    """
+
+    config_class = GTAConfig
+
+    def __init__(
+        self,
+        block_size: int = 1024,
+        vocab_size: int = 50304,
+        n_layer: int = 12,
+        n_head: int = 12,
+        n_embd: int = 768,
+        dropout: float = 0.0,
+        bias: bool = True,
+        n_query_group: int = 2,
+        n_key_head: int = 1,
+        key_dim: int | None = None,
+        n_latent_head: int = 1,
+        latent_dim: int | None = None,
+        gate: bool = True,
+        rope: bool = False,
+    ) -> None:
+        nn.Module.__init__(self)  # GPT.__init__ would build a plain GPTConfig
+        self._build(
+            GTAConfig(
+                block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                dropout=dropout, bias=bias, n_query_group=n_query_group, n_key_head=n_key_head, key_dim=key_dim,
+                n_latent_head=n_latent_head, latent_dim=latent_dim, gate=gate, rope=rope,
+            )
+        )
+
+    @classmethod
+    def from_config(cls, config: GTAConfig) -> "GTAGPT":
+        return cls(**config.init_dict())
+
+    def make_attention(self, config: GTAConfig) -> nn.Module:
+        return GTAAttention(config)
+
+    def config_dict(self) -> dict:
+        """Constructor arguments that rebuild this model: ``type(model)(**model.config_dict())``."""
+        return self.config.init_dict()
