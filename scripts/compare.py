@@ -188,7 +188,9 @@ def run_one(config: Path, model: str, seed: int, run_root: Path, args, extra: li
     result = {
         "model": model, "seed": seed, "config": str(config), "steps": max_steps,
         "tokens": max_steps * tokens_per_step, "val_loss": curve[-1][1],
-        "curve": [[step * tokens_per_step, loss] for step, loss in curve],
+        # Lightning logs a validation inside fit one step early (before its step counter moves past the
+        # optimizer step just taken): the loss logged at step s was measured after s + 1 steps.
+        "curve": [[(step + 1) * tokens_per_step, loss] for step, loss in curve],
         "tokens_per_sec": tokens_per_sec, **measure_checkpoint(checkpoint, args.block_size),
     }
     temporary = result_file.with_suffix(".tmp")
