@@ -34,13 +34,30 @@ class LtcxCLI(LightningCLI):
         # The model's vocabulary always matches the data's tokenizer: nobody keeps vocab_size by hand.
         parser.link_arguments("data.padded_vocab_size", "model.backbone.init_args.vocab_size", apply_on="instantiate")
 
+    def parse_arguments(self, parser, args) -> None:
+        # The command line as given, to tell a flag the user typed from a value a YAML file set.
+        self._command_line = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
+        super().parse_arguments(parser, args)
+
+    def _on_command_line(self, key: str) -> bool:
+        """Whether ``--key`` (``--key value`` or ``--key=value``) was typed on the command line."""
+        flag = f"--{key}"
+        return any(arg == flag or arg.startswith(flag + "=") for arg in getattr(self, "_command_line", []))
+
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         precision = str(config.trainer.precision)
-        wants_gpu = config.trainer.accelerator in ("auto", "cuda", "gpu")
-        if "bf16" in precision and wants_gpu and not torch.cuda.is_available():
-            # The same YAML trains in bf16 on a GPU and in float32 on a CPU-only machine.
-            print(f"ltcx: no CUDA device, so trainer.precision {precision} -> 32-true", file=sys.stderr)
+        accelerator = str(config.trainer.accelerator)
+        on_cpu = accelerator == "cpu" or (accelerator in ("auto", "cuda", "gpu") and not torch.cuda.is_available())
+        if "bf16" in precision and on_cpu and not self._on_command_line("trainer.precision"):
+            # The same YAML trains in bf16 on a GPU and in float32 on a CPU, where bf16 is emulated and many
+            # times slower on most processors; a bf16 typed on the command line is kept.
+            reason = "training on the CPU" if accelerator == "cpu" else "no CUDA device"
+            print(
+                f"ltcx: {reason}, so trainer.precision {precision} -> 32-true "
+                f"(pass --trainer.precision {precision} to keep it)",
+                file=sys.stderr,
+            )
             config.trainer.precision = "32-true"
         max_steps = config.trainer.max_steps
         if max_steps is not None and max_steps < -1:
