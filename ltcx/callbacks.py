@@ -4,6 +4,7 @@ ModelCheckpoint that also saves the final step and the step a signal stopped at.
 from __future__ import annotations
 
 import math
+import os
 import signal
 
 import lightning as L
@@ -12,6 +13,7 @@ from lightning.pytorch import callbacks as pl_callbacks
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from ltcx.checkpoint import run_versions
 from ltcx.errors import LtcxError
 from ltcx.generation import generate_texts
 
@@ -106,6 +108,14 @@ StepRichProgressBar = _step_total(pl_callbacks.RichProgressBar)
 StepTQDMProgressBar = _step_total(pl_callbacks.TQDMProgressBar)
 
 
+def _run_folder(trainer: L.Trainer, root: str) -> str:
+    """``version_N`` with N the first logger's version (its log folder's name), else the next free N in ``root``."""
+    version = trainer.loggers[0].version if trainer.loggers else None
+    if version is None:
+        version = max(run_versions(root), default=-1) + 1
+    return version if isinstance(version, str) else f"version_{version}"
+
+
 class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
     """Lightning's ``ModelCheckpoint`` that also saves the final step and the step a signal stopped at.
 
@@ -114,12 +124,31 @@ class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
     0 without saving; Ctrl-C (SIGINT) stops wherever it lands. Here both stop after the current step, save it
     (as ``last.ckpt`` when ``save_last``) and exit with 128 + the signal number (143, 130), so a preempted
     job never looks finished. A second Ctrl-C stops at once without saving.
+
+    With ``run_folders`` (the default) a run saves in ``<dirpath>/version_N/``, N being its logger's version
+    (``lightning_logs/<model>/version_N``), so runs sharing a ``dirpath`` never overwrite each other's files.
     """
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, run_folders: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.run_folders = run_folders
+        self._root_dirpath = self.dirpath  # dirpath as configured; a run saves in <dirpath>/version_N
         self._stop_signal = signal.SIGTERM
         self._previous_sigint = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.run_folders and self._root_dirpath is not None:
+            # Each run its own folder, named as its log folder, so no run's last.ckpt overwrites (or, as last-v1.ckpt,
+            # hides behind) another's. Nothing is created here: validate/test/predict and failed runs leave no folder.
+            self.dirpath = os.path.join(self._root_dirpath, _run_folder(trainer, self._root_dirpath))
+        super().setup(trainer, pl_module, stage)  # rank 0's folder is broadcast to every rank
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self.run_folders and os.path.dirname(str(state_dict.get("dirpath"))) == str(self._root_dirpath):
+            # Resuming an earlier run of this folder: its best/last paths are in its own run folder, not this one.
+            self.best_model_path = state_dict.get("best_model_path", "")
+            return
+        super().load_state_dict(state_dict)
 
     def _save_current_step(self, trainer: L.Trainer) -> None:
         if self._should_skip_saving_checkpoint(trainer):  # also: already saved at this step

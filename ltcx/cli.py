@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
+import shutil
 import signal
 import sys
 
@@ -20,7 +20,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ltcx.callbacks import StepRichProgressBar, StepTQDMProgressBar
-from ltcx.checkpoint import SafeCheckpointIO, read_checkpoint
+from ltcx.checkpoint import SafeCheckpointIO, latest_last_checkpoint, read_checkpoint
 from ltcx.data import TextDataModule
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.lm import LanguageModel, check_same_backbone
@@ -106,6 +106,28 @@ class LtcxCLI(LightningCLI):
 
     before_fit = before_validate = before_test = before_predict = _check_ckpt_path
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except LtcxError:
+            self._remove_empty_log_folders()
+            raise
+
+    def _remove_empty_log_folders(self) -> None:
+        """A run that stopped on a user error before training a step leaves no ``version_N`` log folder holding
+        only its config and an empty event file (its checkpoint folder is only made by a save)."""
+        trainer = getattr(self, "trainer", None)
+        start = getattr(getattr(self, "model", None), "start_step", None)
+        if trainer is None or not trainer.is_global_zero or (start is not None and trainer.global_step > start):
+            return
+        for logger in trainer.loggers:
+            folder = getattr(logger, "log_dir", None)
+            if not isinstance(folder, str) or not os.path.isdir(folder):
+                continue
+            names = os.listdir(folder)
+            if all(n in ("config.yaml", "hparams.yaml") or n.startswith("events.out.tfevents.") for n in names):
+                shutil.rmtree(folder, ignore_errors=True)
+
 
 def _init_args_with_paths(trainer_config):
     """The init_args of the trainer's logger(s) and callbacks given as class_path + init_args."""
@@ -128,19 +150,14 @@ def _resolve_under_root(trainer_config) -> None:
                 init_args[key] = os.path.join(root, value)
 
 
-_LAST = re.compile(r"last(-v\d+)?\.ckpt")
-
-
 def _find_last_checkpoint(trainer_config) -> str | None:
-    """``--ckpt_path last``: the one ``last.ckpt`` / ``last-vN.ckpt`` in the checkpoint folder, None (a fresh
-    start) when there is none, and an error listing them when runs sharing the folder left several."""
+    """``--ckpt_path last``: the ``last.ckpt`` of the latest run (the highest ``version_N/`` of the checkpoint
+    folder holding one), None (a fresh start) when there is none, and an error listing them when runs that
+    shared one folder left several."""
     folders = [a.dirpath for a in _init_args_with_paths(trainer_config) if isinstance(a.get("dirpath"), str)]
     if not folders:
         return "last"  # no folder configured: Lightning's own search
-    candidates = sorted(
-        os.path.join(folder, name) for folder in folders if os.path.isdir(folder)
-        for name in os.listdir(folder) if _LAST.fullmatch(name)
-    )
+    candidates = sorted(path for folder in folders for path in latest_last_checkpoint(folder))
     if len(candidates) > 1:
         raise LtcxError(
             f"--ckpt_path last is ambiguous: {', '.join(candidates)} (runs sharing the folder wrote several); "

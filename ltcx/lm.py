@@ -85,6 +85,7 @@ class LanguageModel(L.LightningModule):
         self.val_loss = MeanMetric()
         self.tokens_seen = 0
         self._last_step_time: float | None = None
+        self.start_step: int | None = None  # set when training starts
 
     # -- model ---------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -111,6 +112,9 @@ class LanguageModel(L.LightningModule):
                 f"data.block_size ({block_size}) exceeds the model's context ({context}): set "
                 f"model.backbone.init_args.block_size to at least {block_size} or lower data.block_size"
             )
+
+    def on_train_start(self) -> None:
+        self.start_step = self.trainer.global_step  # the step this run started (or resumed) at
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
