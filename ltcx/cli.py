@@ -79,6 +79,8 @@ class LtcxCLI(LightningCLI):
             return
         self._checkpoint = read_checkpoint(config.ckpt_path)
         hparams = {k: v for k, v in self._checkpoint.get("hyper_parameters", {}).items() if k != "_instantiator"}
+        if self._on_command_line("model.decay_steps"):  # a schedule end typed now wins over the checkpoint's
+            hparams.pop("decay_steps", None)
         if hparams:
             self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,8 @@ class LanguageModel(L.LightningModule):
         learning_rate: peak learning rate after warmup.
         min_lr: learning rate at the end of the cosine decay.
         warmup_steps: optimizer steps of linear warmup.
-        decay_steps: optimizer step at which the cosine reaches min_lr; None = trainer.max_steps.
+        decay_steps: optimizer step at which the cosine reaches min_lr; None = trainer.max_steps (on resume: the
+            checkpoint's end, so a longer max_steps continues at min_lr).
         weight_decay: AdamW weight decay of the matrices (not norms, biases or exempt parameters).
         betas: AdamW betas.
         eps: AdamW epsilon.
@@ -86,6 +88,8 @@ class LanguageModel(L.LightningModule):
         self.tokens_seen = 0
         self._last_step_time: float | None = None
         self.start_step: int | None = None  # set when training starts
+        self.decay_steps: int | None = None  # the schedule's end, resolved in configure_optimizers
+        self._checkpoint_decay_steps: int | None = None  # ... and as a resumed checkpoint had it
 
     # -- model ---------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -167,16 +171,38 @@ class LanguageModel(L.LightningModule):
             eps=self.hparams.eps,
             fused=self.device.type == "cuda",
         )
-        decay_steps = self.hparams.decay_steps
-        if decay_steps is None:
-            decay_steps = self.trainer.max_steps if self.trainer is not None else -1
-            if decay_steps is None or decay_steps < 0:
-                raise LtcxError("the learning-rate schedule needs an end: set trainer.max_steps or model.decay_steps")
+        self.decay_steps = self._schedule_end()
         max_lr, min_lr, warmup = self.hparams.learning_rate, self.hparams.min_lr, self.hparams.warmup_steps
+        # Reads self.decay_steps at each step: a checkpoint restored after this (FSDP) still sets the schedule's end.
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_at_step(step, max_lr, min_lr, warmup, decay_steps) / max_lr
+            optimizer, lambda step: lr_at_step(step, max_lr, min_lr, warmup, self.decay_steps) / max_lr
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _schedule_end(self) -> int:
+        """The step where the cosine ends: ``model.decay_steps``, else the resumed checkpoint's own end (so making
+        ``trainer.max_steps`` longer extends the run at min_lr instead of re-deriving the schedule and jumping the
+        learning rate back up), else ``trainer.max_steps``."""
+        explicit, stored = self.hparams.decay_steps, self._checkpoint_decay_steps
+        max_steps = self.trainer.max_steps if self._trainer is not None else -1
+        if explicit is not None:
+            if stored is not None and stored != explicit:
+                self._notice(f"model.decay_steps {explicit} replaces the checkpoint's learning-rate schedule end ({stored})")
+            return explicit
+        if stored is not None:
+            if max_steps != stored:
+                self._notice(
+                    f"resuming with the checkpoint's learning-rate schedule (cosine to min_lr ends at step {stored}, "
+                    f"not at trainer.max_steps {max_steps}); pass --model.decay_steps N to change it"
+                )
+            return stored
+        if max_steps is None or max_steps < 0:
+            raise LtcxError("the learning-rate schedule needs an end: set trainer.max_steps or model.decay_steps")
+        return max_steps
+
+    def _notice(self, text: str) -> None:
+        if self._trainer is None or self.trainer.is_global_zero:
+            print(f"ltcx: {text}", file=sys.stderr)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -185,10 +211,15 @@ class LanguageModel(L.LightningModule):
             "backbone_config": self.backbone.config_dict(),
             "tokenizer": getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None),
             "tokens_seen": self.tokens_seen,
+            "decay_steps": self.decay_steps,  # the schedule's end as resolved, kept when the run is extended
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.tokens_seen = checkpoint.get("ltcx", {}).get("tokens_seen", 0)
+        meta = checkpoint.get("ltcx", {})
+        self.tokens_seen = meta.get("tokens_seen", 0)
+        self._checkpoint_decay_steps = meta.get("decay_steps")
+        if self.decay_steps is not None and self._trainer is not None:  # optimizers already configured
+            self.decay_steps = self._schedule_end()
 
 
 def check_same_backbone(meta: dict, backbone: nn.Module, ckpt_path: str | Path) -> None:
