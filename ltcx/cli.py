@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import signal
@@ -19,7 +20,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from ltcx.callbacks import StepRichProgressBar, StepTQDMProgressBar
+from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar
 from ltcx.checkpoint import SafeCheckpointIO, latest_last_checkpoint, read_checkpoint
 from ltcx.data import TextDataModule
 from ltcx.errors import ConfigError, LtcxError
@@ -88,8 +89,13 @@ class LtcxCLI(LightningCLI):
         config = self._get(self.config_init, "trainer", default={})
         callbacks = config.get("callbacks") or []
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
-            # Lightning would add its own bar, whose total is wrong after a resume
-            kwargs["callbacks"] = [*callbacks, StepRichProgressBar() if _RICH_AVAILABLE else StepTQDMProgressBar()]
+            # Lightning would add its own bar, whose total is wrong after a resume; output to a file or a pipe gets
+            # plain lines every log_every_n_steps instead of a bar that shows nothing there until the end.
+            if not sys.stdout.isatty():
+                bar = LineProgress()
+            else:
+                bar = StepRichProgressBar() if _RICH_AVAILABLE else StepTQDMProgressBar()
+            kwargs["callbacks"] = [*callbacks, bar]
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default; keep a user's own
             trainer.strategy.checkpoint_io = SafeCheckpointIO()
@@ -107,6 +113,35 @@ class LtcxCLI(LightningCLI):
         self._checkpoint = None  # the trainer holds it now (or reads it again through its own CheckpointIO)
 
     before_fit = before_validate = before_test = before_predict = _check_ckpt_path
+
+    def after_predict(self) -> None:
+        """``predict`` from the command line: each block's mean loss to ``predictions.csv`` in the run's log folder
+        (``predictions.rank<R>.csv`` per rank under DDP) and a one-line summary on stdout."""
+        trainer = self.trainer
+        batches = trainer.predict_loop.predictions or []
+        if batches and isinstance(batches[0], list):  # several dataloaders
+            batches = [b for per_loader in batches for b in per_loader]
+        losses = torch.cat([b.reshape(-1).float().cpu() for b in batches]) if batches else torch.zeros(0)
+        folder = trainer.log_dir or trainer.default_root_dir
+        name = "predictions.csv" if trainer.world_size == 1 else f"predictions.rank{trainer.global_rank}.csv"
+        path = os.path.join(folder, name)
+        os.makedirs(folder, exist_ok=True)
+        with open(path, "w") as f:
+            f.write("block,loss\n" + "".join(f"{i},{v:.6f}\n" for i, v in enumerate(losses.tolist())))
+        if not trainer.is_global_zero:
+            return
+        if len(losses) == 0:
+            print(f"ltcx: predict: no blocks (empty validation stream); wrote {path}")
+            return
+        mean = float(losses.mean())
+        tokens = getattr(trainer.datamodule, "block_size", None)
+        per = f" of {tokens} tokens" if tokens else ""
+        ranks = f" on rank 0 of {trainer.world_size}" if trainer.world_size > 1 else ""
+        print(
+            f"ltcx: predict: {len(losses)} blocks{per}{ranks}, mean loss {mean:.4f} (ppl {math.exp(min(mean, 700)):.2f}), "
+            f"min {float(losses.min()):.4f}, max {float(losses.max()):.4f}; each block's loss in {path}",
+            flush=True,
+        )
 
     def _run_subcommand(self, subcommand: str) -> None:
         try:
@@ -229,32 +264,30 @@ def generate_main(argv: list[str]) -> None:
     for _, ids in prompts:  # every prompt is checked before anything is printed
         check_generation_args(backbone, len(ids), args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     for prompt, ids in prompts:
-        batch = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
-        rows: list[list[int]] = [[] for _ in range(args.num_samples)]
-        printed = 0  # characters of rows[0]'s completion already written
-        if args.num_samples == 1:
+        # Samples run one after another, so each streams as it is produced (a batch could only be shown at its end).
+        for i in range(args.num_samples):
+            if args.num_samples > 1:
+                sys.stdout.write(f"--- sample {i + 1}\n")
             sys.stdout.write(prompt)
-        for token in stream_tokens(
-            backbone, batch, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-            top_p=args.top_p, stop_token=stop, vocab_limit=tokenizer.vocab_size, generator=generator,
-        ):
-            for row, t in zip(rows, token.tolist()):
-                if t != stop:
-                    row.append(t)
-            if args.num_samples == 1:
+            row: list[int] = []
+            printed = 0  # characters of the completion already written
+            for token in stream_tokens(
+                backbone, torch.tensor([ids], dtype=torch.long, device=device), args.max_new_tokens,
+                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_token=stop,
+                vocab_limit=tokenizer.vocab_size, generator=generator,
+            ):
+                if int(token) == stop:
+                    break
+                row.append(int(token))
                 # Decode the whole completion and write what is new, holding back a character that is still
                 # incomplete (a multi-byte character split over tokens decodes as U+FFFD until its last byte).
-                text = tokenizer.decode(rows[0])
+                text = tokenizer.decode(row)
                 if not text.endswith("\ufffd"):
                     sys.stdout.write(text[printed:])
                     sys.stdout.flush()
                     printed = len(text)
-        if args.num_samples == 1:
-            sys.stdout.write(tokenizer.decode(rows[0])[printed:] + "\n")
-        else:
-            for i, row in enumerate(rows):
-                sys.stdout.write(f"--- sample {i + 1}\n{prompt}{tokenizer.decode(row)}\n")
-        sys.stdout.flush()
+            sys.stdout.write(tokenizer.decode(row)[printed:] + "\n")
+            sys.stdout.flush()
 
 
 def _device(name: str) -> torch.device:
