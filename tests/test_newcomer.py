@@ -1,14 +1,17 @@
 """Issue 13, the newcomer's path: what a new user meets on a fresh clone following the README."""
 
+import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from ltcx.cli import LtcxCLI, main
 from ltcx.data import TextDataModule
-from ltcx.lm import LanguageModel, lr_at_step
+from ltcx.lm import LanguageModel, load_language_model, lr_at_step
+from ltcx.models.gpt import GPT
 from test_cli import ROOT, TINY_MODEL, write_corpus
 from test_failures import fit_env, lean_fit_args  # noqa: F401 (fit_env is a fixture)
 
@@ -128,3 +131,88 @@ def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path, monkeypatch, cap
     assert [line.split("  ")[0] for line in lines] == ["step 2/4 (50%)"] * 2 + ["step 4/4 (100%)"] * 2
     assert "train/loss " in lines[0] and "train/tokens_per_sec " in lines[0] and lines[0].endswith(" s")
     assert "val/loss " in lines[1] and "val/ppl " in lines[1]
+
+
+# -- 7: ecosystem habits -----------------------------------------------------------------------------------------
+
+
+def test_lightning_load_from_checkpoint(tmp_path):
+    from test_failures import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "model.ckpt")
+    model = LanguageModel.load_from_checkpoint(path)
+    reference, _ = load_language_model(path)
+    assert type(model.backbone) is GPT and model.training
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+    assert LanguageModel.load_from_checkpoint(str(path), learning_rate=1e-3).hparams.learning_rate == 1e-3
+
+
+def test_fit_help_lists_ltcx_backbones(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    known = text.split("--model.backbone BACKBONE the sequence model")[1].split("known subclasses: ")[1].split(")")[0]
+    assert known.split(", ")[:4] == ["ltcx.models.gpt.GPT", "ltcx.models.ltc.LTCGPT", "ltcx.models.titans.Titans",
+                                     "ltcx.models.xlstm.XLSTM"]
+    assert "torch.nn" not in known
+
+
+def test_export_is_weights_only_and_reloads_in_one_call(tmp_path, capsys):
+    from test_failures import one_error_line, write_checkpoint
+
+    path = write_checkpoint(tmp_path / "model.ckpt")
+    out = tmp_path / "shared/gpt-bytes"
+    main(["export", "--ckpt_path", str(path), "--out", str(out)])
+    assert capsys.readouterr().out == f"ltcx: exported to {out}/ (config.json, model.safetensors)\n"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["gpt-bytes"]  # no temp folder left
+    config = json.loads((out / "config.json").read_text())
+    assert config["backbone_class"] == "ltcx.models.gpt.GPT" and config["tokenizer"] == "bytes"
+    assert config["backbone_config"]["n_embd"] == 32 and config["hyper_parameters"]["warmup_steps"] == 2
+    assert config["global_step"] == 3
+
+    model = LanguageModel.from_pretrained(out)
+    reference, _ = load_language_model(path)
+    idx = torch.randint(0, 256, (2, 9))
+    assert not model.training and torch.equal(model(idx)[0], reference(idx)[0])
+    generated = []
+    for source in (path, out):
+        main(["generate", "--ckpt_path", str(source), "--prompt", "ab", "--max_new_tokens", "5", "--temperature", "0"])
+        generated.append(capsys.readouterr().out)
+    assert generated[0] == generated[1] and generated[0].startswith("ab")
+
+    line = one_error_line(["export", "--ckpt_path", str(path), "--out", str(out)], capsys)
+    assert line == f"ltcx: error: '{out}' already exists and is not an empty folder: pass --out a new folder"
+    config["backbone_class"] = "os.system"
+    (out / "config.json").write_text(json.dumps(config))
+    line = one_error_line(["generate", "--ckpt_path", str(out), "--prompt", "a"], capsys)
+    assert "backbone class 'os.system' is not a registered ltcx backbone" in line
+
+
+def test_samples_reach_every_logger_that_holds_text_else_a_file(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from ltcx.callbacks import SampleGeneration
+    from ltcx.tokenizers import get_tokenizer
+
+    class TableLogger:  # the shape of Weights & Biases' logger
+        def __init__(self):
+            self.tables = []
+
+        def log_text(self, key, columns, data, step):
+            self.tables.append((key, columns, data, step))
+
+    torch.manual_seed(0)
+    lm = LanguageModel(GPT(block_size=32, vocab_size=320, n_layer=1, n_head=2, n_embd=16))
+    table, csv = TableLogger(), CSVLogger(tmp_path / "logs", name="gpt")
+    data = SimpleNamespace(tokenizer_obj=get_tokenizer("bytes"))
+    for loggers, step in (([table], 5), ([csv], 7), ([csv], 9)):
+        trainer = SimpleNamespace(sanity_checking=False, is_global_zero=True, global_step=step, datamodule=data,
+                                  loggers=loggers, log_dir=loggers[0].__dict__.get("log_dir") or csv.log_dir,
+                                  default_root_dir=str(tmp_path))
+        SampleGeneration(prompts=["ab", "cd"], max_new_tokens=4).on_validation_end(trainer, lm)
+    [(key, columns, rows, step)] = table.tables
+    assert (key, columns, step) == ("samples", ["step", "prompt", "sample"], 5)
+    assert [r[:2] for r in rows] == [[5, "ab"], [5, "cd"]] and rows[0][2].startswith("ab")
+    text = (Path(csv.log_dir) / "samples.txt").read_text()
+    assert text.startswith("=== step 7\nab") and "\n=== step 9\nab" in text
