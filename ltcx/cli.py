@@ -168,6 +168,11 @@ class LtcxCLI(LightningCLI):
             names = os.listdir(folder)
             if all(n in ("config.yaml", "hparams.yaml") or n.startswith("events.out.tfevents.") for n in names):
                 shutil.rmtree(folder, ignore_errors=True)
+                for parent in (os.path.dirname(folder), os.path.dirname(os.path.dirname(folder))):
+                    try:  # <save_dir>/<name>, then <save_dir>, if this run made them and left them empty
+                        os.rmdir(parent)
+                    except OSError:
+                        break
 
 
 def _init_args_with_paths(trainer_config):

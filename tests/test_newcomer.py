@@ -216,3 +216,37 @@ def test_samples_reach_every_logger_that_holds_text_else_a_file(tmp_path):
     assert [r[:2] for r in rows] == [[5, "ab"], [5, "cd"]] and rows[0][2].startswith("ab")
     text = (Path(csv.log_dir) / "samples.txt").read_text()
     assert text.startswith("=== step 7\nab") and "\n=== step 9\nab" in text
+
+
+# -- 3: a local path that does not exist gets the local-files error, never the hub's ------------------------------
+
+
+@pytest.mark.parametrize("path,local", [
+    ("corpus/", True), ("data/local/", True), ("my.txt", True), ("texts/*.jsonl", True), ("a/b/c", True),
+    ("notes.md", True), ("x/y.tar.gz", True), ("a//b", True), ("corpus\\train", True),
+    ("roneneldan/TinyStories", False), ("HuggingFaceFW/fineweb-edu", False), ("jondurbin/airoboros-3.1", False),
+    ("tinystories", False),
+])
+def test_what_looks_like_a_local_path(tmp_path, monkeypatch, path, local):
+    from ltcx.data.files import looks_local
+
+    monkeypatch.chdir(tmp_path)
+    assert looks_local(path) is local
+    (tmp_path / "data").mkdir()
+    assert looks_local("data/local")  # an existing parent folder makes it a path
+
+
+@pytest.mark.parametrize("extra,shown", [
+    (["--data.path", "korpus/"], "korpus/"),  # mistyped: the corpus is in corpus/
+    (["--config", str(ROOT / "configs/data/local.yaml")], "data/local/"),
+])
+def test_missing_local_path_is_the_local_files_error(tmp_path, fit_env, capsys, extra, shown):
+    from test_failures import one_error_line
+
+    args = lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1")
+    at = args.index("--data.path")
+    del args[at:at + 2]
+    line = one_error_line([*args, *extra], capsys)
+    assert line == (f"ltcx: error: no data files match '{shown}': pass --data.path a file, folder or glob of "
+                    ".txt/.jsonl/.parquet files")
+    assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
