@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import sys
+from typing import Optional
 
 import torch
 from lightning.pytorch.callbacks.progress import ProgressBar
@@ -38,6 +39,11 @@ class LtcxCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # The model's vocabulary always matches the data's tokenizer: nobody keeps vocab_size by hand.
         parser.link_arguments("data.padded_vocab_size", "model.backbone.init_args.vocab_size", apply_on="instantiate")
+        parser.add_argument(
+            "--num_threads", type=Optional[int], default=None,
+            help="torch threads per process (null: OMP_NUM_THREADS if set, else one per core, divided among the "
+            "processes of DDP on a CPU)",
+        )
 
     def parse_arguments(self, parser, args) -> None:
         # The command line as given, to tell a flag the user typed from a value a YAML file set.
@@ -64,6 +70,7 @@ class LtcxCLI(LightningCLI):
                 file=sys.stderr,
             )
             config.trainer.precision = "32-true"
+        _set_cpu_threads(config.get("num_threads"))
         max_steps = config.trainer.max_steps
         if max_steps is not None and max_steps < -1:
             raise ConfigError(f"trainer.max_steps ({max_steps}) must be >= -1 (-1: no limit): fix --trainer.max_steps")
@@ -173,6 +180,18 @@ class LtcxCLI(LightningCLI):
                         os.rmdir(parent)
                     except OSError:
                         break
+
+
+def _set_cpu_threads(num_threads: int | None) -> None:
+    """``--num_threads N``: N torch threads per process (also exported as ``OMP_NUM_THREADS``, which Lightning's
+    DDP launcher and its processes then keep). Without it torch runs one thread per core, or, when
+    ``OMP_NUM_THREADS`` is set, that many; DDP on a CPU divides the cores among its processes (Lightning)."""
+    if num_threads is None:
+        return
+    if num_threads < 1:
+        raise ConfigError(f"num_threads ({num_threads}) must be >= 1 (null: one per core): fix --num_threads")
+    torch.set_num_threads(num_threads)
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)
 
 
 def _init_args_with_paths(trainer_config):

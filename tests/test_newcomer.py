@@ -1,6 +1,7 @@
 """Issue 13, the newcomer's path: what a new user meets on a fresh clone following the README."""
 
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -250,3 +251,22 @@ def test_missing_local_path_is_the_local_files_error(tmp_path, fit_env, capsys, 
     assert line == (f"ltcx: error: no data files match '{shown}': pass --data.path a file, folder or glob of "
                     ".txt/.jsonl/.parquet files")
     assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
+
+
+# -- 8: thread count ---------------------------------------------------------------------------------------------
+
+
+def test_num_threads_sets_torch_threads_and_omp_for_ddp_processes(tmp_path, monkeypatch, capsys):
+    from test_failures import one_error_line
+
+    monkeypatch.setattr(sys, "argv", ["ltcx"])
+    monkeypatch.setenv("OMP_NUM_THREADS", "")  # restored after the test
+    before = torch.get_num_threads()
+    try:
+        parsed(["--data.path", str(write_corpus(tmp_path / "corpus", 5, 2)), "--num_threads", "1"])
+        assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.chdir(tmp_path)
+    line = one_error_line(["fit", "--config", str(ROOT / "configs/gpt.yaml"), "--num_threads", "0"], capsys)
+    assert line == "ltcx: error: num_threads (0) must be >= 1 (null: one per core): fix --num_threads"
