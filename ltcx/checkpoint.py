@@ -24,7 +24,8 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ltcx.errors import LtcxError
 
-__all__ = ["read_checkpoint", "atomic_save", "non_finite_weights", "SafeCheckpointIO", "latest_last_checkpoint"]
+__all__ = ["read_checkpoint", "atomic_save", "non_finite_weights", "SafeCheckpointIO", "latest_last_checkpoint",
+           "checkpoint_in_folder"]
 
 
 def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
@@ -82,6 +83,15 @@ def latest_last_checkpoint(folder: str | os.PathLike) -> list[str]:
         if found:
             return found
     return _last_files(folder)
+
+
+def checkpoint_in_folder(folder: str | os.PathLike) -> str:
+    """The one ``last.ckpt`` of the latest run under the checkpoint folder ``folder``; one line otherwise."""
+    found = latest_last_checkpoint(folder)
+    if len(found) != 1:
+        what = f"several runs' last checkpoints ({', '.join(found)})" if found else "no run's last.ckpt"
+        raise LtcxError(f"'{os.fspath(folder)}' is a folder with {what}: pass --ckpt_path the .ckpt file")
+    return found[0]
 
 
 def _last_files(folder: str) -> list[str]:

@@ -23,7 +23,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar
-from ltcx.checkpoint import SafeCheckpointIO, latest_last_checkpoint, read_checkpoint
+from ltcx.checkpoint import SafeCheckpointIO, checkpoint_in_folder, latest_last_checkpoint, read_checkpoint
 from ltcx.data import TextDataModule
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.lm import LanguageModel, check_same_backbone
@@ -87,6 +87,8 @@ class LtcxCLI(LightningCLI):
         _resolve_under_root(config.trainer)
         if config.get("ckpt_path") == "last":
             config.ckpt_path = _find_last_checkpoint(config.trainer)
+        elif isinstance(config.get("ckpt_path"), str) and os.path.isdir(config.ckpt_path):
+            config.ckpt_path = checkpoint_in_folder(config.ckpt_path)  # a checkpoint folder: its latest run's
         if config.get("ckpt_path") in (None, "last"):
             return
         self._checkpoint = read_checkpoint(config.ckpt_path)
@@ -108,6 +110,9 @@ class LtcxCLI(LightningCLI):
                 bar = StepRichProgressBar() if _RICH_AVAILABLE else StepTQDMProgressBar()
             kwargs["callbacks"] = [*callbacks, bar]
         trainer = super().instantiate_trainer(**kwargs)
+        # Log folders this run creates (a folder named by an explicit logger version may hold an earlier run's logs).
+        folders = (getattr(logger, "log_dir", None) for logger in trainer.loggers)
+        self._new_log_folders = [f for f in folders if isinstance(f, str) and not os.path.exists(f)]
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default; keep a user's own
             trainer.strategy.checkpoint_io = SafeCheckpointIO()
         return trainer
@@ -168,9 +173,8 @@ class LtcxCLI(LightningCLI):
         start = getattr(getattr(self, "model", None), "start_step", None)
         if trainer is None or not trainer.is_global_zero or (start is not None and trainer.global_step > start):
             return
-        for logger in trainer.loggers:
-            folder = getattr(logger, "log_dir", None)
-            if not isinstance(folder, str) or not os.path.isdir(folder):
+        for folder in getattr(self, "_new_log_folders", []):
+            if not os.path.isdir(folder):
                 continue
             names = os.listdir(folder)
             if all(n in ("config.yaml", "hparams.yaml") or n.startswith("events.out.tfevents.") for n in names):

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
-from ltcx.checkpoint import latest_last_checkpoint, read_checkpoint
+from ltcx.checkpoint import checkpoint_in_folder, read_checkpoint
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.registry import Backbone, class_path, resolve_backbone
 
@@ -290,14 +290,7 @@ def load_language_model(ckpt_path: str | Path, map_location: str | torch.device 
     if os.path.isdir(ckpt_path):
         if os.path.isfile(os.path.join(ckpt_path, EXPORT_CONFIG)):
             return load_exported(ckpt_path, map_location=map_location)
-        found = latest_last_checkpoint(ckpt_path)
-        if len(found) != 1:
-            what = f"several runs' checkpoints ({', '.join(found)})" if found else "no last.ckpt of a run"
-            raise LtcxError(
-                f"'{ckpt_path}' is a folder with {what} and no {EXPORT_CONFIG}: pass a .ckpt file or a folder written "
-                "by `ltcx export`"
-            )
-        ckpt_path = found[0]
+        ckpt_path = checkpoint_in_folder(ckpt_path)
     checkpoint = read_checkpoint(ckpt_path, map_location=map_location)
     meta = {**checkpoint["ltcx"], "global_step": checkpoint.get("global_step")}
     model = _build(meta, checkpoint.get("hyper_parameters", {}), f"checkpoint '{ckpt_path}'")

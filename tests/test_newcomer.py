@@ -270,3 +270,18 @@ def test_num_threads_sets_torch_threads_and_omp_for_ddp_processes(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     line = one_error_line(["fit", "--config", str(ROOT / "configs/gpt.yaml"), "--num_threads", "0"], capsys)
     assert line == "ltcx: error: num_threads (0) must be >= 1 (null: one per core): fix --num_threads"
+
+
+def test_a_checkpoint_folder_means_its_latest_runs_last_ckpt(tmp_path, capsys):
+    from test_failures import one_error_line, write_checkpoint
+
+    folder = tmp_path / "checkpoints/gpt"
+    for version, tokenizer in ((0, "bytes"), (2, "bytes"), (10, "gpt2")):
+        (folder / f"version_{version}").mkdir(parents=True)
+        write_checkpoint(folder / f"version_{version}/last.ckpt", tokenizer=tokenizer)
+    (folder / "version_11").mkdir()  # a run that saved nothing (yet)
+    assert load_language_model(folder)[1]["tokenizer"] == "gpt2"  # version_10, not version_2 (numeric order)
+    write_checkpoint(folder / "version_10/last-v1.ckpt")
+    line = one_error_line(["generate", "--ckpt_path", str(folder)], capsys)
+    assert line == (f"ltcx: error: '{folder}' is a folder with several runs' last checkpoints ({folder}/version_10/"
+                    f"last-v1.ckpt, {folder}/version_10/last.ckpt): pass --ckpt_path the .ckpt file")
