@@ -285,3 +285,39 @@ def test_a_checkpoint_folder_means_its_latest_runs_last_ckpt(tmp_path, capsys):
     line = one_error_line(["generate", "--ckpt_path", str(folder)], capsys)
     assert line == (f"ltcx: error: '{folder}' is a folder with several runs' last checkpoints ({folder}/version_10/"
                     f"last-v1.ckpt, {folder}/version_10/last.ckpt): pass --ckpt_path the .ckpt file")
+
+
+@pytest.mark.parametrize("cores,devices,threads", [(1, "1", 1), (4, "2", 2), (64, "1", None)])
+def test_threads_fit_the_usable_cores(tmp_path, monkeypatch, capsys, cores, devices, threads):
+    """A CPU quota torch does not see (cores=1 of 2) or DDP processes sharing the cores cap torch's threads."""
+    import ltcx.cli
+
+    monkeypatch.setattr(sys, "argv", ["ltcx"])
+    monkeypatch.setenv("OMP_NUM_THREADS", "")
+    monkeypatch.setattr(ltcx.cli, "_usable_cores", lambda: cores)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 64 if cores == 4 else 2)
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    cli = LtcxCLI(LanguageModel, TextDataModule, run=False, args=[
+        "--config", str(ROOT / "configs/gpt.yaml"), *TINY_MODEL, "--trainer.accelerator", "cpu",
+        "--trainer.devices", devices, "--data.path", str(write_corpus(tmp_path / "corpus", 5, 2))])
+    assert cli.config.trainer.devices in (int(devices), devices)
+    assert calls == ([threads] if threads else [])
+    assert (os.environ["OMP_NUM_THREADS"] == str(threads)) if threads else os.environ["OMP_NUM_THREADS"] == ""
+    if threads:
+        assert f"torch thread(s) each, not {64 if cores == 4 else 2}" in capsys.readouterr().err
+
+
+def test_thread_speed_script_runs(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("thread_speed", ROOT / "scripts/thread_speed.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    before = torch.get_num_threads()
+    try:
+        medians = module.main(["--threads", "1", "--repeats", "1", "--batch_size", "1", "--seq_len", "4"])
+    finally:
+        torch.set_num_threads(before)
+    assert list(medians) == [1] and medians[1] > 0
+    assert "1 thread(s): median step" in capsys.readouterr().out
