@@ -22,6 +22,7 @@ setup(
         "pyarrow>=14",
         "numpy>=1.24",  # token shards (memory maps)
         "tqdm>=4.60",  # ltcx prepare's progress bar
+        "safetensors>=0.4",  # `ltcx export` and its loader
     ],
     entry_points={"console_scripts": ["ltcx=ltcx.cli:main"]},
 )

@@ -1,10 +1,12 @@
-"""Callbacks: sample generations in TensorBoard, a guard against non-finite losses, and Lightning's
+"""Callbacks: sample generations in the loggers (TensorBoard, ...), a guard against non-finite losses, and Lightning's
 ModelCheckpoint that also saves the final step and the step a signal stopped at."""
 
 from __future__ import annotations
 
 import math
+import os
 import signal
+import time
 
 import lightning as L
 import torch
@@ -12,12 +14,15 @@ from lightning.pytorch import callbacks as pl_callbacks
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from ltcx.checkpoint import run_versions
 from ltcx.errors import LtcxError
 from ltcx.generation import generate_texts
 
 
 class SampleGeneration(L.Callback):
-    """After each validation (not the sanity check), complete the prompts and log the text with the step.
+    """After each validation (not the sanity check), complete the prompts and log the text with the step to every
+    logger that holds text (TensorBoard, Weights & Biases, MLflow, Comet); with none such (CSVLogger, no logger)
+    append it to ``samples.txt`` in the run's log folder.
 
     Runs on global rank 0 only; the model is put back in train mode afterwards.
 
@@ -62,12 +67,37 @@ class SampleGeneration(L.Callback):
             )
         finally:
             backbone.train(was_training)
+        step = trainer.global_step
         text = "\n\n---\n\n".join(lines)
+        held = False
         for logger in trainer.loggers:
-            experiment = getattr(logger, "experiment", None)
-            if hasattr(experiment, "add_text"):
-                # Two trailing spaces per line keep line breaks in TensorBoard's markdown view.
-                experiment.add_text("samples", text.replace("\n", "  \n"), trainer.global_step)
+            held |= _log_text(logger, step, self.prompts, lines, text)
+        if not held:  # no logger that holds text (CSVLogger, none): a plain file in the run's folder
+            path = os.path.join(trainer.log_dir or trainer.default_root_dir, "samples.txt")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(f"=== step {step}\n{text}\n\n")
+
+
+def _log_text(logger, step: int, prompts: list[str], lines: list[str], text: str) -> bool:
+    """Log the samples to ``logger`` if it can hold text (TensorBoard, Weights & Biases, MLflow, Comet); whether
+    it did."""
+    if hasattr(logger, "log_text"):  # Weights & Biases: a table of (step, prompt, sample)
+        logger.log_text(key="samples", columns=["step", "prompt", "sample"],
+                        data=[[step, p, t] for p, t in zip(prompts, lines)], step=step)
+        return True
+    experiment = getattr(logger, "experiment", None)
+    if hasattr(experiment, "add_text"):  # TensorBoard
+        # Two trailing spaces per line keep line breaks in TensorBoard's markdown view.
+        experiment.add_text("samples", text.replace("\n", "  \n"), step)
+        return True
+    if hasattr(experiment, "log_text"):
+        if getattr(logger, "run_id", None) is not None:  # MLflow: a text artifact per step
+            experiment.log_text(logger.run_id, text, f"samples/step_{step:08d}.txt")
+        else:  # Comet
+            experiment.log_text(text, step=step)
+        return True
+    return False
 
 
 class FiniteLossGuard(L.Callback):
@@ -106,6 +136,70 @@ StepRichProgressBar = _step_total(pl_callbacks.RichProgressBar)
 StepTQDMProgressBar = _step_total(pl_callbacks.TQDMProgressBar)
 
 
+class LineProgress(pl_callbacks.ProgressBar):
+    """Progress as plain lines for output that is not a terminal (a file, a pipe, a job log), where a live bar
+    prints nothing until the end or fills the file with redraws: one line every ``trainer.log_every_n_steps``
+    optimizer steps and one after each validation, flushed at once.
+
+        step 20/40 (50%)  train/loss 5.1234  train/tokens_per_sec 702.1  12.3 s
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._enabled = True
+        self._printed_step = -1
+        self._start = time.perf_counter()
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._start = time.perf_counter()
+        self._printed_step = trainer.global_step
+
+    def _line(self, trainer, pl_module, keys=None) -> str:
+        metrics = {k: v for k, v in self.get_metrics(trainer, pl_module).items() if k != "v_num"}
+        if keys is not None:
+            metrics = {k: trainer.callback_metrics[k] for k in keys if k in trainer.callback_metrics}
+        step, total = trainer.global_step, trainer.max_steps
+        where = f"step {step}/{total} ({100 * step / total:.0f}%)" if total and total > 0 else f"step {step}"
+        values = "  ".join(f"{k} {float(v):.4g}" for k, v in metrics.items() if isinstance(v, (int, float)) or (
+            torch.is_tensor(v) and v.numel() == 1))
+        return f"{where}  {values}  {time.perf_counter() - self._start:.1f} s".replace("   ", "  ")
+
+    def _print_step(self, trainer, pl_module) -> None:
+        # Called once the step's own hooks have logged everything (tokens/s is logged at its batch end).
+        step, every = trainer.global_step, max(1, trainer.log_every_n_steps)
+        if self._enabled and step != self._printed_step and step % every == 0:
+            self._printed_step = step
+            self.print(self._line(trainer, pl_module), flush=True)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._print_step(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._print_step(trainer, pl_module)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self._print_step(trainer, pl_module)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._enabled and trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self.print(self._line(trainer, pl_module, keys=["val/loss", "val/ppl"]), flush=True)
+
+
+def _run_folder(trainer: L.Trainer, root: str) -> str:
+    """``version_N`` with N the first logger's version (its log folder's name), else the next free N in ``root``."""
+    version = trainer.loggers[0].version if trainer.loggers else None
+    if version is None:
+        version = max(run_versions(root), default=-1) + 1
+    return version if isinstance(version, str) else f"version_{version}"
+
+
 class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
     """Lightning's ``ModelCheckpoint`` that also saves the final step and the step a signal stopped at.
 
@@ -114,12 +208,31 @@ class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
     0 without saving; Ctrl-C (SIGINT) stops wherever it lands. Here both stop after the current step, save it
     (as ``last.ckpt`` when ``save_last``) and exit with 128 + the signal number (143, 130), so a preempted
     job never looks finished. A second Ctrl-C stops at once without saving.
+
+    With ``run_folders`` (the default) a run saves in ``<dirpath>/version_N/``, N being its logger's version
+    (``lightning_logs/<model>/version_N``), so runs sharing a ``dirpath`` never overwrite each other's files.
     """
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, run_folders: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.run_folders = run_folders
+        self._root_dirpath = self.dirpath  # dirpath as configured; a run saves in <dirpath>/version_N
         self._stop_signal = signal.SIGTERM
         self._previous_sigint = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.run_folders and self._root_dirpath is not None:
+            # Each run its own folder, named as its log folder, so no run's last.ckpt overwrites (or, as last-v1.ckpt,
+            # hides behind) another's. Nothing is created here: validate/test/predict and failed runs leave no folder.
+            self.dirpath = os.path.join(self._root_dirpath, _run_folder(trainer, self._root_dirpath))
+        super().setup(trainer, pl_module, stage)  # rank 0's folder is broadcast to every rank
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self.run_folders and os.path.dirname(str(state_dict.get("dirpath"))) == str(self._root_dirpath):
+            # Resuming an earlier run of this folder: its best/last paths are in its own run folder, not this one.
+            self.best_model_path = state_dict.get("best_model_path", "")
+            return
+        super().load_state_dict(state_dict)
 
     def _save_current_step(self, trainer: L.Trainer) -> None:
         if self._should_skip_saving_checkpoint(trainer):  # also: already saved at this step

@@ -24,7 +24,8 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ltcx.errors import LtcxError
 
-__all__ = ["read_checkpoint", "atomic_save", "non_finite_weights", "SafeCheckpointIO"]
+__all__ = ["read_checkpoint", "atomic_save", "non_finite_weights", "SafeCheckpointIO", "latest_last_checkpoint",
+           "checkpoint_in_folder"]
 
 
 def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
@@ -55,6 +56,48 @@ def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("ltcx"), dict):
         raise LtcxError(f"checkpoint '{name}' was not written by ltcx (no 'ltcx' entry); train with `ltcx fit`")
     return checkpoint
+
+
+_LAST = re.compile(r"last(-v\d+)?\.ckpt")
+_VERSION = re.compile(r"version_(\d+)")
+
+
+def run_versions(folder: str | os.PathLike) -> list[int]:
+    """The N of the ``version_N`` folders in ``folder``, ascending (none if it does not exist)."""
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        return []
+    found = (_VERSION.fullmatch(name) for name in os.listdir(folder))
+    return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(folder, m.group(0))))
+
+
+def latest_last_checkpoint(folder: str | os.PathLike) -> list[str]:
+    """The ``last.ckpt`` of the latest run under a checkpoint folder: that of the highest-numbered ``version_N/``
+    holding one (each run saves in its own), else one in ``folder`` itself (the layout before run folders).
+
+    Returns every ``last*.ckpt`` of that folder (one normally, several when runs shared it; none: no run saved).
+    """
+    folder = os.fspath(folder)
+    for version in reversed(run_versions(folder)):
+        found = _last_files(os.path.join(folder, f"version_{version}"))
+        if found:
+            return found
+    return _last_files(folder)
+
+
+def checkpoint_in_folder(folder: str | os.PathLike) -> str:
+    """The one ``last.ckpt`` of the latest run under the checkpoint folder ``folder``; one line otherwise."""
+    found = latest_last_checkpoint(folder)
+    if len(found) != 1:
+        what = f"several runs' last checkpoints ({', '.join(found)})" if found else "no run's last.ckpt"
+        raise LtcxError(f"'{os.fspath(folder)}' is a folder with {what}: pass --ckpt_path the .ckpt file")
+    return found[0]
+
+
+def _last_files(folder: str) -> list[str]:
+    if not os.path.isdir(folder):
+        return []
+    return sorted(os.path.join(folder, name) for name in os.listdir(folder) if _LAST.fullmatch(name))
 
 
 def non_finite_weights(checkpoint: dict[str, Any]) -> list[str]:
@@ -116,9 +159,10 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
             os.remove(temp)
         if isinstance(error, OSError):
             reason = "disk full" if error.errno == errno.ENOSPC else (error.strerror or type(error).__name__)
+            kept = "the previous checkpoint there is intact" if os.path.exists(path) else "nothing was written"
             raise LtcxError(
-                f"cannot write checkpoint '{path}' ({reason}); the previous checkpoint there is intact: free space "
-                "or point the checkpoint dirpath at another disk"
+                f"cannot write checkpoint '{path}' ({reason}); {kept}: free space or point the checkpoint dirpath at "
+                "another disk"
             ) from None
         raise
 

@@ -1,17 +1,20 @@
 """Command line: LightningCLI (fit, validate, test, predict) plus ``generate``.
 
     ltcx fit --config configs/gpt.yaml
-    ltcx generate --ckpt_path checkpoints/gpt/last.ckpt --prompt "Once upon a time"
+    ltcx generate --ckpt_path checkpoints/gpt/version_0/last.ckpt --prompt "Once upon a time"
+    ltcx export --ckpt_path checkpoints/gpt/version_0/last.ckpt --out gpt-tinystories/
     ltcx prepare --source my_corpus/ --out data/my_corpus      # token shards, then --data.path data/my_corpus
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
-import re
+import shutil
 import signal
 import sys
+from typing import Optional
 
 import torch
 from lightning.pytorch.callbacks.progress import ProgressBar
@@ -20,16 +23,16 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from ltcx.callbacks import StepRichProgressBar, StepTQDMProgressBar
-from ltcx.checkpoint import SafeCheckpointIO, read_checkpoint
+from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar
+from ltcx.checkpoint import SafeCheckpointIO, checkpoint_in_folder, latest_last_checkpoint, read_checkpoint
 from ltcx.data import TextDataModule
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.lm import LanguageModel, check_same_backbone
 
 
 DESCRIPTION = (
-    "ltcx: train and evaluate language models (`ltcx generate --help` samples from a checkpoint, "
-    "`ltcx prepare --help` makes token shards)"
+    "ltcx: train and evaluate language models (`ltcx generate --help` samples from a checkpoint, `ltcx export --help` "
+    "writes a weights-only copy, `ltcx prepare --help` makes token shards)"
 )
 
 
@@ -37,15 +40,38 @@ class LtcxCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # The model's vocabulary always matches the data's tokenizer: nobody keeps vocab_size by hand.
         parser.link_arguments("data.padded_vocab_size", "model.backbone.init_args.vocab_size", apply_on="instantiate")
+        parser.add_argument(
+            "--num_threads", type=Optional[int], default=None,
+            help="torch threads per process (null: OMP_NUM_THREADS if set, else one per usable core, divided among "
+            "the processes of DDP on a CPU)",
+        )
+
+    def parse_arguments(self, parser, args) -> None:
+        # The command line as given, to tell a flag the user typed from a value a YAML file set.
+        self._command_line = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
+        super().parse_arguments(parser, args)
+
+    def _on_command_line(self, key: str) -> bool:
+        """Whether ``--key`` (``--key value`` or ``--key=value``) was typed on the command line."""
+        flag = f"--{key}"
+        return any(arg == flag or arg.startswith(flag + "=") for arg in getattr(self, "_command_line", []))
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         precision = str(config.trainer.precision)
-        wants_gpu = config.trainer.accelerator in ("auto", "cuda", "gpu")
-        if "bf16" in precision and wants_gpu and not torch.cuda.is_available():
-            # The same YAML trains in bf16 on a GPU and in float32 on a CPU-only machine.
-            print(f"ltcx: no CUDA device, so trainer.precision {precision} -> 32-true", file=sys.stderr)
+        accelerator = str(config.trainer.accelerator)
+        on_cpu = accelerator == "cpu" or (accelerator in ("auto", "cuda", "gpu") and not torch.cuda.is_available())
+        if "bf16" in precision and on_cpu and not self._on_command_line("trainer.precision"):
+            # The same YAML trains in bf16 on a GPU and in float32 on a CPU, where bf16 is emulated and many
+            # times slower on most processors; a bf16 typed on the command line is kept.
+            reason = "training on the CPU" if accelerator == "cpu" else "no CUDA device"
+            print(
+                f"ltcx: {reason}, so trainer.precision {precision} -> 32-true "
+                f"(pass --trainer.precision {precision} to keep it)",
+                file=sys.stderr,
+            )
             config.trainer.precision = "32-true"
+        _set_cpu_threads(config.get("num_threads"), config.trainer, on_cpu)
         max_steps = config.trainer.max_steps
         if max_steps is not None and max_steps < -1:
             raise ConfigError(f"trainer.max_steps ({max_steps}) must be >= -1 (-1: no limit): fix --trainer.max_steps")
@@ -62,10 +88,14 @@ class LtcxCLI(LightningCLI):
         _resolve_under_root(config.trainer)
         if config.get("ckpt_path") == "last":
             config.ckpt_path = _find_last_checkpoint(config.trainer)
+        elif isinstance(config.get("ckpt_path"), str) and os.path.isdir(config.ckpt_path):
+            config.ckpt_path = checkpoint_in_folder(config.ckpt_path)  # a checkpoint folder: its latest run's
         if config.get("ckpt_path") in (None, "last"):
             return
         self._checkpoint = read_checkpoint(config.ckpt_path)
         hparams = {k: v for k, v in self._checkpoint.get("hyper_parameters", {}).items() if k != "_instantiator"}
+        if self._on_command_line("model.decay_steps"):  # a schedule end typed now wins over the checkpoint's
+            hparams.pop("decay_steps", None)
         if hparams:
             self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
 
@@ -73,9 +103,17 @@ class LtcxCLI(LightningCLI):
         config = self._get(self.config_init, "trainer", default={})
         callbacks = config.get("callbacks") or []
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
-            # Lightning would add its own bar, whose total is wrong after a resume
-            kwargs["callbacks"] = [*callbacks, StepRichProgressBar() if _RICH_AVAILABLE else StepTQDMProgressBar()]
+            # Lightning would add its own bar, whose total is wrong after a resume; output to a file or a pipe gets
+            # plain lines every log_every_n_steps instead of a bar that shows nothing there until the end.
+            if not sys.stdout.isatty():
+                bar = LineProgress()
+            else:
+                bar = StepRichProgressBar() if _RICH_AVAILABLE else StepTQDMProgressBar()
+            kwargs["callbacks"] = [*callbacks, bar]
         trainer = super().instantiate_trainer(**kwargs)
+        # Log folders this run creates (a folder named by an explicit logger version may hold an earlier run's logs).
+        folders = (getattr(logger, "log_dir", None) for logger in trainer.loggers)
+        self._new_log_folders = [f for f in folders if isinstance(f, str) and not os.path.exists(f)]
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default; keep a user's own
             trainer.strategy.checkpoint_io = SafeCheckpointIO()
         return trainer
@@ -92,6 +130,103 @@ class LtcxCLI(LightningCLI):
         self._checkpoint = None  # the trainer holds it now (or reads it again through its own CheckpointIO)
 
     before_fit = before_validate = before_test = before_predict = _check_ckpt_path
+
+    def after_predict(self) -> None:
+        """``predict`` from the command line: each block's mean loss to ``predictions.csv`` in the run's log folder
+        (``predictions.rank<R>.csv`` per rank under DDP) and a one-line summary on stdout."""
+        trainer = self.trainer
+        batches = trainer.predict_loop.predictions or []
+        if batches and isinstance(batches[0], list):  # several dataloaders
+            batches = [b for per_loader in batches for b in per_loader]
+        losses = torch.cat([b.reshape(-1).float().cpu() for b in batches]) if batches else torch.zeros(0)
+        folder = trainer.log_dir or trainer.default_root_dir
+        name = "predictions.csv" if trainer.world_size == 1 else f"predictions.rank{trainer.global_rank}.csv"
+        path = os.path.join(folder, name)
+        os.makedirs(folder, exist_ok=True)
+        with open(path, "w") as f:
+            f.write("block,loss\n" + "".join(f"{i},{v:.6f}\n" for i, v in enumerate(losses.tolist())))
+        if not trainer.is_global_zero:
+            return
+        if len(losses) == 0:
+            print(f"ltcx: predict: no blocks (empty validation stream); wrote {path}")
+            return
+        mean = float(losses.mean())
+        tokens = getattr(trainer.datamodule, "block_size", None)
+        per = f" of {tokens} tokens" if tokens else ""
+        ranks = f" on rank 0 of {trainer.world_size}" if trainer.world_size > 1 else ""
+        print(
+            f"ltcx: predict: {len(losses)} blocks{per}{ranks}, mean loss {mean:.4f} (ppl {math.exp(min(mean, 700)):.2f}), "
+            f"min {float(losses.min()):.4f}, max {float(losses.max()):.4f}; each block's loss in {path}",
+            flush=True,
+        )
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except LtcxError:
+            self._remove_empty_log_folders()
+            raise
+
+    def _remove_empty_log_folders(self) -> None:
+        """A run that stopped on a user error before training a step leaves no ``version_N`` log folder holding
+        only its config and an empty event file (its checkpoint folder is only made by a save)."""
+        trainer = getattr(self, "trainer", None)
+        start = getattr(getattr(self, "model", None), "start_step", None)
+        if trainer is None or not trainer.is_global_zero or (start is not None and trainer.global_step > start):
+            return
+        for folder in getattr(self, "_new_log_folders", []):
+            if not os.path.isdir(folder):
+                continue
+            names = os.listdir(folder)
+            if all(n in ("config.yaml", "hparams.yaml") or n.startswith("events.out.tfevents.") for n in names):
+                shutil.rmtree(folder, ignore_errors=True)
+                for parent in (os.path.dirname(folder), os.path.dirname(os.path.dirname(folder))):
+                    try:  # <save_dir>/<name>, then <save_dir>, if this run made them and left them empty
+                        os.rmdir(parent)
+                    except OSError:
+                        break
+
+
+def _set_cpu_threads(num_threads: int | None, trainer_config, on_cpu: bool) -> None:
+    """Threads of torch's CPU ops: ``--num_threads N``, else ``OMP_NUM_THREADS`` (torch reads it), else torch's one
+    per core, divided among the processes of DDP on a CPU (Lightning's launcher does that), and capped at the
+    cores this process may use: a container's CPU quota, which torch does not see, counts. The number chosen is
+    exported as ``OMP_NUM_THREADS``, so DDP's launcher and its processes keep it."""
+    if num_threads is not None:
+        if num_threads < 1:
+            raise ConfigError(f"num_threads ({num_threads}) must be >= 1 (null: one per core): fix --num_threads")
+    elif os.environ.get("OMP_NUM_THREADS") or not on_cpu:
+        return
+    else:
+        devices = trainer_config.devices
+        processes = int(devices) if isinstance(devices, int) or str(devices).isdigit() else 1
+        budget = max(1, _usable_cores() // max(1, processes))
+        if torch.get_num_threads() <= budget:
+            return  # torch's default already fits (Lightning divides it for DDP)
+        print(f"ltcx: {_usable_cores()} usable CPU cores for {processes} process(es): {budget} torch thread(s) each, "
+              f"not {torch.get_num_threads()} (--num_threads or OMP_NUM_THREADS to change)", file=sys.stderr)
+        num_threads = budget
+    torch.set_num_threads(num_threads)
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)
+
+
+def _usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup CPU quota (v2 ``cpu.max``, v1 CFS)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    for quota_file, period_file in (("/sys/fs/cgroup/cpu.max", None),
+                                    ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")):
+        try:
+            with open(quota_file) as f:
+                fields = f.read().split()
+            if period_file is not None:
+                with open(period_file) as f:
+                    fields.append(f.read().strip())
+            quota, period = fields[0], fields[1]
+            if quota not in ("max", "-1") and int(period) > 0:
+                return max(1, min(cores, -(-int(quota) // int(period))))
+        except (OSError, ValueError, IndexError):
+            continue
+    return cores
 
 
 def _init_args_with_paths(trainer_config):
@@ -115,19 +250,14 @@ def _resolve_under_root(trainer_config) -> None:
                 init_args[key] = os.path.join(root, value)
 
 
-_LAST = re.compile(r"last(-v\d+)?\.ckpt")
-
-
 def _find_last_checkpoint(trainer_config) -> str | None:
-    """``--ckpt_path last``: the one ``last.ckpt`` / ``last-vN.ckpt`` in the checkpoint folder, None (a fresh
-    start) when there is none, and an error listing them when runs sharing the folder left several."""
+    """``--ckpt_path last``: the ``last.ckpt`` of the latest run (the highest ``version_N/`` of the checkpoint
+    folder holding one), None (a fresh start) when there is none, and an error listing them when runs that
+    shared one folder left several."""
     folders = [a.dirpath for a in _init_args_with_paths(trainer_config) if isinstance(a.get("dirpath"), str)]
     if not folders:
         return "last"  # no folder configured: Lightning's own search
-    candidates = sorted(
-        os.path.join(folder, name) for folder in folders if os.path.isdir(folder)
-        for name in os.listdir(folder) if _LAST.fullmatch(name)
-    )
+    candidates = sorted(path for folder in folders for path in latest_last_checkpoint(folder))
     if len(candidates) > 1:
         raise LtcxError(
             f"--ckpt_path last is ambiguous: {', '.join(candidates)} (runs sharing the folder wrote several); "
@@ -156,7 +286,11 @@ def generate_main(argv: list[str]) -> None:
     from ltcx.tokenizers import get_tokenizer
 
     parser = argparse.ArgumentParser(prog="ltcx generate", description=generate_main.__doc__)
-    parser.add_argument("--ckpt_path", required=True, help="checkpoint written by `ltcx fit` (e.g. .../last.ckpt)")
+    parser.add_argument(
+        "--ckpt_path", required=True,
+        help="checkpoint written by `ltcx fit` (e.g. .../version_0/last.ckpt), a checkpoint folder (its latest run's "
+        "last.ckpt) or a folder written by `ltcx export`",
+    )
     parser.add_argument(
         "--prompt", action="append", help="prompt text; repeat for several prompts (none: start a new document)"
     )
@@ -197,32 +331,43 @@ def generate_main(argv: list[str]) -> None:
     for _, ids in prompts:  # every prompt is checked before anything is printed
         check_generation_args(backbone, len(ids), args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     for prompt, ids in prompts:
-        batch = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
-        rows: list[list[int]] = [[] for _ in range(args.num_samples)]
-        printed = 0  # characters of rows[0]'s completion already written
-        if args.num_samples == 1:
+        # Samples run one after another, so each streams as it is produced (a batch could only be shown at its end).
+        for i in range(args.num_samples):
+            if args.num_samples > 1:
+                sys.stdout.write(f"--- sample {i + 1}\n")
             sys.stdout.write(prompt)
-        for token in stream_tokens(
-            backbone, batch, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-            top_p=args.top_p, stop_token=stop, vocab_limit=tokenizer.vocab_size, generator=generator,
-        ):
-            for row, t in zip(rows, token.tolist()):
-                if t != stop:
-                    row.append(t)
-            if args.num_samples == 1:
+            row: list[int] = []
+            printed = 0  # characters of the completion already written
+            for token in stream_tokens(
+                backbone, torch.tensor([ids], dtype=torch.long, device=device), args.max_new_tokens,
+                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_token=stop,
+                vocab_limit=tokenizer.vocab_size, generator=generator,
+            ):
+                if int(token) == stop:
+                    break
+                row.append(int(token))
                 # Decode the whole completion and write what is new, holding back a character that is still
                 # incomplete (a multi-byte character split over tokens decodes as U+FFFD until its last byte).
-                text = tokenizer.decode(rows[0])
+                text = tokenizer.decode(row)
                 if not text.endswith("\ufffd"):
                     sys.stdout.write(text[printed:])
                     sys.stdout.flush()
                     printed = len(text)
-        if args.num_samples == 1:
-            sys.stdout.write(tokenizer.decode(rows[0])[printed:] + "\n")
-        else:
-            for i, row in enumerate(rows):
-                sys.stdout.write(f"--- sample {i + 1}\n{prompt}{tokenizer.decode(row)}\n")
-        sys.stdout.flush()
+            sys.stdout.write(tokenizer.decode(row)[printed:] + "\n")
+            sys.stdout.flush()
+
+
+def export_main(argv: list[str]) -> None:
+    """``ltcx export``: a checkpoint's model as a weights-only folder (model.safetensors + config.json) to share
+    without pickles; ``LanguageModel.from_pretrained(folder)`` and ``ltcx generate --ckpt_path folder`` read it."""
+    from ltcx.lm import export_model
+
+    parser = argparse.ArgumentParser(prog="ltcx export", description=export_main.__doc__)
+    parser.add_argument("--ckpt_path", required=True, help="checkpoint written by `ltcx fit`, or its checkpoint folder")
+    parser.add_argument("--out", required=True, help="a new folder to write")
+    args = parser.parse_args(argv)
+    out = export_model(args.ckpt_path, args.out)
+    print(f"ltcx: exported to {out}/ ({', '.join(sorted(p.name for p in out.iterdir()))})")
 
 
 def _device(name: str) -> torch.device:
@@ -248,6 +393,8 @@ def main(argv: list[str] | None = None) -> None:
             from ltcx.data.prepare import prepare_main
 
             prepare_main(command_line[1:])
+        elif command_line and command_line[0] == "export":
+            export_main(command_line[1:])
         else:
             cli_main(argv)  # None: LightningCLI reads sys.argv itself
     except LtcxError as error:

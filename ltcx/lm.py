@@ -4,7 +4,11 @@
 from __future__ import annotations
 
 import inspect
+import json
 import math
+import os
+import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,9 +19,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
-from ltcx.checkpoint import read_checkpoint
+from ltcx.checkpoint import checkpoint_in_folder, read_checkpoint
 from ltcx.errors import ConfigError, LtcxError
-from ltcx.models.registry import class_path, resolve_backbone
+from ltcx.models.registry import Backbone, class_path, resolve_backbone
 
 
 def lr_at_step(step: int, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:
@@ -51,7 +55,8 @@ class LanguageModel(L.LightningModule):
         learning_rate: peak learning rate after warmup.
         min_lr: learning rate at the end of the cosine decay.
         warmup_steps: optimizer steps of linear warmup.
-        decay_steps: optimizer step at which the cosine reaches min_lr; None = trainer.max_steps.
+        decay_steps: optimizer step at which the cosine reaches min_lr; None = trainer.max_steps (on resume: the
+            checkpoint's end, so a longer max_steps continues at min_lr).
         weight_decay: AdamW weight decay of the matrices (not norms, biases or exempt parameters).
         betas: AdamW betas.
         eps: AdamW epsilon.
@@ -60,7 +65,7 @@ class LanguageModel(L.LightningModule):
 
     def __init__(
         self,
-        backbone: nn.Module,
+        backbone: Backbone,
         learning_rate: float = 6e-4,
         min_lr: float = 6e-5,
         warmup_steps: int = 1170,
@@ -85,6 +90,9 @@ class LanguageModel(L.LightningModule):
         self.val_loss = MeanMetric()
         self.tokens_seen = 0
         self._last_step_time: float | None = None
+        self.start_step: int | None = None  # set when training starts
+        self.decay_steps: int | None = None  # the schedule's end, resolved in configure_optimizers
+        self._checkpoint_decay_steps: int | None = None  # ... and as a resumed checkpoint had it
 
     # -- model ---------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -112,6 +120,9 @@ class LanguageModel(L.LightningModule):
                 f"model.backbone.init_args.block_size to at least {block_size} or lower data.block_size"
             )
 
+    def on_train_start(self) -> None:
+        self.start_step = self.trainer.global_step  # the step this run started (or resumed) at
+
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
         self.log("train/loss", loss, prog_bar=True)
@@ -122,7 +133,7 @@ class LanguageModel(L.LightningModule):
         self.tokens_seen += step_tokens
         now = time.perf_counter()
         if self._last_step_time is not None:
-            self.log("train/tokens_per_sec", step_tokens / (now - self._last_step_time))
+            self.log("train/tokens_per_sec", step_tokens / (now - self._last_step_time), prog_bar=True)
         self._last_step_time = now
         self.log("train/tokens_seen", float(self.tokens_seen))
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
@@ -163,16 +174,58 @@ class LanguageModel(L.LightningModule):
             eps=self.hparams.eps,
             fused=self.device.type == "cuda",
         )
-        decay_steps = self.hparams.decay_steps
-        if decay_steps is None:
-            decay_steps = self.trainer.max_steps if self.trainer is not None else -1
-            if decay_steps is None or decay_steps < 0:
-                raise LtcxError("the learning-rate schedule needs an end: set trainer.max_steps or model.decay_steps")
+        self.decay_steps = self._schedule_end()
         max_lr, min_lr, warmup = self.hparams.learning_rate, self.hparams.min_lr, self.hparams.warmup_steps
+        # Reads self.decay_steps at each step: a checkpoint restored after this (FSDP) still sets the schedule's end.
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_at_step(step, max_lr, min_lr, warmup, decay_steps) / max_lr
+            optimizer, lambda step: lr_at_step(step, max_lr, min_lr, warmup, self.decay_steps) / max_lr
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _schedule_end(self) -> int:
+        """The step where the cosine ends: ``model.decay_steps``, else the resumed checkpoint's own end (so making
+        ``trainer.max_steps`` longer extends the run at min_lr instead of re-deriving the schedule and jumping the
+        learning rate back up), else ``trainer.max_steps``."""
+        explicit, stored = self.hparams.decay_steps, self._checkpoint_decay_steps
+        max_steps = self.trainer.max_steps if self._trainer is not None else -1
+        if explicit is not None:
+            if stored is not None and stored != explicit:
+                self._notice(f"model.decay_steps {explicit} replaces the checkpoint's learning-rate schedule end ({stored})")
+            return explicit
+        if stored is not None:
+            if max_steps != stored:
+                self._notice(
+                    f"resuming with the checkpoint's learning-rate schedule (cosine to min_lr ends at step {stored}, "
+                    f"not at trainer.max_steps {max_steps}); pass --model.decay_steps N to change it"
+                )
+            return stored
+        if max_steps is None or max_steps < 0:
+            raise LtcxError("the learning-rate schedule needs an end: set trainer.max_steps or model.decay_steps")
+        return max_steps
+
+    def _notice(self, text: str) -> None:
+        if self._trainer is None or self.trainer.is_global_zero:
+            print(f"ltcx: {text}", file=sys.stderr)
+
+    # -- loading -------------------------------------------------------------------------------
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path, map_location=None, hparams_file=None, strict=None, **kwargs):
+        """Lightning's usual call: the model of a checkpoint written by ``ltcx fit`` (or a folder written by
+        ``ltcx export``), read as data and rebuilt through ltcx's backbone registry (``load_language_model``);
+        ``kwargs`` override saved hyper-parameters. In train mode, as Lightning returns it."""
+        if hparams_file is not None:
+            raise LtcxError("hparams_file is not used: an ltcx checkpoint carries its own configuration")
+        model, _ = load_language_model(checkpoint_path, map_location="cpu" if map_location is None else map_location)
+        if kwargs:
+            rebuilt = cls(model.backbone, **{**dict(model.hparams), **kwargs})
+            rebuilt.tokens_seen = model.tokens_seen
+            model = rebuilt
+        return model.train()
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, map_location: str | torch.device = "cpu") -> LanguageModel:
+        """The model of a folder written by ``ltcx export`` (weights-only safetensors + config.json), in eval mode."""
+        return load_exported(folder, map_location=map_location)[0]
 
     # -- checkpoints ---------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -181,10 +234,15 @@ class LanguageModel(L.LightningModule):
             "backbone_config": self.backbone.config_dict(),
             "tokenizer": getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None),
             "tokens_seen": self.tokens_seen,
+            "decay_steps": self.decay_steps,  # the schedule's end as resolved, kept when the run is extended
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.tokens_seen = checkpoint.get("ltcx", {}).get("tokens_seen", 0)
+        meta = checkpoint.get("ltcx", {})
+        self.tokens_seen = meta.get("tokens_seen", 0)
+        self._checkpoint_decay_steps = meta.get("decay_steps")
+        if self.decay_steps is not None and self._trainer is not None:  # optimizers already configured
+            self.decay_steps = self._schedule_end()
 
 
 def check_same_backbone(meta: dict, backbone: nn.Module, ckpt_path: str | Path) -> None:
@@ -204,30 +262,116 @@ def check_same_backbone(meta: dict, backbone: nn.Module, ckpt_path: str | Path) 
     )
 
 
-def load_language_model(ckpt_path: str | Path, map_location: str | torch.device = "cpu") -> tuple[LanguageModel, dict]:
-    """Rebuild a LanguageModel and its backbone from a checkpoint written by ltcx.
-
-    The file is read as data only (``weights_only=True``) and the backbone class is looked up in ltcx's
-    registry (``ltcx.models.registry``), never imported from the string in the file. Returns the model in
-    eval mode and the checkpoint's ``ltcx`` metadata (backbone class and config, tokenizer name).
-    """
-    checkpoint = read_checkpoint(ckpt_path, map_location=map_location)
-    meta = checkpoint["ltcx"]
+def _build(meta: dict, hyper_parameters: dict, source: str) -> LanguageModel:
+    """A LanguageModel around the backbone that ``meta`` names (through the registry) and configures."""
     backbone_class = resolve_backbone(meta.get("backbone_class"))
     config = meta.get("backbone_config")
     try:
         backbone = backbone_class(**config)
     except (TypeError, ValueError) as error:  # ConfigError is a ValueError
-        raise LtcxError(f"checkpoint '{ckpt_path}' has an invalid backbone_config ({error})") from None
+        raise LtcxError(f"{source} has an invalid backbone_config ({error})") from None
     accepted = set(inspect.signature(LanguageModel).parameters) - {"backbone"}
-    hparams = {k: v for k, v in checkpoint.get("hyper_parameters", {}).items() if k in accepted}
-    model = LanguageModel(backbone, **hparams)
+    return LanguageModel(backbone, **{k: v for k, v in hyper_parameters.items() if k in accepted})
+
+
+def _damaged(source: str, error: Exception) -> LtcxError:
+    first = str(error).strip().splitlines()[0][:200]
+    return LtcxError(f"{source}: its weights do not match its backbone_config ({first}); the file is damaged")
+
+
+def load_language_model(ckpt_path: str | Path, map_location: str | torch.device = "cpu") -> tuple[LanguageModel, dict]:
+    """Rebuild a LanguageModel and its backbone from a checkpoint written by ltcx, a folder written by
+    ``ltcx export`` (``load_exported``), or a checkpoint folder (the latest run's ``version_N/last.ckpt``).
+
+    The file is read as data only (``weights_only=True``) and the backbone class is looked up in ltcx's
+    registry (``ltcx.models.registry``), never imported from the string in the file. Returns the model in
+    eval mode and the checkpoint's ``ltcx`` metadata (backbone class and config, tokenizer name).
+    """
+    if os.path.isdir(ckpt_path):
+        if os.path.isfile(os.path.join(ckpt_path, EXPORT_CONFIG)):
+            return load_exported(ckpt_path, map_location=map_location)
+        ckpt_path = checkpoint_in_folder(ckpt_path)
+    checkpoint = read_checkpoint(ckpt_path, map_location=map_location)
+    meta = {**checkpoint["ltcx"], "global_step": checkpoint.get("global_step")}
+    model = _build(meta, checkpoint.get("hyper_parameters", {}), f"checkpoint '{ckpt_path}'")
     try:
         model.load_state_dict(checkpoint["state_dict"])
     except (KeyError, RuntimeError) as error:
-        first = str(error).strip().splitlines()[0][:200]
-        raise LtcxError(
-            f"checkpoint '{ckpt_path}': its weights do not match its backbone_config ({first}); the file is damaged"
-        ) from None
+        raise _damaged(f"checkpoint '{ckpt_path}'", error) from None
     model.on_load_checkpoint(checkpoint)
+    return model.eval(), meta
+
+
+# -- weights-only export ----------------------------------------------------------------------------------------
+
+EXPORT_CONFIG, EXPORT_WEIGHTS, EXPORT_FORMAT = "config.json", "model.safetensors", "ltcx-export-1"
+
+
+def export_model(ckpt_path: str | Path, out: str | Path) -> Path:
+    """Write the model of a checkpoint to a new folder ``out`` without pickles: ``model.safetensors`` (the
+    backbone's weights) and ``config.json`` (backbone class path and config, tokenizer name, hyper-parameters,
+    step). ``load_exported(out)`` rebuilds it. The folder appears whole or not at all."""
+    from safetensors.torch import save_model
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise LtcxError(f"'{out}' already exists and is not an empty folder: pass --out a new folder")
+    model, meta = load_language_model(ckpt_path)
+    config = {
+        "format": EXPORT_FORMAT,
+        "backbone_class": meta["backbone_class"],
+        "backbone_config": meta["backbone_config"],
+        "tokenizer": meta.get("tokenizer"),
+        "tokens_seen": meta.get("tokens_seen", 0),
+        "hyper_parameters": {k: (list(v) if isinstance(v, tuple) else v) for k, v in model.hparams.items()},
+    }
+    if meta.get("global_step") is not None:
+        config["global_step"] = meta["global_step"]
+    try:
+        text = json.dumps(config, indent=2)
+    except TypeError as error:
+        raise LtcxError(f"checkpoint '{ckpt_path}' holds a config that is not plain data ({error})") from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)
+    try:
+        temp.mkdir()
+        save_model(model.backbone, str(temp / EXPORT_WEIGHTS), metadata={"format": "pt"})
+        (temp / EXPORT_CONFIG).write_text(text + "\n")
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.replace(temp, out)
+    except OSError as error:
+        raise LtcxError(f"cannot write '{out}' ({error.strerror or error}); nothing was written") from None
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    return out
+
+
+def load_exported(folder: str | Path, map_location: str | torch.device = "cpu") -> tuple[LanguageModel, dict]:
+    """Rebuild a LanguageModel from a folder written by ``export_model`` / ``ltcx export``: ``config.json`` is read
+    as data and names the backbone class, looked up in ltcx's registry; ``model.safetensors`` holds only tensors.
+    Returns the model in eval mode and its metadata (backbone class and config, tokenizer name)."""
+    from safetensors.torch import load_model
+
+    folder = Path(folder)
+    source = f"exported model '{folder}'"
+    try:
+        config = json.loads((folder / EXPORT_CONFIG).read_text())
+    except FileNotFoundError:
+        raise LtcxError(f"'{folder}' has no {EXPORT_CONFIG}: pass a folder written by `ltcx export`") from None
+    except (OSError, ValueError) as error:
+        raise LtcxError(f"{source}: {EXPORT_CONFIG} could not be read ({error})") from None
+    if not isinstance(config, dict) or config.get("format") != EXPORT_FORMAT:
+        raise LtcxError(f"{source}: {EXPORT_CONFIG} was not written by `ltcx export` (format {EXPORT_FORMAT})")
+    model = _build(config, config.get("hyper_parameters", {}), source)
+    weights = folder / EXPORT_WEIGHTS
+    if not weights.is_file():
+        raise LtcxError(f"{source} has no {EXPORT_WEIGHTS}: export it again")
+    try:
+        load_model(model.backbone, str(weights), strict=True, device=str(torch.device(map_location)))
+    except Exception as error:  # noqa: BLE001 - a damaged file or weights of another config: one line
+        raise _damaged(source, error) from None
+    model.tokens_seen = config.get("tokens_seen", 0)
+    meta = {k: config.get(k) for k in ("backbone_class", "backbone_config", "tokenizer", "tokens_seen", "global_step")}
     return model.eval(), meta

@@ -151,6 +151,14 @@ def measure_checkpoint(checkpoint: Path, block_size: int, decode_steps: int = 16
     }
 
 
+def latest_checkpoint(run_root: Path) -> list[str]:
+    """The last.ckpt of the latest run (its own checkpoints/<model>/version_N/) under ``run_root``."""
+    from ltcx.checkpoint import latest_last_checkpoint
+
+    folders = sorted((run_root / "checkpoints").glob("*/")) if (run_root / "checkpoints").is_dir() else []
+    return [path for folder in folders for path in latest_last_checkpoint(folder)]
+
+
 def run_one(config: Path, model: str, seed: int, run_root: Path, args, extra: list[str]) -> dict:
     """Train one (config, seed) through the CLI unless it finished before; return its result."""
     result_file = run_root / "result.json"
@@ -168,7 +176,7 @@ def run_one(config: Path, model: str, seed: int, run_root: Path, args, extra: li
     ]
     if args.warmup_steps is not None:
         command += ["--model.warmup_steps", str(args.warmup_steps)]
-    checkpoints = sorted(run_root.glob("checkpoints/**/last*.ckpt"))
+    checkpoints = latest_checkpoint(run_root)
     if checkpoints:
         command += ["--ckpt_path", str(checkpoints[0])]  # a stopped run continues where it stopped
     run_root.mkdir(parents=True, exist_ok=True)
@@ -180,7 +188,7 @@ def run_one(config: Path, model: str, seed: int, run_root: Path, args, extra: li
     curve, tokens_per_sec = read_logs(run_root)
     if not curve:
         fail(f"{model} seed {seed} logged no validation loss; see {run_root / 'run.log'}")
-    checkpoints = sorted(run_root.glob("checkpoints/**/last*.ckpt"))
+    checkpoints = latest_checkpoint(run_root)
     if not checkpoints:
         fail(f"{model} seed {seed} left no last.ckpt; see {run_root / 'run.log'}")
     checkpoint = checkpoints[-1]

@@ -60,7 +60,7 @@ def test_fit_resume_and_generate(tmp_path):
     data = write_corpus(tmp_path / "corpus")
     first = run_cli(fit_args(data, "--trainer.max_steps", "4"), tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    checkpoint = tmp_path / "checkpoints/gpt/last.ckpt"
+    checkpoint = tmp_path / "checkpoints/gpt/version_0/last.ckpt"  # beside its logs' version_0
     assert checkpoint.is_file()
     run_dir = tmp_path / "lightning_logs/gpt/version_0"
     assert (run_dir / "config.yaml").is_file()
@@ -76,6 +76,8 @@ def test_fit_resume_and_generate(tmp_path):
 
     resumed = run_cli(fit_args(data, "--trainer.max_steps", "6", "--ckpt_path", "last"), tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert torch.load(checkpoint, weights_only=False)["global_step"] == 4  # the first run's file is its own
+    checkpoint = tmp_path / "checkpoints/gpt/version_1/last.ckpt"
     state = torch.load(checkpoint, weights_only=False)
     assert state["global_step"] == 6
     steps = [e.step for e in read_events(tmp_path / "lightning_logs/gpt/version_1").Scalars("train/loss")]
@@ -172,7 +174,7 @@ def test_every_config_trains_and_generates(arch, tmp_path, monkeypatch, capsys):
         *TINY_OVERRIDES[arch],
     ]
     main(args)
-    checkpoint = tmp_path / f"checkpoints/{arch}/last.ckpt"
+    checkpoint = tmp_path / f"checkpoints/{arch}/version_0/last.ckpt"
     assert torch.load(checkpoint, weights_only=False)["global_step"] == 2
     samples = read_events(tmp_path / f"lightning_logs/{arch}/version_0").Tensors("samples/text_summary")
     assert [e.step for e in samples] == [2] and samples[0].tensor_proto.string_val[0].decode().startswith("Once")

@@ -148,17 +148,18 @@ def test_nan_stops_before_any_non_finite_weights_are_saved(tmp_path, fit_env, ca
     after the last step (6): the final save refuses. Either way last.ckpt stays the good one of step 3."""
     data = fit_env
     main(lean_fit_args(tmp_path, data, "--trainer.max_steps", "3"))
-    last = tmp_path / "checkpoints/gpt/last.ckpt"
+    last = tmp_path / "checkpoints/gpt/version_0/last.ckpt"
     before = last.read_bytes()
     line = one_error_line(lean_fit_args(
         tmp_path, data, "--trainer.max_steps", "6", "--ckpt_path", "last",
         "--trainer.callbacks+=fault_injection.PoisonWeights", f"--trainer.callbacks.at_step={poison_at}",
     ), capsys)
-    assert message.format(last=last) in line
+    assert message.format(last=tmp_path / "checkpoints/gpt/version_1/last.ckpt") in line  # the resumed run's folder
     assert last.read_bytes() == before
     step, weights = step_and_weights(last)
     assert step == 3 and all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point())
-    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]
+    assert sorted(p.relative_to(last.parent.parent).as_posix() for p in last.parent.parent.rglob("*")) == [
+        "version_0", "version_0/last.ckpt"]  # --ckpt_path last still finds the good one
 
 
 # -- 4: the final step is always saved -------------------------------------------------------------------------
@@ -167,27 +168,30 @@ def test_nan_stops_before_any_non_finite_weights_are_saved(tmp_path, fit_env, ca
 def test_final_step_saved_after_periodic_saves(tmp_path, fit_env):
     data = fit_env
     main(lean_fit_args(tmp_path, data, "--trainer.max_steps", "5", every=2))
-    assert step_and_weights(tmp_path / "checkpoints/gpt/last.ckpt")[0] == 5
+    assert step_and_weights(tmp_path / "checkpoints/gpt/version_0/last.ckpt")[0] == 5
 
 
 # -- 5: atomic saves, full disk --------------------------------------------------------------------------------
 
 
 def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, fit_env, monkeypatch, capsys):
+    """The disk fills after the save of step 1: the save of step 2 fails with one line, step 1's file is intact."""
     data = fit_env
-    main(lean_fit_args(tmp_path, data, "--trainer.max_steps", "2"))
-    last = tmp_path / "checkpoints/gpt/last.ckpt"
-    before = last.read_bytes()
+    last = tmp_path / "checkpoints/gpt/version_0/last.ckpt"
+    real_fsync, saved = os.fsync, {}
 
     def full_disk(fd):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if last.is_file():
+            saved.setdefault("before", last.read_bytes())
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
 
     monkeypatch.setattr("ltcx.checkpoint.os.fsync", full_disk)
-    line = one_error_line(lean_fit_args(tmp_path, data, "--trainer.max_steps", "3", "--ckpt_path", "last"), capsys)
+    line = one_error_line(lean_fit_args(tmp_path, data, "--trainer.max_steps", "3", every=1), capsys)
     assert line == (f"ltcx: error: cannot write checkpoint '{last}' (disk full); the "
                     "previous checkpoint there is intact: free space or point the checkpoint dirpath at another disk")
-    assert last.read_bytes() == before
-    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]  # no temp file left
+    assert last.read_bytes() == saved["before"] and step_and_weights(last)[0] == 1
+    assert not [p.name for p in last.parent.iterdir() if p.name.startswith(".")]  # no temp file left
 
 
 KILLED_MID_SAVE = """
@@ -235,12 +239,12 @@ def test_sigterm_saves_the_step_exits_143_and_resumes_exactly(tmp_path):
                                     "--trainer.callbacks.at_step=3", "--trainer.callbacks.signal_name=SIGTERM"), parts)
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
     assert "ltcx: SIGTERM at step 3: saved" in stopped.stderr and "Traceback" not in stopped.stderr
-    assert step_and_weights(parts / "checkpoints/gpt/last.ckpt")[0] == 3
+    assert step_and_weights(parts / "checkpoints/gpt/version_0/last.ckpt")[0] == 3
 
     resumed = run_cli(lean_fit_args(tmp_path, data, "--trainer.max_steps", "6", "--ckpt_path", "last"), parts)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    step, weights = step_and_weights(parts / "checkpoints/gpt/last.ckpt")
-    step_whole, weights_whole = step_and_weights(whole / "checkpoints/gpt/last.ckpt")
+    step, weights = step_and_weights(parts / "checkpoints/gpt/version_1/last.ckpt")  # the resumed run's folder
+    step_whole, weights_whole = step_and_weights(whole / "checkpoints/gpt/version_0/last.ckpt")
     assert step == step_whole == 6
     assert all(torch.equal(weights[k], weights_whole[k]) for k in weights_whole)  # bit for bit
 
@@ -252,10 +256,29 @@ def test_ctrl_c_saves_the_step_and_exits_130(tmp_path):
                                     "--trainer.callbacks.at_step=2", "--trainer.callbacks.signal_name=SIGINT"), tmp_path)
     assert stopped.returncode == 128 + signal.SIGINT, stopped.stderr[-3000:]
     assert "ltcx: SIGINT at step 2: saved" in stopped.stderr
-    assert step_and_weights(tmp_path / "checkpoints/gpt/last.ckpt")[0] == 2
+    assert step_and_weights(tmp_path / "checkpoints/gpt/version_0/last.ckpt")[0] == 2
 
 
 # -- 7: --ckpt_path last never takes another run's checkpoint ---------------------------------------------------
+
+
+def test_ckpt_path_last_takes_the_latest_run(tmp_path, fit_env, capsys):
+    """Each run saves in its own version_N beside its logs; `last` is the latest run's last.ckpt; runs that stopped
+    before saving (and validate) leave no checkpoint folder."""
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "2"))
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "3"))  # a second fresh run: its own folder
+    main(["validate", *lean_fit_args(tmp_path, fit_env)[1:], "--ckpt_path", "last"])
+    one_error_line(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "4", "--ckpt_path", "last",
+                                 "--data.block_size", "128"), capsys)  # fails before its first step
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "4", "--ckpt_path", "last"))
+    folder = tmp_path / "checkpoints/gpt"
+    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.ckpt")) == [
+        "version_0/last.ckpt", "version_1/last.ckpt", "version_3/last.ckpt"]
+    assert sorted(p.name for p in folder.iterdir()) == ["version_0", "version_1", "version_3"]
+    assert sorted(p.name for p in (tmp_path / "lightning_logs/gpt").iterdir()) == [
+        "version_0", "version_1", "version_2", "version_3"]  # version_2: validate; the failed run left nothing
+    assert [step_and_weights(folder / f"version_{v}/last.ckpt")[0] for v in (0, 1, 3)] == [2, 3, 4]
+    assert read_checkpoint(folder / "version_3/last.ckpt")["ltcx"]["tokens_seen"] == 4 * 4 * 32  # resumed at 3
 
 
 def test_ckpt_path_last_refuses_when_runs_share_the_folder(tmp_path, fit_env, capsys, checkpoint):
@@ -424,7 +447,7 @@ def test_bf16_generation(arch, mode):
 
 def test_default_root_dir_holds_logs_and_checkpoints(tmp_path, fit_env):
     main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1", "--trainer.default_root_dir", "runs"))
-    assert (tmp_path / "runs/checkpoints/gpt/last.ckpt").is_file()
+    assert (tmp_path / "runs/checkpoints/gpt/version_0/last.ckpt").is_file()
     assert (tmp_path / "runs/lightning_logs/gpt/version_0/config.yaml").is_file()
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "lightning_logs").exists()
 

@@ -54,7 +54,20 @@ def looks_local(path: str) -> bool:
         return True
     if os.path.isabs(p) or p.startswith(("./", "../", "~")):
         return True
-    return file_kind(p) is not None
+    return _path_like(p)
+
+
+def _path_like(p: str) -> bool:
+    """A name no hub id (``name`` or ``namespace/name``) has, so a mistyped or missing local path gets the
+    local-files error and is never sent to the hub: a trailing or repeated slash, a backslash, more than one
+    slash, an extension with a letter (``corpus.txt``; hub names may end in a version like ``-3.1``), or a parent
+    folder that exists here (``data/local`` with ``./data``)."""
+    parts = p.split("/")
+    if "\\" in p or len(parts) > 2 or "" in parts or file_kind(p) is not None:
+        return True
+    if re.fullmatch(r"\.[0-9]*[A-Za-z][A-Za-z0-9]*", os.path.splitext(parts[-1])[1] or ".0"):
+        return True
+    return len(parts) == 2 and os.path.isdir(parts[0])
 
 
 @dataclass

@@ -10,11 +10,14 @@ imported); any other class must be registered explicitly:
 
 from __future__ import annotations
 
+import abc
 import importlib
+
+import torch.nn as nn
 
 from ltcx.errors import LtcxError
 
-__all__ = ["register_backbone", "resolve_backbone"]
+__all__ = ["Backbone", "register_backbone", "resolve_backbone"]
 
 # ltcx's own backbones: class path -> (module, class name), imported lazily.
 _BUILTIN = {
@@ -66,3 +69,29 @@ def resolve_backbone(path: str) -> type:
 def known_backbones() -> list[str]:
     """Class paths a checkpoint may name: ltcx's own and those registered."""
     return sorted(set(_BUILTIN) | set(_REGISTERED))
+
+
+class _BackboneMeta(abc.ABCMeta):
+    def __subclasses__(cls) -> list[type]:
+        # What `ltcx fit --help` lists as the choices of model.backbone: ltcx's backbones and those registered
+        # (jsonargparse walks __subclasses__; without this it would list every torch.nn class imported).
+        found = []
+        for path in known_backbones():
+            try:
+                found.append(resolve_backbone(path))
+            except LtcxError:  # allow-listed but not in this version
+                continue
+        return found
+
+
+class Backbone(nn.Module, metaclass=_BackboneMeta):
+    """The type of ``LanguageModel.backbone``: any ``nn.Module`` keeping the contract
+    ``logits [B, T, V], state = backbone(idx [B, T], state=None)`` is one (no need to inherit from this class);
+    ltcx's own backbones and those passed to ``register_backbone`` are the ones the CLI's help lists."""
+
+    @classmethod
+    def __subclasshook__(cls, other: type) -> bool:
+        return issubclass(other, nn.Module) or NotImplemented
+
+    @abc.abstractmethod
+    def forward(self, idx, state=None): ...

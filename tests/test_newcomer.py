@@ -1,0 +1,323 @@
+"""Issue 13, the newcomer's path: what a new user meets on a fresh clone following the README."""
+
+import json
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ltcx.cli import LtcxCLI, main
+from ltcx.data import TextDataModule
+from ltcx.lm import LanguageModel, load_language_model, lr_at_step
+from ltcx.models.gpt import GPT
+from test_cli import ROOT, TINY_MODEL, write_corpus
+from test_failures import fit_env, lean_fit_args  # noqa: F401 (fit_env is a fixture)
+
+
+def parsed(args: list[str]) -> LtcxCLI:
+    """The CLI built (nothing run) from configs/gpt.yaml plus ``args``."""
+    return LtcxCLI(LanguageModel, TextDataModule, run=False,
+                   args=["--config", str(ROOT / "configs/gpt.yaml"), *TINY_MODEL, *args])
+
+
+# -- 1: bf16 falls back to float32 on a CPU unless typed on the command line -------------------------------------
+
+
+@pytest.mark.parametrize("flags,precision,notice", [
+    (["--trainer.accelerator", "cpu"], "32-true",
+     "ltcx: training on the CPU, so trainer.precision bf16-mixed -> 32-true (pass --trainer.precision bf16-mixed "
+     "to keep it)"),
+    (["--trainer.accelerator", "cpu", "--trainer.precision", "bf16-mixed"], "bf16-mixed", None),
+    (["--trainer.accelerator=cpu", "--trainer.precision=bf16-true"], "bf16-true", None),
+])
+def test_bf16_on_a_cpu_falls_back_unless_asked_for(tmp_path, monkeypatch, capsys, flags, precision, notice):
+    monkeypatch.setattr(sys, "argv", ["ltcx"])
+    monkeypatch.chdir(tmp_path)
+    cli = parsed(["--data.path", str(write_corpus(tmp_path / "corpus", 5, 2)), *flags])
+    assert cli.config.trainer.precision == precision
+    notices = [line for line in capsys.readouterr().err.splitlines() if "trainer.precision" in line]
+    assert notices == ([notice] if notice else [])
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without CUDA")
+def test_bf16_without_cuda_falls_back(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["ltcx"])
+    cli = parsed(["--data.path", str(write_corpus(tmp_path / "corpus", 5, 2))])
+    assert cli.config.trainer.precision == "32-true"
+    assert "ltcx: no CUDA device, so trainer.precision bf16-mixed -> 32-true" in capsys.readouterr().err
+
+
+# -- 5: extending a finished run keeps the checkpoint's learning-rate schedule ----------------------------------
+
+
+def final_lr(path: Path) -> float:
+    return torch.load(path, weights_only=True)["optimizer_states"][0]["param_groups"][0]["lr"]
+
+
+@pytest.mark.parametrize("typed,end,notice", [
+    ([], 4, "ltcx: resuming with the checkpoint's learning-rate schedule (cosine to min_lr ends at step 4, not at "
+            "trainer.max_steps 7); pass --model.decay_steps N to change it"),
+    (["--model.decay_steps", "10"], 10, "ltcx: model.decay_steps 10 replaces the checkpoint's learning-rate schedule "
+                                        "end (4)"),
+])
+def test_extending_a_run_keeps_its_schedule(tmp_path, fit_env, capsys, typed, end, notice):
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "4"))
+    first = tmp_path / "checkpoints/gpt/version_0/last.ckpt"
+    assert final_lr(first) == pytest.approx(6e-5) and torch.load(first, weights_only=True)["ltcx"]["decay_steps"] == 4
+    capsys.readouterr()
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "7", "--ckpt_path", "last", *typed))
+    assert [line for line in capsys.readouterr().err.splitlines() if "schedule" in line] == [notice]
+    extended = torch.load(tmp_path / "checkpoints/gpt/version_1/last.ckpt", weights_only=True)
+    assert extended["ltcx"]["decay_steps"] == end
+    assert extended["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(
+        lr_at_step(7, 6e-4, 6e-5, 2, end))  # the rate of the next step after 7 done
+
+
+# -- 6: output a user expects: predict's losses, streamed samples, progress lines in a file ----------------------
+
+
+def test_predict_writes_each_blocks_loss_and_prints_a_summary(tmp_path, fit_env, capsys):
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1"))
+    main(["predict", *lean_fit_args(tmp_path, fit_env)[1:], "--ckpt_path", "last", "--data.val_batches", "3"])
+    out = capsys.readouterr().out
+    csv = tmp_path / "lightning_logs/gpt/version_1/predictions.csv"
+    rows = csv.read_text().splitlines()
+    assert rows[0] == "block,loss" and len(rows) == 1 + 3 * 4
+    losses = [float(r.split(",")[1]) for r in rows[1:]]
+    [line] = [line for line in out.splitlines() if line.startswith("ltcx: predict: ")]
+    assert line.startswith(f"ltcx: predict: 12 blocks of 32 tokens, mean loss {sum(losses) / 12:.4f} (ppl ")
+    assert line.endswith(f"each block's loss in {csv.relative_to(tmp_path)}")
+
+
+def test_generate_streams_every_sample(tmp_path, monkeypatch):
+    """With --num_samples 3 each token is on stdout before the next is sampled, sample after sample."""
+    import io
+
+    import ltcx.generation
+    from test_failures import write_checkpoint
+
+    checkpoint = write_checkpoint(tmp_path / "model.ckpt")
+    stdout, seen = io.StringIO(), []
+    real = ltcx.generation.stream_tokens
+
+    def watched(*args, **kwargs):
+        for token in real(*args, **kwargs):
+            seen.append(stdout.getvalue())  # what was printed before this token
+            yield token
+
+    monkeypatch.setattr(ltcx.generation, "stream_tokens", watched)
+    monkeypatch.setattr(sys, "stdout", stdout)
+    main(["generate", "--ckpt_path", str(checkpoint), "--prompt", "ab", "--num_samples", "3", "--max_new_tokens", "6",
+          "--seed", "0", "--no_stop_at_eot"])
+    out = stdout.getvalue()
+    samples = out.split("--- sample ")[1:]
+    assert [s[:2] for s in samples] == ["1\n", "2\n", "3\n"] and all(s[2:].startswith("ab") for s in samples)
+    assert len(seen) == 18
+    assert seen[6].startswith("--- sample 1\n") and seen[6].endswith("--- sample 2\nab")  # sample 1 already out
+    assert len(set(seen[6:12])) > 2  # sample 2 is written while it is sampled (bytes of a split character wait)
+
+
+def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path, monkeypatch, capsys):
+    from test_cli import fit_args
+
+    monkeypatch.setattr(sys, "argv", ["ltcx"])
+    monkeypatch.chdir(tmp_path)
+    data = write_corpus(tmp_path / "corpus", 60, 10)
+    main(fit_args(data, "--trainer.max_steps", "4", "--trainer.enable_progress_bar", "true",
+                  "--trainer.log_every_n_steps", "2"))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split("  ")[0] for line in lines] == ["step 2/4 (50%)"] * 2 + ["step 4/4 (100%)"] * 2
+    assert "train/loss " in lines[0] and "train/tokens_per_sec " in lines[0] and lines[0].endswith(" s")
+    assert "val/loss " in lines[1] and "val/ppl " in lines[1]
+
+
+# -- 7: ecosystem habits -----------------------------------------------------------------------------------------
+
+
+def test_lightning_load_from_checkpoint(tmp_path):
+    from test_failures import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "model.ckpt")
+    model = LanguageModel.load_from_checkpoint(path)
+    reference, _ = load_language_model(path)
+    assert type(model.backbone) is GPT and model.training
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+    assert LanguageModel.load_from_checkpoint(str(path), learning_rate=1e-3).hparams.learning_rate == 1e-3
+
+
+def test_fit_help_lists_ltcx_backbones(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    known = text.split("--model.backbone BACKBONE the sequence model")[1].split("known subclasses: ")[1].split(")")[0]
+    assert known.split(", ")[:4] == ["ltcx.models.gpt.GPT", "ltcx.models.ltc.LTCGPT", "ltcx.models.titans.Titans",
+                                     "ltcx.models.xlstm.XLSTM"]
+    assert "torch.nn" not in known
+
+
+def test_export_is_weights_only_and_reloads_in_one_call(tmp_path, capsys):
+    from test_failures import one_error_line, write_checkpoint
+
+    path = write_checkpoint(tmp_path / "model.ckpt")
+    out = tmp_path / "shared/gpt-bytes"
+    main(["export", "--ckpt_path", str(path), "--out", str(out)])
+    assert capsys.readouterr().out == f"ltcx: exported to {out}/ (config.json, model.safetensors)\n"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["gpt-bytes"]  # no temp folder left
+    config = json.loads((out / "config.json").read_text())
+    assert config["backbone_class"] == "ltcx.models.gpt.GPT" and config["tokenizer"] == "bytes"
+    assert config["backbone_config"]["n_embd"] == 32 and config["hyper_parameters"]["warmup_steps"] == 2
+    assert config["global_step"] == 3
+
+    model = LanguageModel.from_pretrained(out)
+    reference, _ = load_language_model(path)
+    idx = torch.randint(0, 256, (2, 9))
+    assert not model.training and torch.equal(model(idx)[0], reference(idx)[0])
+    generated = []
+    for source in (path, out):
+        main(["generate", "--ckpt_path", str(source), "--prompt", "ab", "--max_new_tokens", "5", "--temperature", "0"])
+        generated.append(capsys.readouterr().out)
+    assert generated[0] == generated[1] and generated[0].startswith("ab")
+
+    line = one_error_line(["export", "--ckpt_path", str(path), "--out", str(out)], capsys)
+    assert line == f"ltcx: error: '{out}' already exists and is not an empty folder: pass --out a new folder"
+    config["backbone_class"] = "os.system"
+    (out / "config.json").write_text(json.dumps(config))
+    line = one_error_line(["generate", "--ckpt_path", str(out), "--prompt", "a"], capsys)
+    assert "backbone class 'os.system' is not a registered ltcx backbone" in line
+
+
+def test_samples_reach_every_logger_that_holds_text_else_a_file(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from ltcx.callbacks import SampleGeneration
+    from ltcx.tokenizers import get_tokenizer
+
+    class TableLogger:  # the shape of Weights & Biases' logger
+        def __init__(self):
+            self.tables = []
+
+        def log_text(self, key, columns, data, step):
+            self.tables.append((key, columns, data, step))
+
+    torch.manual_seed(0)
+    lm = LanguageModel(GPT(block_size=32, vocab_size=320, n_layer=1, n_head=2, n_embd=16))
+    table, csv = TableLogger(), CSVLogger(tmp_path / "logs", name="gpt")
+    data = SimpleNamespace(tokenizer_obj=get_tokenizer("bytes"))
+    for loggers, step in (([table], 5), ([csv], 7), ([csv], 9)):
+        trainer = SimpleNamespace(sanity_checking=False, is_global_zero=True, global_step=step, datamodule=data,
+                                  loggers=loggers, log_dir=loggers[0].__dict__.get("log_dir") or csv.log_dir,
+                                  default_root_dir=str(tmp_path))
+        SampleGeneration(prompts=["ab", "cd"], max_new_tokens=4).on_validation_end(trainer, lm)
+    [(key, columns, rows, step)] = table.tables
+    assert (key, columns, step) == ("samples", ["step", "prompt", "sample"], 5)
+    assert [r[:2] for r in rows] == [[5, "ab"], [5, "cd"]] and rows[0][2].startswith("ab")
+    text = (Path(csv.log_dir) / "samples.txt").read_text()
+    assert text.startswith("=== step 7\nab") and "\n=== step 9\nab" in text
+
+
+# -- 3: a local path that does not exist gets the local-files error, never the hub's ------------------------------
+
+
+@pytest.mark.parametrize("path,local", [
+    ("corpus/", True), ("data/local/", True), ("my.txt", True), ("texts/*.jsonl", True), ("a/b/c", True),
+    ("notes.md", True), ("x/y.tar.gz", True), ("a//b", True), ("corpus\\train", True),
+    ("roneneldan/TinyStories", False), ("HuggingFaceFW/fineweb-edu", False), ("jondurbin/airoboros-3.1", False),
+    ("tinystories", False),
+])
+def test_what_looks_like_a_local_path(tmp_path, monkeypatch, path, local):
+    from ltcx.data.files import looks_local
+
+    monkeypatch.chdir(tmp_path)
+    assert looks_local(path) is local
+    (tmp_path / "data").mkdir()
+    assert looks_local("data/local")  # an existing parent folder makes it a path
+
+
+@pytest.mark.parametrize("extra,shown", [
+    (["--data.path", "korpus/"], "korpus/"),  # mistyped: the corpus is in corpus/
+    (["--config", str(ROOT / "configs/data/local.yaml")], "data/local/"),
+])
+def test_missing_local_path_is_the_local_files_error(tmp_path, fit_env, capsys, extra, shown):
+    from test_failures import one_error_line
+
+    args = lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1")
+    at = args.index("--data.path")
+    del args[at:at + 2]
+    line = one_error_line([*args, *extra], capsys)
+    assert line == (f"ltcx: error: no data files match '{shown}': pass --data.path a file, folder or glob of "
+                    ".txt/.jsonl/.parquet files")
+    assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
+
+
+# -- 8: thread count ---------------------------------------------------------------------------------------------
+
+
+def test_num_threads_sets_torch_threads_and_omp_for_ddp_processes(tmp_path, monkeypatch, capsys):
+    from test_failures import one_error_line
+
+    monkeypatch.setattr(sys, "argv", ["ltcx"])
+    monkeypatch.setenv("OMP_NUM_THREADS", "")  # restored after the test
+    before = torch.get_num_threads()
+    try:
+        parsed(["--data.path", str(write_corpus(tmp_path / "corpus", 5, 2)), "--num_threads", "1"])
+        assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.chdir(tmp_path)
+    line = one_error_line(["fit", "--config", str(ROOT / "configs/gpt.yaml"), "--num_threads", "0"], capsys)
+    assert line == "ltcx: error: num_threads (0) must be >= 1 (null: one per core): fix --num_threads"
+
+
+def test_a_checkpoint_folder_means_its_latest_runs_last_ckpt(tmp_path, capsys):
+    from test_failures import one_error_line, write_checkpoint
+
+    folder = tmp_path / "checkpoints/gpt"
+    for version, tokenizer in ((0, "bytes"), (2, "bytes"), (10, "gpt2")):
+        (folder / f"version_{version}").mkdir(parents=True)
+        write_checkpoint(folder / f"version_{version}/last.ckpt", tokenizer=tokenizer)
+    (folder / "version_11").mkdir()  # a run that saved nothing (yet)
+    assert load_language_model(folder)[1]["tokenizer"] == "gpt2"  # version_10, not version_2 (numeric order)
+    write_checkpoint(folder / "version_10/last-v1.ckpt")
+    line = one_error_line(["generate", "--ckpt_path", str(folder)], capsys)
+    assert line == (f"ltcx: error: '{folder}' is a folder with several runs' last checkpoints ({folder}/version_10/"
+                    f"last-v1.ckpt, {folder}/version_10/last.ckpt): pass --ckpt_path the .ckpt file")
+
+
+@pytest.mark.parametrize("cores,devices,threads", [(1, "1", 1), (4, "2", 2), (64, "1", None)])
+def test_threads_fit_the_usable_cores(tmp_path, monkeypatch, capsys, cores, devices, threads):
+    """A CPU quota torch does not see (cores=1 of 2) or DDP processes sharing the cores cap torch's threads."""
+    import ltcx.cli
+
+    monkeypatch.setattr(sys, "argv", ["ltcx"])
+    monkeypatch.setenv("OMP_NUM_THREADS", "")
+    monkeypatch.setattr(ltcx.cli, "_usable_cores", lambda: cores)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 64 if cores == 4 else 2)
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    cli = LtcxCLI(LanguageModel, TextDataModule, run=False, args=[
+        "--config", str(ROOT / "configs/gpt.yaml"), *TINY_MODEL, "--trainer.accelerator", "cpu",
+        "--trainer.devices", devices, "--data.path", str(write_corpus(tmp_path / "corpus", 5, 2))])
+    assert cli.config.trainer.devices in (int(devices), devices)
+    assert calls == ([threads] if threads else [])
+    assert (os.environ["OMP_NUM_THREADS"] == str(threads)) if threads else os.environ["OMP_NUM_THREADS"] == ""
+    if threads:
+        assert f"torch thread(s) each, not {64 if cores == 4 else 2}" in capsys.readouterr().err
+
+
+def test_thread_speed_script_runs(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("thread_speed", ROOT / "scripts/thread_speed.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    before = torch.get_num_threads()
+    try:
+        medians = module.main(["--threads", "1", "--repeats", "1", "--batch_size", "1", "--seq_len", "4"])
+    finally:
+        torch.set_num_threads(before)
+    assert list(medians) == [1] and medians[1] > 0
+    assert "1 thread(s): median step" in capsys.readouterr().out
