@@ -250,6 +250,21 @@ class LTCGPT(GPT):
     def make_attention(self, config: LTCConfig) -> nn.Module:
         return LTCAttention(config)
 
+    def forward_flops_per_token(self, seq_len: int) -> float:
+        """The GPT's count plus LTC's extra: the time-constant controller, which runs once per sequence on
+        x_0 (its matmul FLOPs divided by ``seq_len``). Attention itself is the GPT's (one SDPA call on rotated,
+        scaled q and k). Not per token and not counted: folding the basis into the q/k weights,
+        2 (H + G) D^2 C per layer per call, and the QR of the modal matrix."""
+        c = self.config
+        out = c.n_kv_head * c.num_decay_modes
+        if c.controller_rank:
+            weights = c.controller_rank * (c.n_embd + out)
+        elif c.controller_hidden_size:
+            weights = c.controller_hidden_size * (c.n_embd + out)
+        else:
+            weights = c.n_embd * out
+        return super().forward_flops_per_token(seq_len) + c.n_layer * 2 * weights / seq_len
+
     def no_weight_decay_param_names(self) -> set[str]:
         """LTC parameters AdamW should not decay (besides every 1-D parameter).
 

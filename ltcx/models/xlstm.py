@@ -396,6 +396,43 @@ class XLSTM(nn.Module):
         """Number of distinct parameters (tied weights once). xLSTM has no position embeddings."""
         return sum(p.numel() for p in self.parameters())
 
+    def forward_flops_per_token(self, seq_len: int) -> float:
+        """FLOPs of the forward pass per token when training on sequences of ``seq_len`` tokens.
+
+        Matrix products as the training forms execute them (element-wise gate, norm and conv work is not
+        counted), 2 per multiply-add; E width, I inner width, H heads of head dim d = I / H, b the q/k/v block
+        size, V vocabulary, T seq_len:
+
+        * mLSTM block: up-projection 2 E 2I, block-diagonal q/k/v 3 * 2 I b, gates 2 * 2 (3I) H, down 2 I E,
+          and the cell per head: chunkwise with chunks of L, each full chunk costs its state contribution
+          k^T v (2 L d^2), the read of the carried state q C and q n (2 L d^2 + 2 L d) and the whole L x L
+          intra-chunk products q k^T and S v (4 L^2 d, computed whole and masked by multiplication); a
+          trailing chunk of r < L tokens costs 4 r^2 d + 2 r d^2 + 2 r d plus its final state k^T v
+          (2 r d^2). The parallel form is one such chunk of T tokens.
+        * sLSTM block (Hs heads of d_s = E / Hs): headwise input projections, 2 streams each E -> 2E in
+          blocks d_s x 2 d_s (2 E 2 d_s), block-diagonal recurrence 4 gates x 2 E d_s, feed-forward 2 E 2F + 2 F E.
+        * head: 2 E V (tied with the embedding: counted once).
+        """
+        cfg = self.config
+        E, inner, V, T = cfg.embedding_dim, cfg.mlstm_inner_dim, cfg.vocab_size, seq_len
+        d = inner // cfg.num_heads
+        L = T if cfg.mlstm_backend == "parallel" else cfg.chunk_size
+        full, rest = divmod(T, L)
+        cell = full * (4 * L * d * d + 4 * L * L * d + 2 * L * d)
+        if rest:
+            cell += 4 * rest * rest * d + 4 * rest * d * d + 2 * rest * d
+        mlstm = 2 * E * 2 * inner + 3 * 2 * inner * cfg.qkv_proj_blocksize + 2 * 2 * 3 * inner * cfg.num_heads \
+            + 2 * inner * E + cfg.num_heads * cell / T
+        d_s = E // cfg.slstm_num_heads
+        slstm = 2 * (2 * E * 2 * d_s) + 4 * (2 * E * d_s) + 2 * E * 2 * cfg.ffn_dim + 2 * cfg.ffn_dim * E
+        blocks = sum(mlstm if t == "m" else slstm for t in cfg.block_types)
+        return blocks + 2 * E * V
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 3 x ``forward_flops_per_token`` (the backward computes the gradients of
+        both operands of each product)."""
+        return 3 * self.forward_flops_per_token(seq_len)
+
     def reorder_cache(self, state: Any, index: Tensor) -> Any:
         """Select / repeat batch entries of every tensor in ``state`` (dim 0), e.g. for beam search."""
         return reorder_state(state, index)
