@@ -124,9 +124,12 @@ def scale_modes(
     groups, modes = tau.shape[1], tau.shape[2]
     dtype = _compute_dtype(x.dtype)
     with _without_autocast(x.device):
-        offsets = torch.arange(start, start + length, device=x.device, dtype=dtype) - centre  # [T]
         rates = (-1.0 if is_query else 1.0) / tau.to(dtype)  # [B, G, M]
-        scales = torch.exp(offsets[:, None] * rates[:, :, None, :])  # [B, G, T, M]
+        if length == 1:  # a decode step: one offset, no position tensor (fewer small ops per step)
+            scales = torch.exp(rates * (start - centre)).unsqueeze(2)  # [B, G, 1, M]
+        else:
+            offsets = torch.arange(start, start + length, device=x.device, dtype=dtype) - centre  # [T]
+            scales = torch.exp(offsets[:, None] * rates[:, :, None, :])  # [B, G, T, M]
         if modes < head_dim:  # the other coordinates keep scale 1
             scales = F.pad(scales, (0, head_dim - modes), value=1.0)
         out = x.to(dtype).view(batch, groups, heads // groups, length, head_dim) * scales[:, :, None]
