@@ -155,14 +155,6 @@ def bench_arch(arch: str, args, device: torch.device, peak_flops: float | None) 
             uncached_s = timed(uncached, device, 1, 0)
             result["generate_cached_s"] = cached_s
             result["generate_uncached_s"] = uncached_s
-        for position in args.decode_at:
-            key = f"decode_ms_at_{position}"
-            context = getattr(model, "max_seq_len", None)
-            if context is not None and position >= context:
-                result[key] = None  # beyond the model's context
-                continue
-            _, state = model(idx[:1, :1].expand(1, position).contiguous())
-            result[key] = 1e3 * timed(lambda: model(idx[:1, :1], state), device, args.repeats * 4)
     if args.recurrent_baseline and hasattr(model, "forward_recurrent"):
         model.train()
 
@@ -177,7 +169,37 @@ def bench_arch(arch: str, args, device: torch.device, peak_flops: float | None) 
         seconds = timed(recurrent_train_step, device, 1, 0)
         result["recurrent_train_tokens_per_s"] = args.batch_size * args.seq_len / seconds
     result["peak_memory_mb"] = peak_memory_mb(device)
-    return result
+    return result, model
+
+
+def decode_at(models: dict, args, device: torch.device) -> dict:
+    """{arch: {"decode_ms_at_P": ms}}: one cached decode step (batch 1) after P tokens, for every model in
+    turn, round after round (the median of each), so a load that drifts on a shared machine hits all alike."""
+    times = {arch: {} for arch in models}
+    token = torch.zeros(1, 1, dtype=torch.long, device=device)
+    with torch.no_grad():
+        for position in args.decode_at:
+            key = f"decode_ms_at_{position}"
+            states = {}
+            for arch, model in models.items():
+                model.eval()
+                context = getattr(model, "max_seq_len", None)
+                if context is not None and position >= context:
+                    times[arch][key] = None  # beyond the model's context
+                else:
+                    states[arch] = model(token.expand(1, position).contiguous())[1]
+                    model(token, states[arch])  # warm-up
+            samples = {arch: [] for arch in states}
+            for _ in range(args.repeats * 4):
+                for arch, state in states.items():
+                    sync(device)
+                    start = time.perf_counter()
+                    models[arch](token, state)
+                    sync(device)
+                    samples[arch].append(time.perf_counter() - start)
+            for arch, values in samples.items():
+                times[arch][key] = 1e3 * statistics.median(values)
+    return times
 
 
 def main() -> None:
@@ -212,7 +234,14 @@ def main() -> None:
         peak_flops, source = args.peak_flops, "--peak_flops"
     else:
         peak_flops, source = default_peak_flops(device)
-    results = [bench_arch(arch, args, device, peak_flops) for arch in args.archs]
+    results, models = [], {}
+    for arch in args.archs:
+        result, models[arch] = bench_arch(arch, args, device, peak_flops)
+        results.append(result)
+    if args.decode_at:
+        decode_times = decode_at(models, args, device)
+        for result in results:
+            result.update(decode_times[result["arch"]])
     base = results[0]["train_tokens_per_s"]
     columns = ["arch", "params", "train_tokens_per_s", "vs_first", "mfu", "prefill_ms", "decode_ms_per_token",
                "state_bytes_per_token", "state_bytes_per_sequence", "peak_memory_mb"]
