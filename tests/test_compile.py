@@ -52,7 +52,7 @@ def check_compiled_backbone(name: str, backend: str, monkeypatch, generation: bo
     compiled.load_state_dict(eager.state_dict())
     compiled.hparams.compile = True
     compiled.configure_model()  # what --model.compile true does
-    assert "_compiled_backbone" in compiled.__dict__
+    assert "_compiled_logits" in compiled.__dict__
     batch = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     for model in (eager, compiled):
         model.loss(batch).backward()
