@@ -1,5 +1,5 @@
-"""Callbacks: sample generations in the loggers (TensorBoard, ...), a guard against non-finite losses, and Lightning's
-ModelCheckpoint that also saves the final step and the step a signal stopped at."""
+"""Callbacks: sample generations in the loggers (TensorBoard, ...), a guard against non-finite losses, model FLOPs
+utilisation, and Lightning's ModelCheckpoint that also saves the final step and the step a signal stopped at."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ import lightning as L
 import torch
 from lightning.pytorch import callbacks as pl_callbacks
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ltcx.checkpoint import run_versions
 from ltcx.errors import LtcxError
 from ltcx.generation import generate_texts
+from ltcx.throughput import default_peak_flops, model_flops_per_token
 
 
 class SampleGeneration(L.Callback):
@@ -98,6 +99,49 @@ def _log_text(logger, step: int, prompts: list[str], lines: list[str], text: str
             experiment.log_text(text, step=step)
         return True
     return False
+
+
+class MFUMonitor(L.Callback):
+    """Log ``train/mfu``, the model FLOPs utilisation of each training step, and ``train/flops_per_sec``.
+
+    mfu = (B x T tokens of this device's batch) x backbone.flops_per_token(T) / (step time x peak_flops),
+    the step time being the wall time between two training batch ends (data loading and the optimizer step
+    included, validation excluded). A backbone without ``flops_per_token`` counts 6 N.
+
+    Args:
+        peak_flops: FLOP/s of one device. None: the dense bf16 peak of a known GPU (H100/H200 989e12, A100
+            312e12, ...), or on a CPU a float32 matmul rate measured when training starts (about a second).
+    """
+
+    def __init__(self, peak_flops: float | None = None) -> None:
+        if peak_flops is not None and not 0 < peak_flops < math.inf:
+            raise LtcxError(f"MFUMonitor peak_flops ({peak_flops}) must be a positive number of FLOP/s")
+        self.peak_flops = peak_flops
+        self._peak: float | None = None
+        self._last_end: float | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.peak_flops is not None:
+            self._peak, source = float(self.peak_flops), "set in the config"
+        else:
+            self._peak, source = default_peak_flops(pl_module.device)
+        if self._peak is None:
+            rank_zero_warn(f"ltcx: no train/mfu: {source}; set MFUMonitor's peak_flops (FLOP/s of one device)")
+        else:
+            rank_zero_info(f"ltcx: train/mfu against {self._peak:.3g} FLOP/s per device ({source})")
+        self._last_end = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch: torch.Tensor, batch_idx: int) -> None:
+        now = time.perf_counter()
+        if self._peak is not None and self._last_end is not None:
+            length = batch.shape[1] - 1  # blocks of T + 1 tokens: T predictions each
+            flops = batch.shape[0] * length * model_flops_per_token(pl_module.backbone, length) / (now - self._last_end)
+            pl_module.log("train/flops_per_sec", flops)
+            pl_module.log("train/mfu", flops / self._peak)
+        self._last_end = now
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._last_end = None  # time spent validating is not a training step
 
 
 class FiniteLossGuard(L.Callback):

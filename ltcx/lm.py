@@ -96,12 +96,24 @@ class LanguageModel(L.LightningModule):
 
     # -- model ---------------------------------------------------------------------------------
     def configure_model(self) -> None:
-        if self.hparams.compile and "_compiled_backbone" not in self.__dict__:
+        if self.hparams.compile and "_compiled_logits" not in self.__dict__:
+            backbone = self.backbone
+
+            def logits(idx: torch.Tensor) -> torch.Tensor:
+                # Training and evaluation need the logits only. Returning the state too makes views (the KV
+                # caches) outputs of the compiled graph, which torch 2.13's AOTAutograd cache rebuilds with
+                # garbage shapes when a later run hits the cache.
+                return backbone(idx)[0]
+
             # A plain __dict__ entry, outside the module tree, so state_dict keys stay "backbone.*".
-            self.__dict__["_compiled_backbone"] = torch.compile(self.backbone)
+            self.__dict__["_compiled_logits"] = torch.compile(logits)
 
     def forward(self, idx: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any]:
-        return self.__dict__.get("_compiled_backbone", self.backbone)(idx, state)
+        """idx [B, T] -> (logits [B, T, V], state); compiled (``compile: true``) for a call without a state,
+        which then returns no state."""
+        if state is None and "_compiled_logits" in self.__dict__:
+            return self.__dict__["_compiled_logits"](idx), None
+        return self.backbone(idx, state)
 
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
         """batch [B, T+1] token blocks -> mean next-token cross-entropy over B*T predictions."""

@@ -4,10 +4,13 @@
     python scripts/benchmark.py --archs gpt --generate_tokens 512      # cached vs uncached generation
     python scripts/benchmark.py --archs gpt titans_mag titans_mag:memory_chunk_size=64   # override init_args
     python scripts/benchmark.py --data_loader sample --batch_size 24 --seq_len 512 --resume_tokens 10000000
+    python scripts/benchmark.py --archs gpt ltc --compile          # also the torch.compile'd training step
 
 For each architecture (its model block of configs/<arch>.yaml, vocabulary 50,304) it reports training
-tokens/s (forward + backward), prefill latency, cached decode latency per token, cache/state bytes per
-token and peak memory, prints a table and writes JSON.
+tokens/s (forward + backward + AdamW) and its MFU (tokens/s x the backbone's flops_per_token / the peak
+FLOP/s of the device: a known GPU's dense bf16 peak, on a CPU the float32 matmul rate measured here, or
+--peak_flops), prefill latency, cached decode latency per token, cache/state bytes per token and peak
+memory, prints a table and writes JSON.
 
 ``--data_loader TEXT`` measures the data instead: a corpus made of TEXT's training files repeated (each copy's
 paragraphs tagged with the copy number, so that deduplication keeps them) is read as streaming text and, prepared
@@ -37,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from ltcx.generation import generate  # noqa: E402
 from ltcx.models.state import map_state_tensors  # noqa: E402
+from ltcx.throughput import default_peak_flops, measured_matmul_flops, model_flops_per_token  # noqa: E402
 
 
 def build_backbone(arch: str, vocab_size: int, min_context: int) -> torch.nn.Module:
@@ -95,7 +99,7 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # process peak RSS (Linux: KiB)
 
 
-def bench_arch(arch: str, args, device: torch.device) -> dict:
+def bench_arch(arch: str, args, device: torch.device, peak_flops: float | None) -> dict:
     torch.manual_seed(0)
     model = build_backbone(arch, 50304, max(args.seq_len, args.generate_tokens)).to(device)
     autocast = (
@@ -106,22 +110,35 @@ def bench_arch(arch: str, args, device: torch.device) -> dict:
     idx = torch.randint(0, 50304, (args.batch_size, args.seq_len + 1), device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    def train_step():
+    def train_step(forward=model):
         with autocast:
-            logits, _ = model(idx[:, :-1])
+            logits, _ = forward(idx[:, :-1])
             loss = F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     model.train()
+    tokens = args.batch_size * args.seq_len
     train_s = timed(train_step, device, args.repeats)
-    model.eval()
+    flops_per_token = model_flops_per_token(model, args.seq_len)
     result = {
         "arch": arch,
         "params": model.parameter_count(),
-        "train_tokens_per_s": args.batch_size * args.seq_len / train_s,
+        "train_tokens_per_s": tokens / train_s,
+        "train_flops_per_token": flops_per_token,
+        "mfu": None if peak_flops is None else tokens / train_s * flops_per_token / peak_flops,
     }
+    if args.compile:
+        compiled = torch.compile(model)
+        start = time.perf_counter()
+        train_step(compiled)  # compiles forward and backward
+        sync(device)
+        result["compile_s"] = time.perf_counter() - start
+        compiled_s = timed(lambda: train_step(compiled), device, args.repeats)
+        result["compiled_train_tokens_per_s"] = tokens / compiled_s
+        result["compiled_vs_eager"] = train_s / compiled_s
+    model.eval()
     with torch.no_grad(), autocast:
         prompt = idx[:, : args.seq_len]
         result["prefill_ms"] = 1e3 * timed(lambda: model(prompt), device, args.repeats)
@@ -144,14 +161,6 @@ def bench_arch(arch: str, args, device: torch.device) -> dict:
             uncached_s = timed(uncached, device, 1, 0)
             result["generate_cached_s"] = cached_s
             result["generate_uncached_s"] = uncached_s
-        for position in args.decode_at:
-            key = f"decode_ms_at_{position}"
-            context = getattr(model, "max_seq_len", None)
-            if context is not None and position >= context:
-                result[key] = None  # beyond the model's context
-                continue
-            _, state = model(idx[:1, :1].expand(1, position).contiguous())
-            result[key] = 1e3 * timed(lambda: model(idx[:1, :1], state), device, args.repeats * 4)
     if args.recurrent_baseline and hasattr(model, "forward_recurrent"):
         model.train()
 
@@ -166,7 +175,37 @@ def bench_arch(arch: str, args, device: torch.device) -> dict:
         seconds = timed(recurrent_train_step, device, 1, 0)
         result["recurrent_train_tokens_per_s"] = args.batch_size * args.seq_len / seconds
     result["peak_memory_mb"] = peak_memory_mb(device)
-    return result
+    return result, model
+
+
+def decode_at(models: dict, args, device: torch.device) -> dict:
+    """{arch: {"decode_ms_at_P": ms}}: one cached decode step (batch 1) after P tokens, for every model in
+    turn, round after round (the median of each), so a load that drifts on a shared machine hits all alike."""
+    times = {arch: {} for arch in models}
+    token = torch.zeros(1, 1, dtype=torch.long, device=device)
+    with torch.no_grad():
+        for position in args.decode_at:
+            key = f"decode_ms_at_{position}"
+            states = {}
+            for arch, model in models.items():
+                model.eval()
+                context = getattr(model, "max_seq_len", None)
+                if context is not None and position >= context:
+                    times[arch][key] = None  # beyond the model's context
+                else:
+                    states[arch] = model(token.expand(1, position).contiguous())[1]
+                    model(token, states[arch])  # warm-up
+            samples = {arch: [] for arch in states}
+            for _ in range(args.repeats * 4):
+                for arch, state in states.items():
+                    sync(device)
+                    start = time.perf_counter()
+                    models[arch](token, state)
+                    sync(device)
+                    samples[arch].append(time.perf_counter() - start)
+            for arch, values in samples.items():
+                times[arch][key] = 1e3 * statistics.median(values)
+    return times
 
 
 def bench_data(args) -> list[dict]:
@@ -247,6 +286,11 @@ def main() -> None:
                         help="also time one cached decode step (batch 1) after this many tokens")
     parser.add_argument("--recurrent_baseline", action="store_true",
                         help="also time training through forward_recurrent (token by token), where a model has it")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time the training step of torch.compile(model) (its ratio to eager, compile time)")
+    parser.add_argument("--peak_flops", type=float, default=None,
+                        help="FLOP/s of the device for MFU (default: a known GPU's dense bf16 peak, or on a CPU the "
+                             "measured float32 matmul rate)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default="benchmark.json")
@@ -267,10 +311,24 @@ def main() -> None:
     # very slow on CPUs; flushing them to zero changes no figure that matters and times the real work.
     torch.set_flush_denormal(True)
     device = torch.device(args.device)
-    results = [bench_arch(arch, args, device) for arch in args.archs]
+    matmul_flops = measured_matmul_flops(torch.get_num_threads()) if device.type == "cpu" else None
+    if args.peak_flops is not None:
+        peak_flops, source = args.peak_flops, "--peak_flops"
+    else:
+        peak_flops, source = default_peak_flops(device)
+    results, models = [], {}
+    for arch in args.archs:
+        result, models[arch] = bench_arch(arch, args, device, peak_flops)
+        results.append(result)
+    if args.decode_at:
+        decode_times = decode_at(models, args, device)
+        for result in results:
+            result.update(decode_times[result["arch"]])
     base = results[0]["train_tokens_per_s"]
-    columns = ["arch", "params", "train_tokens_per_s", "vs_first", "prefill_ms", "decode_ms_per_token",
+    columns = ["arch", "params", "train_tokens_per_s", "vs_first", "mfu", "prefill_ms", "decode_ms_per_token",
                "state_bytes_per_token", "state_bytes_per_sequence", "peak_memory_mb"]
+    if args.compile:
+        columns += ["compiled_train_tokens_per_s", "compiled_vs_eager", "compile_s"]
     if args.generate_tokens:
         columns += ["generate_cached_s", "generate_uncached_s"]
     columns += [f"decode_ms_at_{p}" for p in args.decode_at]
@@ -279,12 +337,16 @@ def main() -> None:
     for r in results:
         r["vs_first"] = r["train_tokens_per_s"] / base
     print(f"device={device} dtype={args.dtype} batch={args.batch_size} seq_len={args.seq_len} torch={torch.__version__}")
+    if matmul_flops is not None:
+        print(f"measured float32 matmul rate: {matmul_flops / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
+    print("MFU peak: " + (f"{peak_flops:.4g} FLOP/s ({source})" if peak_flops else f"none ({source}): set --peak_flops"))
     print(" | ".join(columns))
     for r in results:
         print(" | ".join(f"{r.get(c):.3g}" if isinstance(r.get(c), float) else str(r.get(c, "-")) for c in columns))
     meta = {"device": str(device), "dtype": args.dtype, "batch_size": args.batch_size, "seq_len": args.seq_len,
             "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "peak_flops": peak_flops, "peak_source": source,
+            "matmul_fp32_flops": matmul_flops}
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     print(f"wrote {args.out}")
 

@@ -2,10 +2,11 @@
 
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
 import torch
 
-from ltcx.callbacks import FiniteLossGuard, SampleGeneration
+from ltcx.callbacks import FiniteLossGuard, MFUMonitor, SampleGeneration
 from ltcx.errors import LtcxError
 from ltcx.lm import LanguageModel
 from ltcx.models.gpt import GPT
@@ -59,3 +60,34 @@ def test_finite_loss_guard_stops_before_the_backward_pass():
     guard.on_before_backward(trainer, None, torch.tensor(1.0))
     with pytest.raises(LtcxError, match="training loss became nan at step 4, so training stopped before updating"):
         guard.on_before_backward(trainer, None, torch.tensor(float("nan")))
+
+
+def _fit_tiny(callback: MFUMonitor, steps: int = 3) -> L.Trainer:
+    torch.manual_seed(0)
+    model = LanguageModel(GPT(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16), decay_steps=steps)
+    blocks = torch.randint(0, 64, (4 * steps, 17))  # 4 blocks of 16 + 1 tokens a step
+    trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, log_every_n_steps=1, callbacks=[callback], accelerator="cpu")
+    trainer.fit(model, torch.utils.data.DataLoader(blocks, batch_size=4))
+    return trainer
+
+
+def test_mfu_is_model_flops_per_second_over_the_configured_peak():
+    trainer = _fit_tiny(MFUMonitor(peak_flops=1e9))
+    metrics = trainer.callback_metrics
+    assert metrics["train/flops_per_sec"] > 0
+    torch.testing.assert_close(metrics["train/mfu"], metrics["train/flops_per_sec"] / 1e9)
+
+
+def test_mfu_peak_defaults_to_the_measured_cpu_matmul_rate(monkeypatch):
+    import ltcx.throughput
+
+    monkeypatch.setattr(ltcx.throughput, "measured_matmul_flops", lambda threads: 2e9)
+    trainer = _fit_tiny(MFUMonitor())
+    metrics = trainer.callback_metrics
+    torch.testing.assert_close(metrics["train/mfu"], metrics["train/flops_per_sec"] / 2e9)
+
+
+def test_mfu_peak_must_be_positive():
+    with pytest.raises(LtcxError, match="peak_flops"):
+        MFUMonitor(peak_flops=0)

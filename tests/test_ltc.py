@@ -318,7 +318,32 @@ def test_cache_layout_is_compact_and_batch_first():
     _, state = model(torch.zeros(3, 7, dtype=torch.long))
     cache = state[0]
     assert cache.k.shape == cache.v.shape == (3, 2, 7, 8)  # [B, n_kv_head, T, head_dim]
-    assert cache.basis.shape == (3, 2, 8, 8) and cache.tau.shape == (3, 2, 5)
+    assert cache.tau.shape == (3, 2, 5)
+    assert not hasattr(cache, "basis")  # the basis is folded into the projections, not carried per sequence
+
+
+def test_inference_reuses_the_folded_projections_until_a_parameter_changes():
+    """Decoding folds the basis into the q/k weights once; an in-place update (an optimizer step) or new
+    weights refold them, so cached decoding keeps equal to the full forward."""
+    model = small_model(num_decay_modes=5)
+    attn = model.blocks[0].attn
+    idx = torch.randint(0, SMALL["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(idx[:, :4])
+        folded = attn.rotated_projections()
+        assert attn.rotated_projections() is folded  # reused, not recomputed
+        attn.modal_matrix.add_(0.5)  # in place, as an optimizer step writes
+        attn.q_proj.weight.mul_(1.5)
+        assert attn.rotated_projections() is not folded
+        full, _ = model(idx)
+        pieces, _ = _run_in_chunks(model, idx, [5] + [1] * 7)
+    torch.testing.assert_close(pieces, full, rtol=0, atol=1e-10)
+    model.load_state_dict(small_model(seed=3, num_decay_modes=5).state_dict())
+    with torch.no_grad():
+        full, _ = model(idx)
+        pieces, _ = _run_in_chunks(model, idx, [5] + [1] * 7)
+    torch.testing.assert_close(pieces, full, rtol=0, atol=1e-10)
+    assert "_folded" not in "".join(model.state_dict())
 
 
 def test_reorder_cache_equals_running_the_reordered_batch():

@@ -205,6 +205,29 @@ class GPT(nn.Module):
         total = sum(p.numel() for p in self.parameters())  # tied weights are counted once
         return total - self.wpe.weight.numel() if exclude_position_embeddings else total
 
+    def forward_flops_per_token(self, seq_len: int) -> float:
+        """FLOPs of the forward pass per token when training on sequences of ``seq_len`` tokens.
+
+        Matrix products only (element-wise work, norms and softmax are not counted): 2 per weight per token
+        for every projection, the MLP and the head (the tied embedding counted once, as the head's matmul;
+        lookups are free), plus causal attention: a query at position i sees i + 1 keys, (T + 1) / 2 on
+        average, and scores and values cost 2 D each per key and query head:
+
+            2 (L (C (H D + 2 G D + H D) + 2 C F) + C V) + L * 2 H D (T + 1)
+
+        (C n_embd, H/G query/KV heads, D head dim, F = 4 C, V vocabulary, L layers, T seq_len).
+        """
+        c = self.config
+        head_dim, ffn = c.head_dim, 4 * c.n_embd
+        layer_weights = c.n_embd * (2 * c.n_head * head_dim + 2 * c.n_kv_head * head_dim) + 2 * c.n_embd * ffn
+        attention = 2 * c.n_head * head_dim * (seq_len + 1)
+        return 2 * (c.n_layer * layer_weights + c.n_embd * c.vocab_size) + c.n_layer * attention
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward = 3 x forward, the backward computing the gradients of
+        both operands of each product); see ``forward_flops_per_token``."""
+        return 3 * self.forward_flops_per_token(seq_len)
+
     def no_weight_decay_param_names(self) -> set[str]:
         """Matrices that AdamW should not decay (besides every 1-D parameter): none for nanoGPT."""
         return set()

@@ -201,3 +201,20 @@ class GTAGPT(GPT):
     def config_dict(self) -> dict:
         """Constructor arguments that rebuild this model: ``type(model)(**model.config_dict())``."""
         return self.config.init_dict()
+
+    def forward_flops_per_token(self, seq_len: int) -> float:
+        """FLOPs of the forward pass per token, counted as the GPT's (matrix products, 2 per multiply-add) with
+        GTA's attention: the one input projection (q, k, latent and gate), the per-group decoder after attention
+        (d_l x C / G for each of the G groups), c_proj, and scores and latent values of G maps over the
+        (T + 1) / 2 keys a query sees on average:
+
+            2 (L (C (G d_k + n_k d_k + n_c d_l [+ C]) + d_l C + C^2 + 2 C F) + C V) + L 2 G (d_k + d_l) (T + 1) / 2
+
+        The zero-padding of q, k and the latent to one width (for the fused kernel) is not counted.
+        """
+        c = self.config
+        attention = self.blocks[0].attn
+        projections = c.n_embd * sum(attention.widths) + c.latent_dim * c.n_embd + c.n_embd * c.n_embd
+        layer_weights = projections + 2 * c.n_embd * 4 * c.n_embd
+        scores_and_values = 2 * c.n_query_group * (c.key_dim + c.latent_dim) * (seq_len + 1) / 2
+        return 2 * (c.n_layer * layer_weights + c.n_embd * c.vocab_size) + c.n_layer * scores_and_values

@@ -80,15 +80,15 @@ class LTCConfig(GPTConfig):
 class LTCCache:
     """Append-only cache of one LTC attention layer, compact KV-head layout, every tensor batch-first.
 
-    k: [B, G, T_cached, D] keys already rotated and scaled (valid for every later query thanks to the
-       fixed centre); v: [B, G, T_cached, D].
-    basis: [B, G, D, D] the orthogonal basis whose first M columns are the modes (float32/float64).
+    k: [B, G, T_cached, D] keys already rotated into the modal basis and scaled (valid for every later
+       query thanks to the fixed centre); v: [B, G, T_cached, D].
     tau: [B, G, M] the time constants set by the first token of the prompt (float32/float64).
+    The basis is not kept: it depends on the parameters only, and new queries and keys are rotated by
+    the projection weights folded with it (``LTCAttention.rotated_projections``).
     """
 
     k: torch.Tensor
     v: torch.Tensor
-    basis: torch.Tensor
     tau: torch.Tensor
 
     @property
@@ -134,26 +134,50 @@ class LTCAttention(GQAAttention):
         dtype = torch.promote_types(self.tau_offset.dtype, torch.float32)
         return ltc_ops.time_constants(self.tau_offset.to(dtype) + delta.to(dtype), self.tau_min)
 
-    def project_rotated(
-        self, x: torch.Tensor, basis: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Like ``project`` but q and k come out in the modal basis (Q^T q, Q^T k), not yet scaled.
-
-        The rotation is folded into the projection weights (H D^2 C multiply-adds per call instead of
-        H D^2 per token, and no extra pass over [B, H, T, D]): on CPU it cut the extra cost of an LTC
-        attention layer (forward + backward, reference shape, batch 4 x 512) from about 11% to 7%.
-        """
-        batch, length, _ = x.shape
-        heads, groups, head_dim = self.n_head, self.n_kv_head, self.head_dim
+    def _fold_projections(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """q and kv projection weights (and biases) with the rotation Q^T folded into the q and k rows."""
+        basis = ltc_ops.modal_basis(self.modal_matrix)  # [G, D, D]
+        groups, head_dim = self.n_kv_head, self.head_dim
+        q_w = ltc_ops.rotate_projection(self.q_proj.weight, basis)
         q_b = None if self.q_proj.bias is None else ltc_ops.rotate_projection(self.q_proj.bias, basis)
-        q = F.linear(x, ltc_ops.rotate_projection(self.q_proj.weight, basis), q_b)
-        kv_w, kv_b = self.kv_proj.weight.split(groups * head_dim), None
-        kv_w = torch.cat([ltc_ops.rotate_projection(kv_w[0], basis), kv_w[1]])
+        k_w, v_w = self.kv_proj.weight.split(groups * head_dim)
+        kv_w, kv_b = torch.cat([ltc_ops.rotate_projection(k_w, basis), v_w]), None
         if self.kv_proj.bias is not None:
             k_b, v_b = self.kv_proj.bias.split(groups * head_dim)
             kv_b = torch.cat([ltc_ops.rotate_projection(k_b, basis), v_b])
-        q = q.view(batch, length, heads, head_dim).transpose(1, 2)
-        k, v = F.linear(x, kv_w, kv_b).view(batch, length, 2, groups, head_dim).permute(2, 0, 3, 1, 4)
+        return q_w, q_b, kv_w, kv_b
+
+    def rotated_projections(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """(W_q', b_q', W_kv', b_kv'): the projections whose q and k outputs come out in the modal basis.
+
+        Folding costs (H + G) D^2 C multiply-adds and a QR. With gradients on it is done every call (the
+        fold is part of the graph); in inference it is done once and reused until a parameter changes
+        (a new tensor or an in-place write, seen through its version counter; a write through ``.data``
+        is not seen), so a decode step costs what a GQA step costs.
+        """
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return self._fold_projections()
+        params = [p for p in (self.q_proj.weight, self.q_proj.bias, self.kv_proj.weight, self.kv_proj.bias,
+                              self.modal_matrix) if p is not None]
+        key = tuple((id(p), p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+        if self.__dict__.get("_folded_key") != key:  # plain attributes: never in the state_dict
+            self.__dict__["_folded"] = self._fold_projections()
+            self.__dict__["_folded_key"] = key
+        return self.__dict__["_folded"]
+
+    def project_rotated(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Like ``project`` but q [B, H, T, D] and k [B, G, T, D] come out in the modal basis (Q^T q, Q^T k),
+        not yet scaled; v as in ``project``.
+
+        The rotation lives in the projection weights (no extra pass over [B, H, T, D]): on CPU that cut the
+        extra cost of an LTC attention layer (forward + backward, reference shape, batch 4 x 512) from about
+        11% to 7%, and it makes a decode step as cheap as GQA's.
+        """
+        batch, length, _ = x.shape
+        q_w, q_b, kv_w, kv_b = self.rotated_projections()
+        q = F.linear(x, q_w, q_b).view(batch, length, self.n_head, self.head_dim).transpose(1, 2)
+        kv = F.linear(x, kv_w, kv_b).view(batch, length, 2, self.n_kv_head, self.head_dim)
+        k, v = kv.permute(2, 0, 3, 1, 4)
         return q, k, v
 
     def forward(self, x: torch.Tensor, cache: LTCCache | None = None) -> tuple[torch.Tensor, LTCCache]:
@@ -165,22 +189,16 @@ class LTCAttention(GQAAttention):
                 f"LTC attention got positions up to {start + length}, past block_size={self.block_size}: "
                 "the decay exponents are only bounded inside the context"
             )
-        if cache is None:  # training and prefill: the rotation is folded into the projections
-            basis = ltc_ops.modal_basis(self.modal_matrix)  # [G, D, D]
-            tau = self.time_constants(x[:, 0])  # [B, G, M]
-            q, k, v = self.project_rotated(x, basis)
-            q = ltc_ops.scale_modes(q, tau, start, self.centre, is_query=True)
-            k = ltc_ops.scale_modes(k, tau, start, self.centre, is_query=False)
-            basis = basis.expand(batch, -1, -1, -1)
-        else:  # decoding: basis and time constants come from the cache (set by the prompt's first token)
-            basis, tau = cache.basis, cache.tau
-            q, k, v = self.project(x)  # few new tokens: rotating them is cheaper than folding the weights
-            q = ltc_ops.ltc_transform(q, basis, tau, start, self.centre, is_query=True)
-            k = ltc_ops.ltc_transform(k, basis, tau, start, self.centre, is_query=False)
+        # time constants come from the sequence's first token: computed now, or kept in the cache
+        tau = self.time_constants(x[:, 0]) if cache is None else cache.tau  # [B, G, M]
+        q, k, v = self.project_rotated(x)
+        q = ltc_ops.scale_modes(q, tau, start, self.centre, is_query=True)
+        k = ltc_ops.scale_modes(k, tau, start, self.centre, is_query=False)
+        if cache is not None:
             k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
         y = causal_gqa_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(batch, length, -1)
-        return self.resid_dropout(self.c_proj(y)), LTCCache(k, v, basis, tau)
+        return self.resid_dropout(self.c_proj(y)), LTCCache(k, v, tau)
 
 
 class LTCGPT(GPT):
@@ -231,6 +249,21 @@ class LTCGPT(GPT):
 
     def make_attention(self, config: LTCConfig) -> nn.Module:
         return LTCAttention(config)
+
+    def forward_flops_per_token(self, seq_len: int) -> float:
+        """The GPT's count plus LTC's extra: the time-constant controller, which runs once per sequence on
+        x_0 (its matmul FLOPs divided by ``seq_len``). Attention itself is the GPT's (one SDPA call on rotated,
+        scaled q and k). Not per token and not counted: folding the basis into the q/k weights,
+        2 (H + G) D^2 C per layer per call, and the QR of the modal matrix."""
+        c = self.config
+        out = c.n_kv_head * c.num_decay_modes
+        if c.controller_rank:
+            weights = c.controller_rank * (c.n_embd + out)
+        elif c.controller_hidden_size:
+            weights = c.controller_hidden_size * (c.n_embd + out)
+        else:
+            weights = c.n_embd * out
+        return super().forward_flops_per_token(seq_len) + c.n_layer * 2 * weights / seq_len
 
     def no_weight_decay_param_names(self) -> set[str]:
         """LTC parameters AdamW should not decay (besides every 1-D parameter).

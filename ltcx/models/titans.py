@@ -42,7 +42,9 @@ from ltcx.models.state import reorder_state
 from ltcx.ops.attention import apply_rope, attention_with_persistent, sliding_window_mask
 from ltcx.ops.conv import causal_depthwise_conv
 from ltcx.ops.ltc import _without_autocast
-from ltcx.ops.titans import MemoryState, initial_memory_state, memory_apply, neural_memory, neural_memory_recurrent
+from ltcx.ops.titans import (
+    MemoryState, chunk_sizes, initial_memory_state, memory_apply, neural_memory, neural_memory_recurrent,
+)
 
 VARIANTS = ("mag", "mac", "mal", "lmm")
 THETA_MODES = ("chunk", "free")
@@ -515,6 +517,61 @@ class Titans(nn.Module):
     def parameter_count(self, exclude_position_embeddings: bool = True) -> int:
         """Number of distinct parameters (there are no position embeddings to exclude)."""
         return sum(p.numel() for p in self.parameters())
+
+    def forward_flops_per_token(self, seq_len: int) -> float:
+        """FLOPs of the forward pass per token when training on sequences of ``seq_len`` tokens from position 0.
+
+        Matrix products as the training forms execute them (element-wise work, the short convolutions and the
+        curvature are not counted), 2 per multiply-add; C width, H/G query/KV heads of dim D, V vocabulary.
+
+        * Attention (eq. 19 with persistent slots): one SDPA whose queries [RoPE(q) | q] are 2D wide, so each
+          visible key costs 2 (2D) for the score and 2 D for the value: 6 D H per key. A query sees the
+          n_persistent slots and, under a sliding window, min(window, i + 1) tokens; in MAC the h_j and x_j
+          of its own segment up to itself (2 (j + 1) keys); averaged over the T positions.
+        * Memory (spec section A.3, per head of width dk, hidden dm, per piece of n tokens at the chunk
+          boundaries): key-side forward and analytic backward 6 n dk dm, the four base/momentum products on
+          the query side 8 n dk dm, the end-of-piece state 8 n dk dm, the intra-piece products
+          4 n^2 (dk + dm) and the decay matrices 2 n^3 + 2 n^2; plus its projections 2 C (3 W) and gates
+          2 C (3 H_m) (W = H_m dk).
+        * MAC also reads the memory at the segment-start weights (2 C W for its queries, 4 dk dm per head)
+          and projects k/v a second time from the read.
+        * Projections, output projections, the MLP (2 C F twice) and the head 2 C V (tied: counted once).
+        """
+        c = self.config
+        T, C, D, W = seq_len, c.n_embd, c.head_dim, c.memory_width
+        dk, dm, heads = c.mem_head_dim, c.mem_hidden, c.mem_heads
+        q_kv = 2 * C * (c.n_head * D + 2 * c.n_kv_head * D)
+        mlp = 2 * 2 * C * c.mlp_hidden
+
+        def memory(pieces: list[int]) -> float:  # per token, projections and gates included
+            work = sum(22 * n * dk * dm + 4 * n * n * (dk + dm) + 2 * n ** 3 + 2 * n * n for n in pieces)
+            return 2 * C * 3 * W + 2 * C * 3 * heads + heads * work / T
+
+        def attention(visible_tokens: float) -> float:  # per token: visible keys of one query, all heads
+            return 6 * D * c.n_head * (c.n_persistent + visible_tokens)
+
+        window = sum(min(c.window, i + 1) for i in range(T)) / T
+        chunked = chunk_sizes(0, T, c.memory_chunk_size)
+        if c.variant == "mac":
+            segment_pieces = chunk_sizes(0, T, c.segment)
+            pieces = chunked if c.memory_chunk_size is not None else segment_pieces
+            in_segment = sum(2 * (i % c.segment + 1) for i in range(T)) / T
+            block = q_kv + 2 * C * W + heads * 4 * dk * dm + 2 * C * 2 * c.n_kv_head * D \
+                + attention(in_segment) + memory(pieces) + 2 * C * C + mlp
+            blocks = c.n_layer * block
+        else:
+            gated = memory(chunked) + 2 * C * W + 2 * W * C + mlp  # MemoryBlock: gate and output projections
+            swa = q_kv + attention(window) + 2 * C * C + mlp
+            mag = q_kv + attention(window) + memory(chunked) + 2 * C * C + mlp
+            kinds = {"mag": [mag] * c.n_layer, "lmm": [gated] * c.n_layer,
+                     "mal": [gated if i % 2 == 0 else swa for i in range(c.n_layer)]}
+            blocks = sum(kinds[c.variant])
+        return blocks + 2 * C * c.vocab_size
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 3 x ``forward_flops_per_token`` (the outer backward differentiates every
+        product of the forward, including the memory's closed form)."""
+        return 3 * self.forward_flops_per_token(seq_len)
 
     def no_weight_decay_param_names(self) -> set[str]:
         """The memory's initial weights (decaying M_0 to 0 would kill the inner gradient: with W2 = 0 both the

@@ -11,6 +11,28 @@ Blocks, as in the paper's figures (and NX-AI's reference code):
   block-diagonal recurrence -> per-head group norm -> residual; then LayerNorm -> gated-GeLU
   feed-forward (factor 4/3) -> residual.
 
+Initialisation, as in the paper's reference implementation (NX-AI/xlstm: ``small_init_init_``,
+``wang_init_``, ``bias_linspace_init_``, ``mLSTMLayer``/``sLSTMCell``/``GatedFeedForward.reset_parameters``).
+E is the embedding width everywhere, also for the block-diagonal projections (not their block size):
+
+* small init N(0, sqrt(2 / (5 E))) (Nguyen & Salazar 2019, "Transformers without tears"): the token
+  embedding (and an untied head), the mLSTM up-projection and q/k/v, the sLSTM input weights of all four
+  gates, the feed-forward up-projection;
+* wang init N(0, 2 / (num_layers sqrt(E))) (GPT-J/NeoX): every projection back into the residual stream
+  (mLSTM down-projection, feed-forward down-projection);
+* mLSTM gates: weights 0, forget-gate biases linspace(3, 6) over the heads, input-gate biases N(0, 0.1);
+* sLSTM: recurrent matrices R = 0 (``recurrent_weight_init="zeros"``); gate biases 0 except the forget
+  gate's "powerlaw_blockdependent" profile over each head's units u = 0..d-1,
+  b_f(u) = 5 - 12 (u / (d - 1))^(0.3 + 1.3 l / (num_layers - 1)) for the block at position l: from
+  +5 (f ~ 0.993, long memory) down to -7 (f ~ 0.001); the exponent grows with depth, so deeper
+  blocks keep more units at long memory;
+* norms 1 (no biases), learnable skip 1, causal conv weights U(+-1/sqrt(K)) (PyTorch's Conv1d default), conv
+  biases 0.
+
+The up-projection widths are rounded up to multiples of 64 as the reference does (``proj_round_to``).
+Before this rule the q/k/v were drawn with the 4-wide block size in place of E (about 10x the reference's
+std), the sLSTM input weights with the head width, R ~ N(0, 0.02) and the sLSTM forget biases 3..6.
+
 State (per block, a tuple): mLSTM ``(C, n, m, conv_buffer)``; sLSTM ``(c, n, h, m, conv_buffer)``;
 the conv buffer holds the block's last ``conv_kernel_size - 1`` conv inputs ``[B, K-1, channels]``.
 Training (T > 1) uses the chunkwise (or parallel) mLSTM; one token uses the recurrent step.
@@ -50,6 +72,7 @@ class XLSTMConfig:
     slstm_num_heads: int = 4
     mlstm_proj_factor: float = 2.0
     slstm_ffn_factor: float = 4.0 / 3.0
+    proj_round_to: int = 64
     qkv_proj_blocksize: int = 4
     conv_kernel_size: int = 4
     chunk_size: int = 64
@@ -65,15 +88,20 @@ class XLSTMConfig:
             self.slstm_at = list(self.slstm_at)
         self._validate()
 
+    def _round_up(self, width: float) -> int:
+        # the reference rounds every up-projection up to a multiple of 64 (its UpProjConfigMixin)
+        return self.proj_round_to * math.ceil(width / self.proj_round_to - 1e-9)
+
     @property
     def mlstm_inner_dim(self) -> int:
-        """Width of the mLSTM path: round(mlstm_proj_factor * embedding_dim)."""
-        return int(round(self.mlstm_proj_factor * self.embedding_dim))
+        """Width of the mLSTM path: mlstm_proj_factor * embedding_dim rounded up to proj_round_to."""
+        return self._round_up(self.mlstm_proj_factor * self.embedding_dim)
 
     @property
     def ffn_dim(self) -> int:
-        """Hidden width of the sLSTM block's feed-forward: slstm_ffn_factor * embedding_dim rounded up to 8."""
-        return 8 * math.ceil(self.slstm_ffn_factor * self.embedding_dim / 8 - 1e-9)
+        """Hidden width of the sLSTM block's feed-forward: slstm_ffn_factor * embedding_dim rounded up to
+        proj_round_to."""
+        return self._round_up(self.slstm_ffn_factor * self.embedding_dim)
 
     @property
     def block_types(self) -> list[str]:
@@ -91,7 +119,7 @@ class XLSTMConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} ({value!r}) must be a positive integer")
 
-        for name in ("vocab_size", "embedding_dim", "num_layers", "num_heads", "slstm_num_heads",
+        for name in ("vocab_size", "embedding_dim", "num_layers", "num_heads", "slstm_num_heads", "proj_round_to",
                      "qkv_proj_blocksize", "conv_kernel_size", "chunk_size"):
             positive(name)
         if len(self.signature) != 2 or any(not isinstance(x, int) or x < 0 for x in self.signature) \
@@ -115,8 +143,8 @@ class XLSTMConfig:
         inner = self.mlstm_inner_dim
         if inner < 1 or inner % self.num_heads:
             raise ConfigError(
-                f"num_heads ({self.num_heads}) must divide the mLSTM inner dimension ({inner} = "
-                f"mlstm_proj_factor {self.mlstm_proj_factor} x embedding_dim {self.embedding_dim})"
+                f"num_heads ({self.num_heads}) must divide the mLSTM inner dimension ({inner} = mlstm_proj_factor "
+                f"{self.mlstm_proj_factor} x embedding_dim {self.embedding_dim}, rounded up to {self.proj_round_to})"
             )
         if inner % self.qkv_proj_blocksize:
             raise ConfigError(
@@ -186,8 +214,19 @@ class MultiHeadNorm(nn.Module):
 
 
 def _small_init_std(dim: int) -> float:
-    """'Transformers without tears' init: std = sqrt(2 / (5 dim))."""
+    """'Transformers without tears' init: std = sqrt(2 / (5 dim)) (reference: small_init_init_)."""
     return math.sqrt(2.0 / (5.0 * dim))
+
+
+def _wang_init_std(dim: int, num_blocks: int) -> float:
+    """GPT-J's init of the projections into the residual stream: 2 / (num_blocks sqrt(dim)) (reference: wang_init_)."""
+    return 2.0 / num_blocks / math.sqrt(dim)
+
+
+def slstm_forget_bias(head_dim: int, block_index: int, num_blocks: int) -> Tensor:
+    """The reference's "powerlaw_blockdependent" sLSTM forget-gate bias of one head: [head_dim], see the module docstring."""
+    depth = block_index / (num_blocks - 1) if num_blocks > 1 else 0.0
+    return 5.0 - 12.0 * torch.linspace(0.0, 1.0, head_dim) ** (0.3 + 1.3 * depth)
 
 
 class MLSTMBlock(nn.Module):
@@ -211,8 +250,10 @@ class MLSTMBlock(nn.Module):
         self.proj_down = nn.Linear(I, E, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
-        nn.init.normal_(self.proj_up.weight, std=_small_init_std(E))
-        nn.init.normal_(self.proj_down.weight, std=2.0 / cfg.num_layers / math.sqrt(E))
+        # initialisation (module docstring): small init with E for the up-projection and q/k/v (not the q/k/v block size)
+        for weight in (self.proj_up.weight, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight):
+            nn.init.normal_(weight, std=_small_init_std(E))
+        nn.init.normal_(self.proj_down.weight, std=_wang_init_std(E, cfg.num_layers))
         # gates start input-independent: input gate ~ 0, forget gate biases spread over 3..6 per head
         nn.init.zeros_(self.igate.weight)
         nn.init.normal_(self.igate.bias, std=0.1)
@@ -252,7 +293,7 @@ class MLSTMBlock(nn.Module):
 class SLSTMBlock(nn.Module):
     """Pre-LayerNorm residual sLSTM block followed by a gated-GeLU feed-forward block."""
 
-    def __init__(self, cfg: XLSTMConfig) -> None:
+    def __init__(self, cfg: XLSTMConfig, block_index: int) -> None:
         super().__init__()
         E, H = cfg.embedding_dim, cfg.slstm_num_heads
         Dh = E // H
@@ -269,12 +310,14 @@ class SLSTMBlock(nn.Module):
         self.ffn_down = nn.Linear(cfg.ffn_dim, E, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
-        nn.init.normal_(self.w_in, std=_small_init_std(Dh))
-        nn.init.normal_(self.R, std=0.02)  # small: recurrence starts close to a plain gated accumulator
+        # initialisation (module docstring): input weights small init with E; R = 0, so the recurrence starts as a gated accumulator
+        # (the seed drew std-1 noise); forget-gate biases from +5 to -7 across each head's units
+        nn.init.normal_(self.w_in, std=_small_init_std(E))
+        nn.init.zeros_(self.R)
         with torch.no_grad():
-            self.gate_bias[1].copy_(torch.linspace(3.0, 6.0, Dh).expand(H, Dh))
+            self.gate_bias[1].copy_(slstm_forget_bias(Dh, block_index, cfg.num_layers).expand(H, Dh))
         nn.init.normal_(self.ffn_up.weight, std=_small_init_std(E))
-        nn.init.normal_(self.ffn_down.weight, std=2.0 / cfg.num_layers / math.sqrt(E))
+        nn.init.normal_(self.ffn_down.weight, std=_wang_init_std(E, cfg.num_layers))
 
     def forward(self, x: Tensor, state: tuple | None = None) -> tuple[Tensor, tuple]:
         B, T, E = x.shape
@@ -312,6 +355,7 @@ class XLSTM(nn.Module):
         slstm_num_heads: int = 4,
         mlstm_proj_factor: float = 2.0,
         slstm_ffn_factor: float = 4.0 / 3.0,
+        proj_round_to: int = 64,
         qkv_proj_blocksize: int = 4,
         conv_kernel_size: int = 4,
         chunk_size: int = 64,
@@ -333,6 +377,8 @@ class XLSTM(nn.Module):
             slstm_num_heads: Heads of each sLSTM cell (must divide embedding_dim); recurrence mixes within heads only.
             mlstm_proj_factor: Up-projection factor of the mLSTM block (the paper uses 2).
             slstm_ffn_factor: Feed-forward factor after the sLSTM cell (the paper uses 4/3).
+            proj_round_to: The mLSTM up-projection and the feed-forward widths are rounded up to a multiple of
+                this (64 in the reference implementation).
             qkv_proj_blocksize: Block size of the block-diagonal q, k, v projections of the mLSTM block.
             conv_kernel_size: Kernel of the causal depthwise convolution over time.
             chunk_size: Chunk length of the chunkwise mLSTM used for training (T > 1).
@@ -346,7 +392,7 @@ class XLSTM(nn.Module):
         self.config = XLSTMConfig(
             vocab_size=vocab_size, embedding_dim=embedding_dim, num_layers=num_layers, signature=signature,
             slstm_at=slstm_at, num_heads=num_heads, slstm_num_heads=slstm_num_heads,
-            mlstm_proj_factor=mlstm_proj_factor, slstm_ffn_factor=slstm_ffn_factor,
+            mlstm_proj_factor=mlstm_proj_factor, slstm_ffn_factor=slstm_ffn_factor, proj_round_to=proj_round_to,
             qkv_proj_blocksize=qkv_proj_blocksize, conv_kernel_size=conv_kernel_size, chunk_size=chunk_size,
             mlstm_backend=mlstm_backend, forget_gate=forget_gate, tie_embeddings=tie_embeddings, bias=bias,
             dropout=dropout,
@@ -355,7 +401,9 @@ class XLSTM(nn.Module):
         E = cfg.embedding_dim
         self.embedding = nn.Embedding(cfg.vocab_size, E)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(MLSTMBlock(cfg) if t == "m" else SLSTMBlock(cfg) for t in cfg.block_types)
+        self.blocks = nn.ModuleList(
+            MLSTMBlock(cfg) if t == "m" else SLSTMBlock(cfg, i) for i, t in enumerate(cfg.block_types)
+        )
         self.norm = nn.LayerNorm(E, bias=cfg.bias)
         self.head = nn.Linear(E, cfg.vocab_size, bias=False)
         nn.init.normal_(self.embedding.weight, std=_small_init_std(E))
@@ -395,6 +443,43 @@ class XLSTM(nn.Module):
     def parameter_count(self, exclude_position_embeddings: bool = True) -> int:
         """Number of distinct parameters (tied weights once). xLSTM has no position embeddings."""
         return sum(p.numel() for p in self.parameters())
+
+    def forward_flops_per_token(self, seq_len: int) -> float:
+        """FLOPs of the forward pass per token when training on sequences of ``seq_len`` tokens.
+
+        Matrix products as the training forms execute them (element-wise gate, norm and conv work is not
+        counted), 2 per multiply-add; E width, I inner width, H heads of head dim d = I / H, b the q/k/v block
+        size, V vocabulary, T seq_len:
+
+        * mLSTM block: up-projection 2 E 2I, block-diagonal q/k/v 3 * 2 I b, gates 2 * 2 (3I) H, down 2 I E,
+          and the cell per head: chunkwise with chunks of L, each full chunk costs its state contribution
+          k^T v (2 L d^2), the read of the carried state q C and q n (2 L d^2 + 2 L d) and the whole L x L
+          intra-chunk products q k^T and S v (4 L^2 d, computed whole and masked by multiplication); a
+          trailing chunk of r < L tokens costs 4 r^2 d + 2 r d^2 + 2 r d plus its final state k^T v
+          (2 r d^2). The parallel form is one such chunk of T tokens.
+        * sLSTM block (Hs heads of d_s = E / Hs): headwise input projections, 2 streams each E -> 2E in
+          blocks d_s x 2 d_s (2 E 2 d_s), block-diagonal recurrence 4 gates x 2 E d_s, feed-forward 2 E 2F + 2 F E.
+        * head: 2 E V (tied with the embedding: counted once).
+        """
+        cfg = self.config
+        E, inner, V, T = cfg.embedding_dim, cfg.mlstm_inner_dim, cfg.vocab_size, seq_len
+        d = inner // cfg.num_heads
+        L = T if cfg.mlstm_backend == "parallel" else cfg.chunk_size
+        full, rest = divmod(T, L)
+        cell = full * (4 * L * d * d + 4 * L * L * d + 2 * L * d)
+        if rest:
+            cell += 4 * rest * rest * d + 4 * rest * d * d + 2 * rest * d
+        mlstm = 2 * E * 2 * inner + 3 * 2 * inner * cfg.qkv_proj_blocksize + 2 * 2 * 3 * inner * cfg.num_heads \
+            + 2 * inner * E + cfg.num_heads * cell / T
+        d_s = E // cfg.slstm_num_heads
+        slstm = 2 * (2 * E * 2 * d_s) + 4 * (2 * E * d_s) + 2 * E * 2 * cfg.ffn_dim + 2 * cfg.ffn_dim * E
+        blocks = sum(mlstm if t == "m" else slstm for t in cfg.block_types)
+        return blocks + 2 * E * V
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 3 x ``forward_flops_per_token`` (the backward computes the gradients of
+        both operands of each product)."""
+        return 3 * self.forward_flops_per_token(seq_len)
 
     def reorder_cache(self, state: Any, index: Tensor) -> Any:
         """Select / repeat batch entries of every tensor in ``state`` (dim 0), e.g. for beam search."""

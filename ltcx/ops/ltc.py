@@ -90,12 +90,6 @@ def time_constants(logits: torch.Tensor, tau_min: float) -> torch.Tensor:
     return tau_min / torch.sigmoid(z)
 
 
-def modal_scales(positions: torch.Tensor, tau: torch.Tensor, centre: float, sign: float) -> torch.Tensor:
-    """exp(sign * (p - c) / tau_m): [B, G, M] taus, [T] absolute positions -> [B, G, T, M]."""
-    offset = positions.to(tau.dtype) - centre
-    return torch.exp(sign * offset[:, None] / tau[:, :, None, :])
-
-
 def rotate_projection(weight: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     """Fold the rotation into a projection: rows of head n become Q_g^T W_n (g = n's KV head).
 
@@ -130,10 +124,15 @@ def scale_modes(
     groups, modes = tau.shape[1], tau.shape[2]
     dtype = _compute_dtype(x.dtype)
     with _without_autocast(x.device):
-        positions = torch.arange(start, start + length, device=x.device)
-        scales = modal_scales(positions, tau.to(dtype), centre, -1.0 if is_query else 1.0)  # [B, G, T, M]
-        scales = F.pad(scales, (0, head_dim - modes), value=1.0)[:, :, None]  # [B, G, 1, T, D]
-        out = x.to(dtype).view(batch, groups, heads // groups, length, head_dim) * scales
+        rates = (-1.0 if is_query else 1.0) / tau.to(dtype)  # [B, G, M]
+        if length == 1:  # a decode step: one offset, no position tensor (fewer small ops per step)
+            scales = torch.exp(rates * (start - centre)).unsqueeze(2)  # [B, G, 1, M]
+        else:
+            offsets = torch.arange(start, start + length, device=x.device, dtype=dtype) - centre  # [T]
+            scales = torch.exp(offsets[:, None] * rates[:, :, None, :])  # [B, G, T, M]
+        if modes < head_dim:  # the other coordinates keep scale 1
+            scales = F.pad(scales, (0, head_dim - modes), value=1.0)
+        out = x.to(dtype).view(batch, groups, heads // groups, length, head_dim) * scales[:, :, None]
     return out.reshape(batch, heads, length, head_dim).to(out_dtype or x.dtype)
 
 

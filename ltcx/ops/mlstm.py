@@ -89,12 +89,13 @@ def _prepare(q, k, v, i_pre, f_pre, state, forget_gate):
     return q, k, v, log_i, log_f, state
 
 
-def _chunk(q, k, v, log_i, log_f, C0, n0, m0, eps):
+def _chunk(q, k, v, log_i, log_f, C0, n0, m0, eps, with_state=True):
     """Outputs and final state of one block of steps, given the state before it.
 
     Any leading dims ``[...]`` (e.g. ``[B, H]`` or ``[B, H, N]`` for N chunks at once).
     q, k (scaled), v ``[..., L, D]``; log_i, log_f ``[..., L]``; C0 ``[..., D, D]``,
-    n0 ``[..., D]``, m0 ``[...]``. Returns h ``[..., L, D]`` and (C, n, m) after the block.
+    n0 ``[..., D]``, m0 ``[...]``. Returns h ``[..., L, D]`` and (C, n, m) after the block, or None
+    for the state when ``with_state`` is False (it costs as much as the q C0 product).
     """
     L = q.shape[-2]
     b = log_f.cumsum(-1)  # [..., L]   b_t = sum_{l<=t} log f_l
@@ -109,6 +110,8 @@ def _chunk(q, k, v, log_i, log_f, C0, n0, m0, eps):
     num = S @ v + w_prev.unsqueeze(-1) * (q @ C0)  # [..., L, D]
     den = S.sum(-1) + w_prev * (q @ n0.unsqueeze(-1)).squeeze(-1)  # [..., L]  = n_t . q_t
     h = _normalise(num, den, m, eps)
+    if not with_state:
+        return h, None
 
     # state after the last step: the last row of D weights every input of the block
     m_last = m[..., -1]
@@ -201,7 +204,7 @@ def mlstm_chunkwise(
         C0 = torch.stack(starts_C, dim=2)
         n0 = torch.stack(starts_n, dim=2)
         m0 = torch.stack(starts_m, dim=2)
-        h, _ = _chunk(qc, kc, vc, ic, fc, C0, n0, m0, eps)  # [B, H, N, L, D]
+        h, _ = _chunk(qc, kc, vc, ic, fc, C0, n0, m0, eps, with_state=False)  # [B, H, N, L, D]
         outs.append(h.reshape(B, H, N * L, D))
     if T > N * L:
         s = N * L

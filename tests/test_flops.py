@@ -1,0 +1,118 @@
+"""flops_per_token of every backbone against torch's FlopCounterMode on tiny models.
+
+FlopCounterMode counts matrix products (mm, bmm, addmm); on a CPU it does not count the fused SDPA kernel
+at all, so the tests register a formula for it that counts what the backbones' formulas count: scores and
+values of the (query, key) pairs a query may see (causal or masked), 2 FLOPs per multiply-add.
+"""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from ltcx.models.gpt import GPT
+from ltcx.models.ltc import LTCGPT
+from ltcx.models.titans import Titans
+from ltcx.models.xlstm import XLSTM
+from ltcx.ops.titans import chunk_sizes
+from ltcx.throughput import model_flops_per_token
+
+
+def _visible_pairs_sdpa(query, key, value, dropout_p=0.0, is_causal=False, *args, attn_mask=None, out_val=None,
+                        **kwargs) -> int:
+    batch, heads, length, dim = query.shape
+    keys = key.shape[-2]
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        pairs = int(attn_mask.expand(batch, heads, length, keys).sum())
+    elif is_causal:  # top-left aligned: query i sees keys j <= i
+        pairs = batch * heads * sum(min(i + 1, keys) for i in range(length))
+    else:
+        pairs = batch * heads * length * keys
+    return 2 * pairs * dim + 2 * pairs * value.shape[-1]
+
+
+_visible_pairs_sdpa._get_raw = True  # FlopCounterMode hands it the tensors, not their shapes
+CPU_SDPA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _visible_pairs_sdpa}
+
+
+def counted_forward_flops_per_token(model, batch: int, length: int) -> float:
+    idx = torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False, custom_mapping=CPU_SDPA) as counter:  # with grad: its module tracker hooks outputs
+        model(idx)
+    return counter.get_total_flops() / (batch * length)
+
+
+GPT_TINY = dict(block_size=32, vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, bias=True)
+TITANS_TINY = dict(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_kv_head=2, mlp_hidden=48, window=6, segment=8,
+                   n_persistent=3, mem_heads=2, mem_head_dim=16, mem_hidden=24, memory_chunk_size=4)
+
+
+@pytest.mark.parametrize("length", [32, 13])
+def test_gpt_counts_exactly(length):
+    model = GPT(**GPT_TINY).eval()
+    assert counted_forward_flops_per_token(model, 2, length) == model.forward_flops_per_token(length)
+    assert model.flops_per_token(length) == 3 * model.forward_flops_per_token(length)
+
+
+@pytest.mark.parametrize("controller", [{}, {"controller_hidden_size": 16}, {"num_decay_modes": 1, "controller_rank": 4}])
+def test_ltc_counts_within_the_per_call_fold(controller):
+    """The fold of the basis into the q/k weights, 2 (H + G) D^2 (C + 1) per layer per call, is not per token:
+    the formula leaves it out, so the count may exceed it by that over B T tokens (here under 1%)."""
+    model = LTCGPT(**GPT_TINY, **{"num_decay_modes": 5, **controller}).eval()
+    batch, length = 4, 32
+    counted = counted_forward_flops_per_token(model, batch, length)
+    c = model.config
+    fold_inputs = c.n_embd + c.bias  # the biases of the q and k rows are rotated too
+    fold = c.n_layer * 2 * (c.n_head + c.n_kv_head) * c.head_dim ** 2 * fold_inputs / (batch * length)
+    assert counted == pytest.approx(model.forward_flops_per_token(length) + fold, rel=1e-12)
+    assert fold / counted < 0.01
+
+
+@pytest.mark.parametrize("backend,length", [("chunkwise", 32), ("chunkwise", 21), ("parallel", 21)])
+def test_xlstm_counts_exactly(backend, length):
+    model = XLSTM(vocab_size=96, embedding_dim=32, num_layers=3, slstm_at=[1], num_heads=2, slstm_num_heads=2,
+                  chunk_size=8, mlstm_backend=backend).eval()
+    assert counted_forward_flops_per_token(model, 2, length) == pytest.approx(model.forward_flops_per_token(length),
+                                                                              rel=1e-12)
+
+
+def masked_keys_per_token(model: Titans, length: int) -> float:
+    """Keys that Titans' attention scores but its mask hides, per token, summed over its attention layers.
+
+    Its queries [RoPE(q) | q] are twice as wide as its values, so on a CPU SDPA takes the math kernel, which
+    computes every (query, key) pair and masks afterwards; the formula counts only the visible ones."""
+    c = model.config
+    if c.variant == "mac":  # a piece of n tokens of a segment: 2 n keys per query, 2 (j + 1) visible
+        masked = sum(2 * n * n - n * (n + 1) for n in chunk_sizes(0, length, c.segment))
+        layers = c.n_layer
+    else:  # sliding window over the whole call: all T keys computed, min(window, i + 1) visible
+        masked = sum(length - min(c.window, i + 1) for i in range(length))
+        layers = {"mag": c.n_layer, "mal": c.n_layer // 2, "lmm": 0}[c.variant]
+    return layers * masked / length
+
+
+@pytest.mark.parametrize("variant", ["mag", "mac", "mal", "lmm"])
+@pytest.mark.parametrize("length,chunk", [(19, 4), (16, None)])
+def test_titans_counts_exactly(variant, length, chunk):
+    model = Titans(**{**TITANS_TINY, "variant": variant, "memory_chunk_size": chunk}).eval()
+    c = model.config
+    masked = 6 * c.head_dim * c.n_head * masked_keys_per_token(model, length)  # 2 (2D) score + 2 D value
+    assert counted_forward_flops_per_token(model, 2, length) == pytest.approx(
+        model.forward_flops_per_token(length) + masked, rel=1e-12
+    )
+
+
+def test_unknown_backbones_fall_back_to_six_n():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
+    assert model_flops_per_token(model, 16) == 6 * (40 + 40 + 10)
+    gpt = GPT(**GPT_TINY)
+    assert model_flops_per_token(gpt, 16) == gpt.flops_per_token(16)
+
+
+@pytest.mark.parametrize("gate", [True, False])
+def test_gta_counts_exactly(gate):
+    """key_dim = latent_dim, so the fused kernel needs no padding and counts what the formula counts."""
+    from ltcx.models.gta import GTAGPT
+
+    model = GTAGPT(block_size=32, vocab_size=96, n_layer=2, n_head=4, n_embd=32, n_query_group=2, n_key_head=1,
+                   key_dim=8, n_latent_head=1, latent_dim=8, gate=gate).eval()
+    assert counted_forward_flops_per_token(model, 2, 13) == model.forward_flops_per_token(13)
