@@ -179,6 +179,7 @@ def test_every_config_trains_and_generates(arch, tmp_path, monkeypatch, capsys):
     samples = read_events(tmp_path / f"lightning_logs/{arch}/version_0").Tensors("samples/text_summary")
     assert [e.step for e in samples] == [2] and samples[0].tensor_proto.string_val[0].decode().startswith("Once")
     main([*args, "--trainer.max_steps", "3", "--ckpt_path", "last"])
+    checkpoint = tmp_path / f"checkpoints/{arch}/version_1/last.ckpt"  # the resumed run saves in its own folder
     assert torch.load(checkpoint, weights_only=False)["global_step"] == 3
     for subcommand in ("validate", "test", "predict"):
         main([subcommand, *args[1:], "--ckpt_path", str(checkpoint)])
@@ -196,7 +197,7 @@ def test_smoke_config_trains_on_the_builtin_sample(tmp_path, monkeypatch, capsys
     main(["fit", "--config", str(ROOT / "configs/gpt.yaml"), "--config", str(ROOT / "configs/trainer/smoke.yaml"),
           "--data.block_size", "32", "--data.batch_size", "2", "--data.val_batches", "1", "--trainer.max_steps", "2",
           "--trainer.val_check_interval", "2", "--trainer.enable_progress_bar", "false", *TINY_MODEL])
-    assert torch.load(tmp_path / "checkpoints/gpt/last.ckpt", weights_only=False)["global_step"] == 2
+    assert torch.load(tmp_path / "checkpoints/gpt/version_0/last.ckpt", weights_only=False)["global_step"] == 2
     events = read_events(tmp_path / "lightning_logs/gpt/version_0")
     assert [e.step for e in events.Tensors("samples/text_summary")] == [2]
     assert "sample" in (tmp_path / "lightning_logs/gpt/version_0/config.yaml").read_text()

@@ -244,7 +244,7 @@ def test_prepare_and_fit_on_shards_through_the_cli(tmp_path, monkeypatch, capsys
     ]
     main([*args, "--trainer.max_steps", "2"])
     main([*args, "--trainer.max_steps", "3", "--ckpt_path", "last"])
-    state = torch.load(tmp_path / "checkpoints/gpt/last.ckpt", weights_only=False)
+    state = torch.load(tmp_path / "checkpoints/gpt/version_1/last.ckpt", weights_only=False)  # the resumed run's folder
     assert state["global_step"] == 3 and state["TextDataModule"]["train_batches_consumed"] == 3
 
 
