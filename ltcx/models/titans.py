@@ -41,7 +41,7 @@ from ltcx.models.gpt import MLP
 from ltcx.models.state import reorder_state
 from ltcx.ops.attention import apply_rope, attention_with_persistent, sliding_window_mask
 from ltcx.ops.conv import causal_depthwise_conv
-from ltcx.ops.ltc import _without_autocast
+from ltcx.ops.precision import compute_dtype, without_autocast
 from ltcx.ops.titans import (
     MemoryState, chunk_sizes, initial_memory_state, memory_apply, neural_memory, neural_memory_recurrent,
 )
@@ -205,9 +205,6 @@ class NeuralMemory(nn.Module):
         nn.init.normal_(self.w1_init, std=config.mem_head_dim ** -0.5)
         nn.init.normal_(self.w2_init, std=config.mem_hidden ** -0.5)
 
-    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return torch.promote_types(dtype, torch.float32)
-
     def initial_weights(self, batch_size: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """M_0 expanded over the batch: (W1 [B, H, dm, dk], W2 [B, H, dk, dm])."""
         state = initial_memory_state(self.w1_init.to(dtype), self.w2_init.to(dtype), batch_size)
@@ -224,7 +221,7 @@ class NeuralMemory(nn.Module):
         projected, buffer = causal_depthwise_conv(
             F.linear(u, self.qkv.weight[:width]), self.conv_weight[:width], self.conv_bias[:width], buffer
         )
-        q = F.normalize(F.silu(self._heads(projected.to(self.compute_dtype(u.dtype)))), dim=-1)
+        q = F.normalize(F.silu(self._heads(projected.to(compute_dtype(u.dtype)))), dim=-1)
         return q, buffer
 
     def forward(self, u: Tensor, cache: MemoryCache | None, position: int) -> tuple[Tensor, MemoryCache]:
@@ -234,8 +231,8 @@ class NeuralMemory(nn.Module):
             self.qkv(u), self.conv_weight, self.conv_bias, None if cache is None else cache.conv
         )
         gates = self.gates(u)
-        dtype = self.compute_dtype(u.dtype)
-        with _without_autocast(u.device):
+        dtype = compute_dtype(u.dtype)
+        with without_autocast(u.device):
             q, k, v = (F.silu(self._heads(part)) for part in projected.to(dtype).chunk(3, dim=-1))
             q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
             gates = gates.to(dtype).unflatten(-1, (3, config.mem_heads)).permute(2, 0, 3, 1)  # [3, B, H, T]
@@ -328,27 +325,19 @@ class MAGBlock(nn.Module):
         return x + self.mlp(self.ln_2(x)), MAGState(attention, memory)
 
 
-class MACBlock(nn.Module):
+class MACBlock(MAGBlock):
     """Memory as context, segment by segment (segments at absolute positions [sC, (s+1)C)):
 
     h_j = M(q^x_j; W^seg) read with the segment-start weights; query i attends over the persistent slots and
-    the projections of N_h(h_j) and x'_j for the j <= i of its segment; the attention output y is written into
-    the memory (write-then-read, its own conv and gates) and x += W_O(N_y(y) * sigmoid(N_m(M_i(q^y_i)))).
+    the projections of N_h(h_j) and x'_j for the j <= i of its segment; the attention output y is written into the
+    memory (write-then-read, its own conv and gates) and x += W_O(N_y(y) * sigmoid(N_m(M_i(q^y_i)))).
+    The modules are MAG's plus N_h.
     """
 
     def __init__(self, config: TitansConfig) -> None:
-        super().__init__()
+        super().__init__(config)
         self.config = config
-        self.ln_1 = _layer_norm(config, config.n_embd)
-        self.attn = TitansAttention(config)
-        self.memory = NeuralMemory(config, config.n_embd)
         self.norm_h = _layer_norm(config, config.n_embd)
-        self.norm_y = _layer_norm(config, config.n_embd)
-        self.norm_m = _layer_norm(config, config.n_embd)
-        self.out_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.ln_2 = _layer_norm(config, config.n_embd)
-        self.mlp = MLP(config, config.mlp_hidden)
-        self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor, state: MACState | None, position: int) -> tuple[Tensor, MACState]:
         batch, length, _ = x.shape
@@ -369,7 +358,7 @@ class MACBlock(nn.Module):
             piece_start = position + start
             n = min(segment_len - piece_start % segment_len, length - start)
             piece = slice(start, start + n)
-            with _without_autocast(x.device):
+            with without_autocast(x.device):
                 h = memory_apply(*segment_weights, q_memory[:, :, piece])  # eq. 21: read with W^seg
             k_h, v_h = self.attn.keys_values(self.norm_h(h.transpose(1, 2).flatten(2).to(x.dtype)), positions[piece])
             keys_values = (k_h, v_h, k_x[:, :, piece], v_x[:, :, piece])

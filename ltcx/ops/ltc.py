@@ -29,13 +29,13 @@ call (cheap for long sequences, used for training and prefill), after which ``sc
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 
 from ltcx.ops.attention import causal_gqa_attention
+from ltcx.ops.precision import compute_dtype, without_autocast
 
 # tau = tau_min / sigmoid(z) with z clamped to this range: above it sigmoid rounds to 1 in float32 (tau
 # would equal tau_min), below it tau is so large (> 1e13 tau_min) that the mode is the identity anyway,
@@ -46,18 +46,6 @@ LOGIT_RANGE = (-30.0, 15.0)
 def centre(block_size: int) -> float:
     """The fixed centre of the exponents, (block_size - 1) / 2: keys cached at one call stay valid later."""
     return (block_size - 1) / 2
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half types (the rotation and scaling run in float32), float64 stays float64."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _without_autocast(device: torch.device):
-    """Matmuls inside must run in the dtype of their inputs (float32), not autocast's bf16."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.autocast(device_type=device.type, enabled=False)
-    return contextlib.nullcontext()
 
 
 def modal_basis(modal_matrix: torch.Tensor) -> torch.Tensor:
@@ -72,8 +60,8 @@ def modal_basis(modal_matrix: torch.Tensor) -> torch.Tensor:
     which holds for any full-rank C, so the gradient with respect to A is exact.
     """
     _, head_dim, modes = modal_matrix.shape
-    a = modal_matrix.to(_compute_dtype(modal_matrix.dtype))
-    with _without_autocast(a.device):
+    a = modal_matrix.to(compute_dtype(modal_matrix.dtype))
+    with without_autocast(a.device):
         if modes < head_dim:
             with torch.no_grad():
                 completion = torch.linalg.qr(a.detach(), mode="complete").Q[..., modes:]
@@ -86,7 +74,7 @@ def time_constants(logits: torch.Tensor, tau_min: float) -> torch.Tensor:
 
     logits z: [..., M] = offsets r + controller output delta(x_0) -> tau [..., M].
     """
-    z = logits.to(_compute_dtype(logits.dtype)).clamp(*LOGIT_RANGE)
+    z = logits.to(compute_dtype(logits.dtype)).clamp(*LOGIT_RANGE)
     return tau_min / torch.sigmoid(z)
 
 
@@ -99,8 +87,8 @@ def rotate_projection(weight: torch.Tensor, basis: torch.Tensor) -> torch.Tensor
     """
     groups, head_dim = basis.shape[0], basis.shape[-1]
     shape = weight.shape
-    dtype = _compute_dtype(weight.dtype)
-    with _without_autocast(weight.device):
+    dtype = compute_dtype(weight.dtype)
+    with without_autocast(weight.device):
         w = weight.to(dtype).reshape(groups, -1, head_dim, shape[-1] if weight.dim() == 2 else 1)
         rotated = basis.to(dtype).transpose(-1, -2)[:, None] @ w  # [G, N/G, D, C]
     return rotated.reshape(shape).to(weight.dtype)
@@ -122,8 +110,8 @@ def scale_modes(
     """
     batch, heads, length, head_dim = x.shape
     groups, modes = tau.shape[1], tau.shape[2]
-    dtype = _compute_dtype(x.dtype)
-    with _without_autocast(x.device):
+    dtype = compute_dtype(x.dtype)
+    with without_autocast(x.device):
         rates = (-1.0 if is_query else 1.0) / tau.to(dtype)  # [B, G, M]
         if length == 1:  # a decode step: one offset, no position tensor (fewer small ops per step)
             scales = torch.exp(rates * (start - centre)).unsqueeze(2)  # [B, G, 1, M]
@@ -154,8 +142,8 @@ def ltc_transform(
     """
     batch, heads, length, head_dim = x.shape
     groups = basis.shape[1]
-    dtype = _compute_dtype(x.dtype)
-    with _without_autocast(x.device):
+    dtype = compute_dtype(x.dtype)
+    with without_autocast(x.device):
         rotated = x.to(dtype).view(batch, groups, heads // groups, length, head_dim) @ basis.to(dtype)[:, :, None]
         rotated = rotated.view(batch, heads, length, head_dim)
     return scale_modes(rotated, tau, start, centre, is_query, out_dtype or x.dtype)  # not rotated's float32
