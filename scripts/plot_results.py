@@ -60,7 +60,7 @@ def plot(folder: Path) -> list[Path]:
     figure.savefig(written[-1], dpi=120)
     plt.close(figure)
 
-    figure, axes = plt.subplots(figsize=(7, 4.5))
+    figure, axes = plt.subplots(figsize=(max(7.0, 1.2 * len(order)), 4.5))  # room for every label
     means = [models[m]["val_loss_mean"] for m in order]
     errors = [models[m]["val_loss_sd"] or 0.0 for m in order]
     labels = [m if "diff_vs_baseline_mean" not in models[m] else f"{m}\n{models[m]['diff_vs_baseline_mean']:+.3f}"
@@ -78,7 +78,7 @@ def plot(folder: Path) -> list[Path]:
     figure.savefig(written[-1], dpi=120)
     plt.close(figure)
 
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    figure, (left, right) = plt.subplots(1, 2, figsize=(max(10.0, 1.6 * len(order)), 4))
     for axes, key, title in ((left, "tokens_per_sec", "training tokens/s"), (right, "decode_ms_per_token",
                                                                             "cached decode step, ms/token (batch 1)")):
         values = [models[m][key] or 0.0 for m in order]
