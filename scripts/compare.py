@@ -130,7 +130,7 @@ def measure_checkpoint(checkpoint: Path, block_size: int, decode_steps: int = 16
 
     model, _ = load_language_model(checkpoint)
     backbone = model.backbone
-    vocab = backbone.lm_head.weight.shape[0] if hasattr(backbone, "lm_head") else 256
+    vocab = backbone.config.vocab_size  # every ltcx backbone has a config with its vocabulary
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         prompt = torch.randint(0, vocab, (1, min(32, block_size - decode_steps)), generator=generator)

@@ -14,3 +14,14 @@ def hf_offline(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """For modules of tiny tensors: intra-op threads only add overhead (and oversubscribe a shared 2-core box)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

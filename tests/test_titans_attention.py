@@ -16,13 +16,7 @@ REL_TOL = 1e-12  # float64, relative to the largest magnitude of the compared te
 B, H, H_KV, D, N_P = 2, 4, 2, 8, 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and oversubscribe a shared 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
 
 
 def _assert_rel(actual, expected, tol=REL_TOL, what=""):

@@ -31,13 +31,7 @@ B, H, T, DK, DM = 2, 2, 37, 8, 16  # T = 37 is a multiple of no chunk size used 
 FORMS = {"dual": neural_memory, "recurrent": neural_memory_recurrent}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and oversubscribe a shared 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
 
 
 # ----------------------------------------------------------------------------- references

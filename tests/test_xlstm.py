@@ -35,13 +35,7 @@ F32_REL_TOL = 5e-4  # float32 forms vs the float64 recurrence: max |err| <= 5e-4
 # ----------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and oversubscribe a shared 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
 
 
 def _mlstm_inputs(B=2, H=3, T=37, D=8, f_bias=0.0, dtype=torch.float64, seed=0):
