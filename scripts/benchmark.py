@@ -179,10 +179,11 @@ def bench_arch(arch: str, args, device: torch.device, peak_flops: float | None) 
 
 
 def decode_at(models: dict, args, device: torch.device) -> dict:
-    """{arch: {"decode_ms_at_P": ms}}: one cached decode step (batch 1) after P tokens, for every model in
-    turn, round after round (the median of each), so a load that drifts on a shared machine hits all alike."""
+    """{arch: {"decode_ms_at_P": ms}}: one cached decode step (batch --decode_batch) after P tokens, for every
+    model in turn, round after round (the median of each; the first model rotates), so a load that drifts on a
+    shared machine hits all alike."""
     times = {arch: {} for arch in models}
-    token = torch.zeros(1, 1, dtype=torch.long, device=device)
+    token = torch.zeros(args.decode_batch, 1, dtype=torch.long, device=device)
     with torch.no_grad():
         for position in args.decode_at:
             key = f"decode_ms_at_{position}"
@@ -193,11 +194,14 @@ def decode_at(models: dict, args, device: torch.device) -> dict:
                 if context is not None and position >= context:
                     times[arch][key] = None  # beyond the model's context
                 else:
-                    states[arch] = model(token.expand(1, position).contiguous())[1]
+                    states[arch] = model(token.expand(-1, position).contiguous())[1]
                     model(token, states[arch])  # warm-up
             samples = {arch: [] for arch in states}
-            for _ in range(args.repeats * 4):
-                for arch, state in states.items():
+            archs = list(states)
+            for round_index in range(args.repeats * 4):
+                shift = round_index % len(archs)  # each model goes first in turn: no order bias
+                for arch in archs[shift:] + archs[:shift]:
+                    state = states[arch]
                     sync(device)
                     start = time.perf_counter()
                     models[arch](token, state)
@@ -283,7 +287,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bf16"], default="float32")
     parser.add_argument("--generate_tokens", type=int, default=0, help="also time generating this many tokens")
     parser.add_argument("--decode_at", type=int, nargs="*", default=[],
-                        help="also time one cached decode step (batch 1) after this many tokens")
+                        help="also time one cached decode step (batch --decode_batch) after this many tokens")
+    parser.add_argument("--decode_batch", type=int, default=1, help="batch size of the --decode_at steps")
     parser.add_argument("--recurrent_baseline", action="store_true",
                         help="also time training through forward_recurrent (token by token), where a model has it")
     parser.add_argument("--compile", action="store_true",

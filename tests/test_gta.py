@@ -89,7 +89,7 @@ def naive_gta(attn: GTAAttention, config: GTAConfig, x: torch.Tensor) -> torch.T
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("split", [None, 4])
+@pytest.mark.parametrize("split", [None, 4, 8])  # 8: the last token alone, the decode step's path
 def test_fast_form_equals_naive_per_head_reference(variant, split):
     model = small_model(**VARIANTS[variant])
     attn, config = model.blocks[0].attn, model.config
@@ -201,8 +201,37 @@ def test_cached_decode_float32_tolerance():
     with torch.no_grad():
         full, _ = model(idx)
         _, state = model(idx[:, :9])
-        step, _ = model(idx[:, 9:], state)
-    torch.testing.assert_close(step, full[:, 9:], rtol=1e-5, atol=1e-5)
+        piece, _ = model(idx[:, 9:], state)
+        steps = []
+        for t in range(9, 16):  # one token at a time: the decode step's own path
+            logits, state = model(idx[:, t : t + 1], state)
+            steps.append(logits)
+    torch.testing.assert_close(piece, full[:, 9:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 9:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["bf16 weights", "autocast"])
+def test_bf16_decode_step_error_is_at_the_gqa_level(mode):
+    """One-token decode steps in bf16 (softmax in float32) against the float64 forward: no worse than the GPT's."""
+    shape = dict(block_size=64, vocab_size=97, n_layer=2, n_head=4, n_embd=128, bias=False)
+    torch.manual_seed(0)
+    gta = GTAGPT(**shape, n_query_group=2, key_dim=32, latent_dim=32).eval()
+    gpt = GPT(**shape, n_kv_head=2).eval()
+    idx = tokens(2, 48, vocab=97)
+    errors = []
+    for net in (gta, gpt):
+        with torch.no_grad():
+            exact = copy.deepcopy(net).to(F64)(idx)[0][:, 32:]
+            low = copy.deepcopy(net).to(torch.bfloat16) if mode == "bf16 weights" else net
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+                _, state = low(idx[:, :32])
+                steps = []
+                for t in range(32, 48):
+                    logits, state = low(idx[:, t : t + 1], state)
+                    steps.append(logits.to(F64))
+        approx = torch.cat(steps, dim=1)
+        errors.append(((approx - exact).norm() / exact.norm()).item())
+    assert errors[0] < 2 * errors[1] and errors[0] < 5e-2, errors
 
 
 def test_reference_cache_bytes_per_token_are_three_eighths_below_the_gpt():
@@ -243,6 +272,30 @@ def test_batch_rows_are_independent_and_inputs_are_not_mutated():
     for old, before in zip(state, kept):  # the caller's cache is extended into new tensors, never in place
         assert torch.equal(old.k, before.k) and torch.equal(old.latent, before.latent)
     assert new_state[0].length == 12 and state[0].length == 8
+
+
+def test_inference_keeps_the_decoder_matrix_until_the_decoder_changes():
+    """A decode step does not rebuild D = J + B; an in-place update (an optimizer step) or a load rebuilds it,
+    so the cached steps stay equal to the full forward. Under autograd D is part of the graph every call."""
+    model = small_model()
+    attn = model.blocks[0].attn
+    idx = tokens(2, 12)
+    with torch.no_grad():
+        kept = attn.decoder_matrix()
+        assert attn.decoder_matrix() is kept
+        attn.decoder.mul_(1.5)  # in place, as an optimizer step writes
+        assert attn.decoder_matrix() is not kept
+        torch.testing.assert_close(attn.decoder_matrix(), attn.identity + attn.decoder, rtol=0, atol=0)
+    model.load_state_dict(small_model(seed=3).state_dict())
+    with torch.no_grad():
+        full, _ = model(idx)
+        state, steps = None, []
+        for t in range(12):
+            logits, state = model(idx[:, t : t + 1], state)
+            steps.append(logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-10)
+    assert attn.decoder_matrix().requires_grad and attn.decoder_matrix() is not attn.decoder_matrix()
+    assert not any("derived" in name for name in model.state_dict())
 
 
 def test_reorder_cache_equals_running_the_reordered_batch():

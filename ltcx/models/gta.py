@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from ltcx.errors import ConfigError
+from ltcx.models.derived import derived_in_inference
 from ltcx.models.gpt import GPT, GPTConfig
 from ltcx.ops import gta as gta_ops
 from ltcx.ops.attention import apply_rope
@@ -128,13 +129,17 @@ class GTAAttention(nn.Module):
             q, k = apply_rope(q, positions), apply_rope(k, positions)
         return q, k, latent, (gate[0] if gate else None)
 
+    def decoder_matrix(self) -> torch.Tensor:
+        """D = J_e + B [G, d_l, C / G]; in inference built once and kept until the decoder changes."""
+        return derived_in_inference(self, "decoder", (self.decoder,), lambda: self.identity + self.decoder)
+
     def forward(self, x: torch.Tensor, cache: GTACache | None = None) -> tuple[torch.Tensor, GTACache]:
         """x [B, T, C] at positions [P, P+T), where P is the cache length -> (y [B, T, C], extended cache)."""
         q, k, latent, gate = self.project(x, 0 if cache is None else cache.length)
         if cache is not None:
             k, latent = torch.cat([cache.k, k], dim=2), torch.cat([cache.latent, latent], dim=2)
         o = gta_ops.latent_attention(q, k, latent, dropout_p=self.dropout if self.training else 0.0)
-        u = gta_ops.decode_latent(o, self.identity + self.decoder)  # [B, T, C]
+        u = gta_ops.decode_latent(o, self.decoder_matrix())  # [B, T, C]
         if gate is not None:
             u = torch.sigmoid(gate) * u
         return self.resid_dropout(self.c_proj(u)), GTACache(k, latent)

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ltcx.errors import ConfigError, LtcxError
+from ltcx.models.derived import derived_in_inference
 from ltcx.models.gpt import GPT, GPTConfig, GQAAttention
 from ltcx.ops import ltc as ltc_ops
 from ltcx.ops.attention import causal_gqa_attention
@@ -155,15 +156,8 @@ class LTCAttention(GQAAttention):
         (a new tensor or an in-place write, seen through its version counter; a write through ``.data``
         is not seen), so a decode step costs what a GQA step costs.
         """
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return self._fold_projections()
-        params = [p for p in (self.q_proj.weight, self.q_proj.bias, self.kv_proj.weight, self.kv_proj.bias,
-                              self.modal_matrix) if p is not None]
-        key = tuple((id(p), p.data_ptr(), p._version, p.dtype, p.device) for p in params)
-        if self.__dict__.get("_folded_key") != key:  # plain attributes: never in the state_dict
-            self.__dict__["_folded"] = self._fold_projections()
-            self.__dict__["_folded_key"] = key
-        return self.__dict__["_folded"]
+        params = (self.q_proj.weight, self.q_proj.bias, self.kv_proj.weight, self.kv_proj.bias, self.modal_matrix)
+        return derived_in_inference(self, "rotated_projections", params, self._fold_projections)
 
     def project_rotated(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Like ``project`` but q [B, H, T, D] and k [B, G, T, D] come out in the modal basis (Q^T q, Q^T k),
