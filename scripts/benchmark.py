@@ -5,6 +5,7 @@
     python scripts/benchmark.py --archs gpt titans_mag titans_mag:memory_chunk_size=64   # override init_args
     python scripts/benchmark.py --data_loader sample --batch_size 24 --seq_len 512 --resume_tokens 10000000
     python scripts/benchmark.py --archs gpt ltc --compile          # also the torch.compile'd training step
+    python scripts/benchmark.py --archs gpt gpt gta --decode_at 128   # gpt twice: the noise between two copies
 
 For each architecture (its model block of configs/<arch>.yaml, vocabulary 50,304) it reports training
 tokens/s (forward + backward + AdamW) and its MFU (tokens/s x the backbone's flops_per_token / the peak
@@ -323,7 +324,11 @@ def main() -> None:
         peak_flops, source = default_peak_flops(device)
     results, models = [], {}
     for arch in args.archs:
-        result, models[arch] = bench_arch(arch, args, device, peak_flops)
+        label = arch
+        while label in models:  # the same architecture twice: the spread between the copies is the noise floor
+            label += "'"
+        result, models[label] = bench_arch(arch, args, device, peak_flops)
+        result["arch"] = label
         results.append(result)
     if args.decode_at:
         decode_times = decode_at(models, args, device)
