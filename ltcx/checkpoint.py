@@ -17,7 +17,7 @@ import io
 import os
 import pickle
 import re
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -25,7 +25,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from ltcx.errors import LtcxError
 
 __all__ = ["read_checkpoint", "atomic_save", "non_finite_weights", "SafeCheckpointIO", "latest_last_checkpoint",
-           "checkpoint_in_folder"]
+           "checkpoint_in_folder", "weight_differences", "check_weights_fit", "unknown_settings"]
 
 
 def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
@@ -56,6 +56,60 @@ def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("ltcx"), dict):
         raise LtcxError(f"checkpoint '{name}' was not written by ltcx (no 'ltcx' entry); train with `ltcx fit`")
     return checkpoint
+
+
+def _shape(value: Any) -> list[int] | None:
+    """A tensor's shape as a list (``[96, 32]``), a shape given as a sequence as one, else None."""
+    if torch.is_tensor(value):
+        return list(value.shape)
+    if isinstance(value, (list, tuple, torch.Size)) and all(isinstance(n, int) for n in value):
+        return list(value)
+    return None
+
+
+def weight_differences(stored: Mapping[str, Any], expected: Mapping[str, Any]) -> list[str]:
+    """Why weights ``stored`` (name -> tensor or shape, as in a file) do not load into a model whose
+    ``state_dict()`` is ``expected``: one phrase per name, shapes that differ first, then names the model has and
+    the file lacks, then names only the file has. Empty when every name and shape agree."""
+    shapes = [
+        f"{name} is {_shape(stored[name])} in the file and {_shape(value)} here"
+        for name, value in expected.items()
+        if name in stored and _shape(stored[name]) is not None and _shape(value) is not None
+        and _shape(stored[name]) != _shape(value)
+    ]
+    missing = [f"{name} {_shape(value)} is not in the file" for name, value in expected.items() if name not in stored]
+    extra = [f"{name} {_shape(value)} is in the file only" for name, value in stored.items() if name not in expected]
+    return shapes + missing + extra
+
+
+ANOTHER_VERSION = "load it with the version that wrote it, or start a new run"
+
+
+def unknown_settings(stored: Mapping[str, Any], accepted: Any) -> list[str]:
+    """Names in ``stored`` (a checkpoint's hyper-parameters or backbone_config) that the callable ``accepted``
+    (a class) does not take: settings of another version of ltcx. None when it takes ``**kwargs``."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(accepted).parameters
+    except (TypeError, ValueError):
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return []
+    return sorted(name for name in stored if name not in parameters and not name.startswith("_"))
+
+
+def check_weights_fit(source: str, stored: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
+    """One ``LtcxError`` line when the weights of ``source`` (``checkpoint '...'``) have other names or shapes than
+    the model's ``state_dict()`` ``expected``: a readable file from another version of ltcx or another config,
+    which is not a damaged file (``read_checkpoint`` says that)."""
+    problems = weight_differences(stored, expected)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise LtcxError(
+            f"{source} does not fit the model: {problems[0]}{more}; it was saved by another version of ltcx or "
+            f"another config: {ANOTHER_VERSION}"
+        )
 
 
 _LAST = re.compile(r"last(-v\d+)?\.ckpt")

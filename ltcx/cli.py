@@ -24,7 +24,10 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar
-from ltcx.checkpoint import SafeCheckpointIO, checkpoint_in_folder, latest_last_checkpoint, read_checkpoint
+from ltcx.checkpoint import (
+    ANOTHER_VERSION, SafeCheckpointIO, check_weights_fit, checkpoint_in_folder, latest_last_checkpoint, read_checkpoint,
+    unknown_settings,
+)
 from ltcx.data import TextDataModule
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.lm import LanguageModel, check_same_backbone
@@ -96,6 +99,12 @@ class LtcxCLI(LightningCLI):
         hparams = {k: v for k, v in self._checkpoint.get("hyper_parameters", {}).items() if k != "_instantiator"}
         if self._on_command_line("model.decay_steps"):  # a schedule end typed now wins over the checkpoint's
             hparams.pop("decay_steps", None)
+        unknown = unknown_settings(hparams, self.model_class)
+        if unknown:  # jsonargparse would print its usage and "does not accept option"
+            raise LtcxError(
+                f"checkpoint '{config.ckpt_path}' has hyper-parameter(s) {', '.join(f'model.{k}' for k in unknown)}, "
+                f"which this version of ltcx does not have: it was saved by another version of ltcx: {ANOTHER_VERSION}"
+            )
         if hparams:
             self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
 
@@ -119,11 +128,16 @@ class LtcxCLI(LightningCLI):
         return trainer
 
     def _check_ckpt_path(self) -> None:
-        """``--ckpt_path`` must hold the configured model; checked before anything is written."""
+        """``--ckpt_path`` must hold the configured model, its weights of the names and shapes this version of
+        ltcx builds from that config; checked before anything is written."""
         if self._checkpoint is None:
             return
         ckpt_path = self.config_init[self.subcommand].ckpt_path
         check_same_backbone(self._checkpoint["ltcx"], self.model.backbone, ckpt_path)
+        if getattr(self.model, "strict_loading", True):  # the same config, yet weights of other names or shapes
+            stored = self._checkpoint.get("state_dict")
+            check_weights_fit(f"checkpoint '{ckpt_path}'", stored if isinstance(stored, dict) else {},
+                              self.model.state_dict())
         checkpoint_io = self.trainer.strategy.checkpoint_io
         if isinstance(checkpoint_io, SafeCheckpointIO):
             checkpoint_io.hand_over(ckpt_path, self._checkpoint)

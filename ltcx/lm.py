@@ -19,7 +19,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
-from ltcx.checkpoint import checkpoint_in_folder, read_checkpoint
+from ltcx.checkpoint import (
+    ANOTHER_VERSION, check_weights_fit, checkpoint_in_folder, read_checkpoint, unknown_settings,
+)
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.registry import Backbone, class_path, resolve_backbone
 
@@ -261,23 +263,35 @@ def check_same_backbone(meta: dict, backbone: nn.Module, ckpt_path: str | Path) 
     """Raise one line if the checkpoint's ``ltcx`` metadata describes another model than ``backbone``."""
     stored_class, stored = meta.get("backbone_class"), meta.get("backbone_config", {})
     configured_class, configured = class_path(type(backbone)), backbone.config_dict()
+    fix = "pass the config that trained it (saved next to its logs as config.yaml)"
     if stored_class != configured_class:
         difference = f"it holds a {stored_class}, the config builds a {configured_class}"
     else:
         keys = [k for k in sorted(set(stored) | set(configured)) if stored.get(k) != configured.get(k)]
         if not keys:
             return
-        difference = ", ".join(f"{k}: {stored.get(k)!r} in the file, {configured.get(k)!r} configured" for k in keys)
-    raise LtcxError(
-        f"checkpoint '{ckpt_path}' is of another model ({difference}): pass the config that trained it "
-        "(saved next to its logs as config.yaml)"
-    )
+
+        def one(k: str) -> str:
+            file = f"{stored[k]!r} in the file" if k in stored else "not in the file"
+            here = f"{configured[k]!r} configured" if k in configured else "not a setting of this version"
+            return f"{k}: {file}, {here}"
+
+        difference = ", ".join(one(k) for k in keys)
+        if any(k not in stored or k not in configured for k in keys):  # no config of this version builds it
+            fix = f"it was saved by another version of ltcx: {ANOTHER_VERSION}"
+    raise LtcxError(f"checkpoint '{ckpt_path}' is of another model ({difference}): {fix}")
 
 
 def _build(meta: dict, hyper_parameters: dict, source: str) -> LanguageModel:
     """A LanguageModel around the backbone that ``meta`` names (through the registry) and configures."""
     backbone_class = resolve_backbone(meta.get("backbone_class"))
     config = meta.get("backbone_config")
+    unknown = unknown_settings(config, backbone_class) if isinstance(config, dict) else []
+    if unknown:
+        raise LtcxError(
+            f"{source} has backbone_config {', '.join(unknown)}, which this version's {backbone_class.__name__} does "
+            f"not take: it was saved by another version of ltcx: {ANOTHER_VERSION}"
+        )
     try:
         backbone = backbone_class(**config)
     except (TypeError, ValueError) as error:  # ConfigError is a ValueError
@@ -287,8 +301,24 @@ def _build(meta: dict, hyper_parameters: dict, source: str) -> LanguageModel:
 
 
 def _damaged(source: str, error: Exception) -> LtcxError:
+    """A file whose weights were read but could not be loaded for another reason than names and shapes
+    (``check_weights_fit`` answers those first)."""
     first = str(error).strip().splitlines()[0][:200]
-    return LtcxError(f"{source}: its weights do not match its backbone_config ({first}); the file is damaged")
+    return LtcxError(f"{source}: its weights could not be loaded ({first}); the file is damaged")
+
+
+def _one_name_per_tensor(state_dict: dict[str, torch.Tensor], present) -> dict[str, torch.Tensor]:
+    """``state_dict`` with tied weights (one tensor under several names) under one name: one ``present`` in the
+    file if any (safetensors stores a shared tensor once, under any of its names), else the first."""
+    groups: dict[tuple, list[str]] = {}
+    for name, value in state_dict.items():
+        key = (value.data_ptr(), tuple(value.shape), value.stride()) if value.numel() else ("empty", name)
+        groups.setdefault(key, []).append(name)
+    kept = {}
+    for names in groups.values():
+        name = next((n for n in names if n in present), names[0])
+        kept[name] = state_dict[name]
+    return kept
 
 
 def load_language_model(ckpt_path: str | Path, map_location: str | torch.device = "cpu") -> tuple[LanguageModel, dict]:
@@ -306,6 +336,8 @@ def load_language_model(ckpt_path: str | Path, map_location: str | torch.device 
     checkpoint = read_checkpoint(ckpt_path, map_location=map_location)
     meta = {**checkpoint["ltcx"], "global_step": checkpoint.get("global_step")}
     model = _build(meta, checkpoint.get("hyper_parameters", {}), f"checkpoint '{ckpt_path}'")
+    stored = checkpoint.get("state_dict")
+    check_weights_fit(f"checkpoint '{ckpt_path}'", stored if isinstance(stored, dict) else {}, model.state_dict())
     try:
         model.load_state_dict(checkpoint["state_dict"])
     except (KeyError, RuntimeError) as error:
@@ -364,6 +396,7 @@ def load_exported(folder: str | Path, map_location: str | torch.device = "cpu") 
     """Rebuild a LanguageModel from a folder written by ``export_model`` / ``ltcx export``: ``config.json`` is read
     as data and names the backbone class, looked up in ltcx's registry; ``model.safetensors`` holds only tensors.
     Returns the model in eval mode and its metadata (backbone class and config, tokenizer name)."""
+    from safetensors import safe_open
     from safetensors.torch import load_model
 
     folder = Path(folder)
@@ -380,6 +413,12 @@ def load_exported(folder: str | Path, map_location: str | torch.device = "cpu") 
     weights = folder / EXPORT_WEIGHTS
     if not weights.is_file():
         raise LtcxError(f"{source} has no {EXPORT_WEIGHTS}: export it again")
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            stored = {name: f.get_slice(name).get_shape() for name in f.keys()}
+    except Exception as error:  # noqa: BLE001 - not a safetensors file (truncated, overwritten): one line
+        raise _damaged(source, error) from None
+    check_weights_fit(source, stored, _one_name_per_tensor(model.backbone.state_dict(), stored))
     try:
         load_model(model.backbone, str(weights), strict=True, device=str(torch.device(map_location)))
     except Exception as error:  # noqa: BLE001 - a damaged file or weights of another config: one line

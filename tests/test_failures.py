@@ -368,7 +368,125 @@ def test_generate_metadata_not_matching_weights(tmp_path, capsys):
     state["ltcx"]["backbone_config"]["n_layer"] = 2
     torch.save(state, path)
     line = one_error_line(["generate", "--ckpt_path", str(path)], capsys)
-    assert f"checkpoint '{path}': its weights do not match its backbone_config (Error(s) in loading" in line
+    assert line == (f"ltcx: error: checkpoint '{path}' does not fit the model: backbone.blocks.1.ln_1.weight [32] is not "
+                    f"in the file (and 13 more); {OTHER_VERSION}")
+
+
+def test_weights_that_are_no_tensors_are_still_a_damaged_file(tmp_path, capsys):
+    path = write_checkpoint(tmp_path / "bad.ckpt")
+    state = torch.load(path, weights_only=True)
+    state["state_dict"]["backbone.wpe.weight"] = "not a tensor"
+    torch.save(state, path)
+    line = one_error_line(["generate", "--ckpt_path", str(path)], capsys)
+    assert line.startswith(f"ltcx: error: checkpoint '{path}': its weights could not be loaded (")
+    assert line.endswith("); the file is damaged")
+
+
+# -- 9b: a readable checkpoint of another version of ltcx is named as such, not as a damaged file ----------------
+
+OTHER_VERSION = ("it was saved by another version of ltcx or another config: load it with the version that wrote it, "
+                 "or start a new run")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A checkpoint saved by `ltcx fit` (one step of the tiny GPT) and its corpus, shared by the tests below."""
+    root = tmp_path_factory.mktemp("trained")
+    data = write_corpus(root / "corpus", 60, 10)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", ["ltcx"])
+        for flag in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+            patch.setenv(flag, "1")
+        main(lean_fit_args(root, data, "--trainer.max_steps", "1", "--trainer.default_root_dir", str(root)))
+    return root / "checkpoints/gpt/version_0/last.ckpt", data
+
+
+def as_an_older_version(trained: Path, path: Path, change) -> Path:
+    """The trained checkpoint with ``change(checkpoint)`` applied, as an older ltcx would have written it."""
+    checkpoint = torch.load(trained, weights_only=True)
+    change(checkpoint)
+    torch.save(checkpoint, path)
+    return path
+
+
+def other_shapes(checkpoint: dict) -> None:
+    """A wider q_proj (the way xLSTM's 408 -> 404 changed its projections), a key gone and one not known here."""
+    weights = checkpoint["state_dict"]
+    weights["backbone.blocks.0.attn.q_proj.weight"] = torch.zeros(48, 32)
+    del weights["backbone.blocks.0.mlp.c_fc.weight"]
+    weights["backbone.blocks.0.attn.rotary.inv_freq"] = torch.zeros(8)
+
+
+def assert_nothing_written(folder: Path, before: set) -> None:
+    assert {p for p in folder.rglob("*") if p.name != "lean.yaml"} == before
+
+
+@pytest.mark.parametrize("entry", ["fit", "validate", "generate", "export"])
+def test_checkpoint_of_other_shapes_is_not_called_damaged(tmp_path, fit_env, capsys, trained, entry):
+    saved, data = trained
+    path = as_an_older_version(saved, tmp_path / "old.ckpt", other_shapes)
+    before = {p for p in tmp_path.rglob("*") if p.name != "lean.yaml"}
+    args = {
+        "fit": lean_fit_args(tmp_path, data, "--trainer.max_steps", "2", "--ckpt_path", str(path)),
+        "validate": ["validate", *lean_fit_args(tmp_path, data)[1:], "--ckpt_path", str(path)],
+        "generate": ["generate", "--ckpt_path", str(path), "--prompt", "a", "--max_new_tokens", "2"],
+        "export": ["export", "--ckpt_path", str(path), "--out", str(tmp_path / "exported")],
+    }[entry]
+    line = one_error_line(args, capsys)
+    assert line == (f"ltcx: error: checkpoint '{path}' does not fit the model: backbone.blocks.0.attn.q_proj.weight is "
+                    f"[48, 32] in the file and [32, 32] here (and 2 more); {OTHER_VERSION}")
+    assert capsys.readouterr().out == ""
+    assert_nothing_written(tmp_path, before)
+
+
+def test_python_loaders_name_a_checkpoint_of_other_shapes(tmp_path, trained):
+    path = as_an_older_version(trained[0], tmp_path / "old.ckpt", other_shapes)
+    for load in (LanguageModel.load_from_checkpoint, load_language_model):
+        with pytest.raises(LtcxError, match=r"does not fit the model: .* \(and 2 more\); it was saved by another"):
+            load(path)
+
+
+def test_exported_model_of_other_shapes_is_not_called_damaged(tmp_path, trained, capsys):
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "exported"
+    main(["export", "--ckpt_path", str(trained[0]), "--out", str(out)])
+    assert LanguageModel.from_pretrained(out).backbone.lm_head.weight is not None  # its tied weights, stored once, load
+    weights = load_file(out / "model.safetensors")
+    weights["blocks.0.mlp.c_fc.weight"] = torch.zeros(96, 32)
+    save_file(weights, out / "model.safetensors")
+    with pytest.raises(LtcxError) as error:
+        LanguageModel.from_pretrained(out)
+    assert str(error.value) == (f"exported model '{out}' does not fit the model: blocks.0.mlp.c_fc.weight is [96, 32] "
+                                f"in the file and [128, 32] here; {OTHER_VERSION}")
+    (out / "model.safetensors").write_bytes(b"\x00" * 64)  # not a safetensors file: damaged
+    line = one_error_line(["generate", "--ckpt_path", str(out)], capsys)
+    assert line.startswith(f"ltcx: error: exported model '{out}': its weights could not be loaded (")
+    assert line.endswith("the file is damaged")
+
+
+def test_settings_of_another_version_are_named(tmp_path, fit_env, capsys, trained):
+    saved, data = trained
+    again = "it was saved by another version of ltcx: load it with the version that wrote it, or start a new run"
+
+    def old_hyper_parameter(checkpoint):
+        checkpoint["hyper_parameters"]["label_smoothing"] = 0.1
+
+    def old_backbone_setting(checkpoint):
+        checkpoint["ltcx"]["backbone_config"]["round_to"] = 64
+
+    path = as_an_older_version(saved, tmp_path / "old-hparams.ckpt", old_hyper_parameter)
+    line = one_error_line(lean_fit_args(tmp_path, data, "--trainer.max_steps", "2", "--ckpt_path", str(path)), capsys)
+    assert line == (f"ltcx: error: checkpoint '{path}' has hyper-parameter(s) model.label_smoothing, which this version of "
+                    f"ltcx does not have: {again}")
+    path = as_an_older_version(saved, tmp_path / "old-config.ckpt", old_backbone_setting)
+    line = one_error_line(["validate", *lean_fit_args(tmp_path, data)[1:], "--ckpt_path", str(path)], capsys)
+    assert line == (f"ltcx: error: checkpoint '{path}' is of another model (round_to: 64 in the file, not a setting of "
+                    f"this version): {again}")
+    line = one_error_line(["generate", "--ckpt_path", str(path)], capsys)
+    assert line == (f"ltcx: error: checkpoint '{path}' has backbone_config round_to, which this version's GPT does not "
+                    f"take: {again}")
+    assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
