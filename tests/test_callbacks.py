@@ -82,12 +82,100 @@ def test_mfu_is_model_flops_per_second_over_the_configured_peak():
 def test_mfu_peak_defaults_to_the_measured_cpu_matmul_rate(monkeypatch):
     import ltcx.throughput
 
-    monkeypatch.setattr(ltcx.throughput, "measured_matmul_flops", lambda threads: 2e9)
+    monkeypatch.setattr(ltcx.throughput, "measured_matmul_flops", lambda threads: 1e15)  # never exceeded
     trainer = _fit_tiny(MFUMonitor())
     metrics = trainer.callback_metrics
-    torch.testing.assert_close(metrics["train/mfu"], metrics["train/flops_per_sec"] / 2e9)
+    torch.testing.assert_close(metrics["train/mfu"], metrics["train/flops_per_sec"] / 1e15)
 
 
 def test_mfu_peak_must_be_positive():
     with pytest.raises(LtcxError, match="peak_flops"):
         MFUMonitor(peak_flops=0)
+
+
+class FakeClock:
+    """A clock that moves only when told: each call returns the next of ``times``."""
+
+    def __init__(self, *times: float) -> None:
+        self.times = list(times)
+
+    def __call__(self) -> float:
+        return self.times.pop(0)
+
+
+def test_best_rate_is_the_fastest_trial():
+    from ltcx.throughput import best_rate
+
+    calls = []
+    # Clock reads: the start, then before and after each trial; trials of 2, 1 (the fastest) and 4 s.
+    clock = FakeClock(0.0, 0.0, 2.0, 2.0, 3.0, 3.0, 7.0)
+    assert best_rate(lambda: calls.append(1), work=10.0, trials=3, budget_s=100.0, clock=clock) == 10.0
+    assert len(calls) == 3 and clock.times == []
+
+
+def test_best_rate_stops_at_its_time_budget_after_one_trial_at_least():
+    from ltcx.throughput import best_rate
+
+    calls = []
+    # A busy machine: the first trial alone takes longer than the budget, so it is the only one.
+    assert best_rate(lambda: calls.append(1), 8.0, trials=5, budget_s=0.25, clock=FakeClock(0.0, 0.0, 4.0)) == 2.0
+    assert len(calls) == 1
+    # Trials of 0.1 s: the third ends past the budget of 0.25 s, so no fourth starts.
+    clock = FakeClock(0.0, 0.0, 0.1, 0.1, 0.2, 0.2, 0.3)
+    assert best_rate(lambda: calls.append(1), 1.0, trials=5, budget_s=0.25, clock=clock) == pytest.approx(10.0)
+    assert len(calls) == 4
+
+
+def test_measured_matmul_flops_is_the_best_trial_of_a_bounded_probe(monkeypatch):
+    import ltcx.throughput
+
+    seen = {}
+
+    def fake_best_rate(run, work, trials, budget_s):
+        seen.update(work=work, trials=trials, budget_s=budget_s)
+        return 5e10
+
+    monkeypatch.setattr(ltcx.throughput, "best_rate", fake_best_rate)
+    rate = ltcx.throughput.measured_matmul_flops.__wrapped__(1, size=64)
+    assert rate == 5e10 and seen == {"work": 2.0 * 64**3, "trials": 5, "budget_s": 0.25}
+
+
+def _mfu_steps(monitor: MFUMonitor, times: list[float], monkeypatch) -> list[dict]:
+    """``monitor`` through training batch ends at the clock ``times`` (4 blocks of 16 + 1 tokens each); the
+    values it logged per step."""
+    import ltcx.callbacks
+
+    clock = FakeClock(*times)
+    monkeypatch.setattr(ltcx.callbacks.time, "perf_counter", clock)
+    backbone = SimpleNamespace(flops_per_token=lambda length: 1e6)  # 64 tokens: 6.4e7 FLOP a step
+    logged: list[dict] = []
+    module = SimpleNamespace(backbone=backbone, device=torch.device("cpu"), log=lambda k, v: logged[-1].update({k: v}))
+    trainer = SimpleNamespace(global_step=0, is_global_zero=True)
+    monitor.on_train_start(trainer, module)
+    for step in range(len(times)):
+        trainer.global_step = step + 1
+        logged.append({})
+        monitor.on_train_batch_end(trainer, module, None, torch.zeros(4, 17), step)
+    return logged[1:]
+
+
+def test_a_step_above_a_measured_peak_raises_it_with_one_line(monkeypatch, capsys):
+    import ltcx.throughput
+
+    monkeypatch.setattr(ltcx.throughput, "measured_matmul_flops", lambda threads: 1e9)  # read low
+    steps = _mfu_steps(MFUMonitor(), [0.0, 0.1, 0.12, 0.135, 0.235], monkeypatch)  # 0.64, 3.2, 4.27, 0.64 GFLOP/s
+    mfu = [s["train/mfu"] for s in steps]
+    assert mfu == pytest.approx([0.64, 1.0, 1.0, 0.64 / 4.2667], rel=1e-3)
+    assert max(mfu) <= 1.0
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["ltcx: step 3 ran at 3.2e+09 FLOP/s, above the measured CPU peak of 1e+09 (the machine was busier "
+                     "while measuring): train/mfu is against the fastest rate seen from now on; set MFUMonitor's "
+                     "peak_flops for a fixed figure"]
+
+
+def test_a_step_above_a_configured_peak_keeps_it_and_says_so_once(monkeypatch, capsys):
+    steps = _mfu_steps(MFUMonitor(peak_flops=1e9), [0.0, 0.02, 0.04], monkeypatch)  # 3.2 GFLOP/s twice
+    assert [s["train/mfu"] for s in steps] == pytest.approx([3.2, 3.2])
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["ltcx: train/mfu 3.2 > 1 at step 2: 3.2e+09 FLOP/s is above the peak of 1e+09; check MFUMonitor's "
+                     "peak_flops and the backbone's flops_per_token"]
