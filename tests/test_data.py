@@ -11,16 +11,12 @@ from torch.utils.data import DataLoader
 from ltcx.data import DataError, TextDataModule, in_holdout, pack_blocks
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.tokenizers import get_tokenizer
+from helpers import unit_docs
 
 B = 16  # block_size in most tests; blocks hold B + 1 tokens
 
 
 # ---------------------------------------------------------------- helpers
-def unit_docs(n: int, start: int = 0) -> list[str]:
-    """Documents of exactly B bytes: with the bytes tokenizer each one (plus eot) is exactly one block."""
-    return [f"doc{i:0{B - 3}d}" for i in range(start, start + n)]
-
-
 def varied_docs(n: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     words = ["the", "cat", "sat", "on", "a", "mat", "héllo", "wörld", "日本", "🙂", "and", "then", "slept"]

@@ -14,6 +14,7 @@ from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.gpt import GPT
 from ltcx.models.ltc import LTCAttention, LTCCache, LTCConfig, LTCGPT
 from ltcx.ops import ltc as ltc_ops
+from helpers import relative_error
 
 F64 = torch.float64
 REFERENCE = dict(block_size=512, vocab_size=50304, n_layer=6, n_head=6, n_kv_head=2, n_embd=384, bias=False)
@@ -38,10 +39,6 @@ def orthonormal_modes(groups, head_dim, modes, seed=0):
     """A random modal matrix [G, D, M] and its QR modes U."""
     matrix = torch.randn(groups, head_dim, modes, generator=torch.Generator().manual_seed(seed), dtype=F64)
     return matrix, torch.linalg.qr(matrix).Q
-
-
-def relative_error(value, reference):
-    return ((value.to(F64) - reference).norm() / reference.norm()).item()
 
 
 def set_all_tau(model: LTCGPT, logit: float) -> None:

@@ -20,14 +20,10 @@ from ltcx.data import TextDataModule, in_holdout
 from ltcx.data.prepare import prepare
 from ltcx.data.shards import HEADER_BYTES, token_dtype, verify_shards, write_shard
 from ltcx.errors import LtcxError
+from helpers import unit_docs
 
 B = 16  # block_size; blocks hold B + 1 tokens
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def unit_docs(n: int, start: int = 0) -> list[str]:
-    """Documents of B bytes: with the bytes tokenizer each one plus its end-of-text is exactly one block."""
-    return [f"doc{i:0{B - 3}d}" for i in range(start, start + n)]
 
 
 def write_jsonl(path: Path, docs: list[str]) -> Path:

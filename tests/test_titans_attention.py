@@ -11,18 +11,12 @@ import pytest
 import torch
 
 from ltcx.ops.attention import apply_rope, attention_with_persistent, sliding_window_mask
+from helpers import assert_rel
 
-REL_TOL = 1e-12  # float64, relative to the largest magnitude of the compared tensors
 B, H, H_KV, D, N_P = 2, 4, 2, 8, 3
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
-
-
-def _assert_rel(actual, expected, tol=REL_TOL, what=""):
-    scale = max(actual.abs().max().item(), expected.abs().max().item(), 1e-300)
-    err = (actual - expected).abs().max().item()
-    assert err <= tol * scale, f"{what}: max |err| {err:.3e} > {tol:.0e} x {scale:.3e}"
 
 
 # ----------------------------------------------------------------------------- references
@@ -94,10 +88,10 @@ def test_rope_reference_is_a_rotation_group_in_position():
     """The reference itself: R(p) is orthogonal, R(0) = I and R(a) R(b) = R(a + b) (hence (R_i q)·(R_j k) =
     q·R(j − i) k depends on i − j only)."""
     eye = torch.eye(D, dtype=torch.float64)
-    _assert_rel(rope_matrix(0, D), eye, what="R(0)")
+    assert_rel(rope_matrix(0, D), eye, what="R(0)")
     for a, b in ((3, 5), (17, -4), (1000, 7)):
-        _assert_rel(rope_matrix(a, D).T @ rope_matrix(a, D), eye, what="orthogonal")
-        _assert_rel(rope_matrix(a, D) @ rope_matrix(b, D), rope_matrix(a + b, D), what="group")
+        assert_rel(rope_matrix(a, D).T @ rope_matrix(a, D), eye, what="orthogonal")
+        assert_rel(rope_matrix(a, D) @ rope_matrix(b, D), rope_matrix(a + b, D), what="group")
 
 
 @pytest.mark.parametrize("base", [10000.0, 500.0])
@@ -106,7 +100,7 @@ def test_apply_rope_equals_rotation_matrices(base):
     pair, on [B, H, T, D] inputs at arbitrary (non-contiguous) absolute positions, float64."""
     x = torch.randn(B, H, 6, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     positions = [0, 1, 5, 130, 4095, 100_003]
-    _assert_rel(apply_rope(x, torch.tensor(positions), base=base), reference_rope(x, positions, base))
+    assert_rel(apply_rope(x, torch.tensor(positions), base=base), reference_rope(x, positions, base))
 
 
 def test_rope_scores_depend_only_on_the_offset():
@@ -121,7 +115,7 @@ def test_rope_scores_depend_only_on_the_offset():
     for i, j in ((0, 0), (7, 3), (3, 7), (40, 1)):
         base_score = score(i, j)
         for shift in (1, 13, 1000, 10_000):
-            _assert_rel(score(i + shift, j + shift), base_score, tol=1e-11, what=f"({i},{j})+{shift}")
+            assert_rel(score(i + shift, j + shift), base_score, tol=1e-11, what=f"({i},{j})+{shift}")
 
 
 # ----------------------------------------------------------------------------- masks and attention
@@ -151,7 +145,7 @@ def test_attention_with_persistent_equals_per_query_loop(prefix, window):
     mask = sliding_window_mask(torch.tensor(query_positions), torch.tensor(key_positions), window)
     expected = reference_attention(q, k, v, pk, pv, query_positions, key_positions,
                                    _window(query_positions, key_positions, window))
-    _assert_rel(_fast(q, k, v, pk, pv, query_positions, key_positions, mask), expected)
+    assert_rel(_fast(q, k, v, pk, pv, query_positions, key_positions, mask), expected)
 
 
 def test_attention_with_persistent_any_mask_including_empty_rows():
@@ -162,7 +156,7 @@ def test_attention_with_persistent_any_mask_including_empty_rows():
     mask[2] = False
     positions = list(range(7))
     expected = reference_attention(q, k, v, pk, pv, positions[2:], positions, lambda i, j: bool(mask[i, j]))
-    _assert_rel(_fast(q, k, v, pk, pv, positions[2:], positions, mask), expected)
+    assert_rel(_fast(q, k, v, pk, pv, positions[2:], positions, mask), expected)
 
 
 def test_persistent_scores_do_not_depend_on_position():
@@ -174,7 +168,7 @@ def test_persistent_scores_do_not_depend_on_position():
     mask = sliding_window_mask(torch.tensor(query_positions), torch.tensor(key_positions), 4)
     out = _fast(q, k, v, pk, pv, query_positions, key_positions, mask)
     shifted = _fast(q, k, v, pk, pv, [p + 1000 for p in query_positions], [p + 1000 for p in key_positions], mask)
-    _assert_rel(shifted, out)
+    assert_rel(shifted, out)
 
     def rotated_persistent(shift):  # the wrong design: persistent slots scored with the rotated query
         q_rot = apply_rope(q, torch.tensor(query_positions) + shift)

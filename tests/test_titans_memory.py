@@ -24,9 +24,9 @@ from ltcx.ops.titans import (
     neural_memory_recurrent,
     step_curvature,
 )
+from helpers import REL_TOL, assert_rel
 
 KAPPA_EPS = 1e-6  # the epsilon in κ = ‖h‖² + ‖k‖²‖δ1‖² / (‖δ2‖² + ε), spec §A.2
-REL_TOL = 1e-12  # float64 agreement, relative to the largest magnitude of the compared tensors
 B, H, T, DK, DM = 2, 2, 37, 8, 16  # T = 37 is a multiple of no chunk size used below
 FORMS = {"dual": neural_memory, "recurrent": neural_memory_recurrent}
 
@@ -164,16 +164,10 @@ def _op_args(x, chunk_size, normalize_step):
     return x["q"], x["k"], x["v"], log_retain, log_momentum, step
 
 
-def _assert_rel(actual, expected, tol=REL_TOL, what=""):
-    scale = max(actual.abs().max().item(), expected.abs().max().item(), 1e-300)
-    err = (actual - expected).abs().max().item()
-    assert err <= tol * scale, f"{what}: max |err| {err:.3e} > {tol:.0e} x {scale:.3e}"
-
-
 def _assert_states_rel(actual, expected, tol=REL_TOL, what="state"):
     assert len(actual) == len(expected)
     for name, a, e in zip(MemoryState._fields, actual, expected):
-        _assert_rel(a, e, tol, f"{what}.{name}")
+        assert_rel(a, e, tol, f"{what}.{name}")
 
 
 def _sliced(args, start, stop):
@@ -213,11 +207,11 @@ def test_forms_equal_token_loop_reference_with_outer_gradients(chunk_size, norma
     assert torch.isfinite(y_ref).all() and y_ref.abs().max() < 50
     for form_name, form in FORMS.items():
         y, state, grads = run(form)
-        _assert_rel(y, y_ref, what=f"{form_name} y")
+        assert_rel(y, y_ref, what=f"{form_name} y")
         _assert_states_rel(state, state_ref, what=f"{form_name} state")
         for name, gr, gr_ref in zip(leaves, grads, grads_ref):
             assert gr_ref.abs().max() > 0, name
-            _assert_rel(gr, gr_ref, what=f"{form_name} d/d{name}")
+            assert_rel(gr, gr_ref, what=f"{form_name} d/d{name}")
 
 
 def test_initial_state_is_m0_per_row_with_zero_momentum():
@@ -251,14 +245,14 @@ def test_pieces_with_state_and_position_equal_one_call(chunk_size):
         for start, stop in zip(cuts[:-1], cuts[1:]):
             y, state = form(*_sliced(args, start, stop), state=state, position=start, **kw)
             ys.append(y)
-        _assert_rel(torch.cat(ys, 2), y_whole, what=f"{form_name} pieces y")
+        assert_rel(torch.cat(ys, 2), y_whole, what=f"{form_name} pieces y")
         _assert_states_rel(state, state_whole, what=f"{form_name} pieces state")
 
     state, ys = state0, []
     for t in range(T):
         y, state = neural_memory_recurrent(*_sliced(args, t, t + 1), state=state, position=t, **kw)
         ys.append(y)
-    _assert_rel(torch.cat(ys, 2), y_whole, what="decode y")
+    assert_rel(torch.cat(ys, 2), y_whole, what="decode y")
     _assert_states_rel(state, state_whole, what="decode state")
 
 
@@ -276,7 +270,7 @@ def test_analytic_inner_gradient_equals_autograd_and_memory_apply_equals_definit
     v = torch.randn(B, H, n, DK, generator=g, dtype=torch.float64)
 
     out_ref, hidden_ref = _read(w1, w2, k)
-    _assert_rel(memory_apply(w1, w2, k), out_ref, what="memory_apply")
+    assert_rel(memory_apply(w1, w2, k), out_ref, what="memory_apply")
 
     w1_tok = w1[:, :, None].expand(B, H, n, DM, DK).clone().requires_grad_()
     w2_tok = w2[:, :, None].expand(B, H, n, DK, DM).clone().requires_grad_()
@@ -285,9 +279,9 @@ def test_analytic_inner_gradient_equals_autograd_and_memory_apply_equals_definit
 
     hidden, delta1, delta2 = memory_loss_gradients(w1, w2, k, v)
     assert hidden.shape == (B, H, n, DM) and delta1.shape == (B, H, n, DM) and delta2.shape == (B, H, n, DK)
-    _assert_rel(hidden, hidden_ref, what="h")
-    _assert_rel(delta1[..., :, None] * k[..., None, :], grad1, what="delta1 k^T")
-    _assert_rel(delta2[..., :, None] * hidden_ref[..., None, :], grad2, what="delta2 h^T")
+    assert_rel(hidden, hidden_ref, what="h")
+    assert_rel(delta1[..., :, None] * k[..., None, :], grad1, what="delta1 k^T")
+    assert_rel(delta2[..., :, None] * hidden_ref[..., None, :], grad2, what="delta2 h^T")
 
 
 def test_curvature_is_rayleigh_quotient_of_the_jacobian():
@@ -333,10 +327,10 @@ def test_chunk_one_is_the_papers_online_recurrence(normalize_step):
     y, state = neural_memory(*args, state=initial_memory_state(x["w1_init"], x["w2_init"], B), position=0,
                              chunk_size=1, normalize_step=normalize_step)
     for what, (yy, ss) in {"reference": (y_ref, state_ref), "neural_memory": (y, state)}.items():
-        _assert_rel(yy, y_paper, what=f"{what} y")
+        assert_rel(yy, y_paper, what=f"{what} y")
         # with b = 1 the gradient point W^s is the current weights after every token
         for a, e, name in zip(ss, (w1, w2, w1, w2, s1, s2), MemoryState._fields):
-            _assert_rel(a, e, what=f"{what} {name}")
+            assert_rel(a, e, what=f"{what} {name}")
 
 
 @pytest.mark.parametrize("chunk_size", [None, 37, 64], ids=lambda b: f"b={b}")
@@ -349,10 +343,10 @@ def test_infinite_chunk_takes_every_gradient_at_m0(chunk_size):
     y_init, (w1, w2, s1, s2) = gradients_at_init(*args, x["w1_init"], x["w2_init"], True)
     y, state = neural_memory(*args, state=initial_memory_state(x["w1_init"], x["w2_init"], B), position=0,
                              chunk_size=chunk_size, normalize_step=True)
-    _assert_rel(y, y_init, what="y")
+    assert_rel(y, y_init, what="y")
     w_start = (w1, w2) if chunk_size == T else (x["w1_init"].expand(B, H, DM, DK), x["w2_init"].expand(B, H, DK, DM))
     for a, e, name in zip(state, (*w_start, w1, w2, s1, s2), MemoryState._fields):
-        _assert_rel(a, e, what=name)
+        assert_rel(a, e, what=name)
 
 
 # ----------------------------------------------------------------------------- 5–6. causality, batch independence

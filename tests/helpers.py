@@ -1,0 +1,32 @@
+"""Helpers shared by several test modules (imported as ``from helpers import ...``, like ``fault_injection``):
+relative errors of tensors against a reference, and documents of a fixed byte length."""
+
+from __future__ import annotations
+
+import torch
+
+REL_TOL = 1e-12  # float64 agreement, relative to the largest magnitude of the compared tensors
+
+
+def relative_error(value: torch.Tensor, reference: torch.Tensor, norm: str = "fro") -> float:
+    """|value - reference| / |reference|, computed in float64: ``norm="fro"`` the Frobenius norms (an error over
+    the whole tensor), ``norm="max"`` the largest absolute entries (the worst element against the scale)."""
+    difference = value.to(torch.float64) - reference.to(torch.float64)
+    if norm == "fro":
+        return (difference.norm() / reference.to(torch.float64).norm()).item()
+    if norm == "max":
+        return (difference.abs().max() / reference.to(torch.float64).abs().max()).item()
+    raise ValueError(f"norm must be 'fro' or 'max', not {norm!r}")
+
+
+def assert_rel(actual: torch.Tensor, expected: torch.Tensor, tol: float = REL_TOL, what: str = "") -> None:
+    """max |actual - expected| <= tol x the largest magnitude of either tensor; the message names ``what``."""
+    scale = max(actual.abs().max().item(), expected.abs().max().item(), 1e-300)
+    err = (actual - expected).abs().max().item()
+    assert err <= tol * scale, f"{what}: max |err| {err:.3e} > {tol:.0e} x {scale:.3e}"
+
+
+def unit_docs(n: int, start: int = 0, size: int = 16) -> list[str]:
+    """Documents of exactly ``size`` bytes: with the bytes tokenizer and block_size ``size`` each one plus its
+    end-of-text is exactly one block."""
+    return [f"doc{i:0{size - 3}d}" for i in range(start, start + n)]
