@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar
 from ltcx.checkpoint import (
@@ -30,7 +31,8 @@ from ltcx.checkpoint import (
 )
 from ltcx.data import TextDataModule
 from ltcx.errors import ConfigError, LtcxError
-from ltcx.lm import LanguageModel, check_same_backbone
+from ltcx.lm import LanguageModel, check_same_backbone, resumable_fields
+from ltcx.models.registry import resolve_backbone
 
 
 DESCRIPTION = (
@@ -79,10 +81,23 @@ class LtcxCLI(LightningCLI):
         if max_steps is not None and max_steps < -1:
             raise ConfigError(f"trainer.max_steps ({max_steps}) must be >= -1 (-1: no limit): fix --trainer.max_steps")
 
+    def _typed_model_keys(self) -> set[str]:
+        """The ``model.*`` keys typed on the command line (``--model.KEY value`` or ``--model.KEY=value``), without
+        ``model.`` and ``init_args.``: ``learning_rate``, ``backbone.dropout``, ``backbone`` (the whole backbone)."""
+        keys = set()
+        for arg in getattr(self, "_command_line", []):
+            if isinstance(arg, str) and arg.startswith("--model."):
+                parts = [p for p in arg[len("--model."):].split("=", 1)[0].split(".") if p != "init_args"]
+                if parts and parts[-1] != "help":
+                    keys.add(".".join(parts))
+        return keys
+
     def _parse_ckpt_path(self) -> None:
-        """Where Lightning reads the ``--ckpt_path`` hyperparameters into the config (they win over the YAML), ltcx
-        first resolves folders and ``last`` and reads the file once through ``read_checkpoint``: a bad file is one
-        line before anything is built or written, and the trainer is later handed this same copy."""
+        """Where Lightning reads the ``--ckpt_path`` hyperparameters into the config, ltcx first resolves folders and
+        ``last`` and reads the file once through ``read_checkpoint``: a bad file is one line before anything is built
+        or written, and the trainer is later handed this same copy. Then the checkpoint's model configuration
+        (``hyper_parameters`` and its backbone's config) replaces the YAML's, except the ``--model.*`` flags typed on
+        the command line, which win (``_checkpoint_model_config``)."""
         self._checkpoint = None
         subcommand = self.config.get("subcommand")
         if not subcommand:
@@ -96,17 +111,86 @@ class LtcxCLI(LightningCLI):
         if config.get("ckpt_path") in (None, "last"):
             return
         self._checkpoint = read_checkpoint(config.ckpt_path)
-        hparams = {k: v for k, v in self._checkpoint.get("hyper_parameters", {}).items() if k != "_instantiator"}
-        if self._on_command_line("model.decay_steps"):  # a schedule end typed now wins over the checkpoint's
-            hparams.pop("decay_steps", None)
-        unknown = unknown_settings(hparams, self.model_class)
+        model = self._checkpoint_model_config(config, notices=subcommand == "fit")
+        if model:
+            self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
+
+    def _checkpoint_model_config(self, config, notices: bool) -> dict:
+        """The part of the checkpoint's model configuration that replaces ``config.model``.
+
+        A ``--model.*`` flag typed on the command line wins over the checkpoint (on ``fit``, a notice line when its
+        value differs); every other value (a YAML's or a default) is the checkpoint's, so resuming continues the
+        run that was saved (on ``fit``, a notice line names each YAML value left out, but for a null: not set). A
+        typed backbone field that would change the architecture (the class, or any field but
+        ``resumable_fields``: dropout) is one error line before anything is built; an untyped backbone of another
+        class is left to ``check_same_backbone``. (A YAML does not win: it is usually the architecture's own
+        config, whose values a first run's typed flags changed.)
+        """
+        typed, path = self._typed_model_keys(), config.ckpt_path
+        stored = {
+            k: v for k, v in self._checkpoint.get("hyper_parameters", {}).items()
+            if k not in ("_instantiator", "_class_path", "backbone")
+        }
+        unknown = unknown_settings(stored, self.model_class)
         if unknown:  # jsonargparse would print its usage and "does not accept option"
             raise LtcxError(
-                f"checkpoint '{config.ckpt_path}' has hyper-parameter(s) {', '.join(f'model.{k}' for k in unknown)}, "
-                f"which this version of ltcx does not have: it was saved by another version of ltcx: {ANOTHER_VERSION}"
+                f"checkpoint '{path}' has hyper-parameter(s) {', '.join(f'model.{k}' for k in unknown)}, which this "
+                f"version of ltcx does not have: it was saved by another version of ltcx: {ANOTHER_VERSION}"
             )
-        if hparams:
-            self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+        model = {}
+        for key, value in stored.items():
+            current = config.model.get(key) if key in config.model else value
+            if key not in typed:
+                model[key] = value
+                if notices and current is not None and not _same(current, value):  # null: not set, no choice
+                    _notice(f"resuming with the checkpoint's model.{key} {_show(value)}, not {_show(current)} from the "
+                            f"config (type --model.{key} {_show(current)} to change it)")
+            elif notices and key != "decay_steps" and not _same(current, value):  # decay_steps: LanguageModel's notice
+                _notice(f"resuming with model.{key} {_show(current)} (the checkpoint has {_show(value)})")
+        backbone = self._checkpoint_backbone(config.model.get("backbone"), typed, path, notices)
+        if backbone:
+            model["backbone"] = backbone
+        return model
+
+    def _checkpoint_backbone(self, backbone, typed: set[str], path: str, notices: bool) -> dict | None:
+        """The checkpoint's backbone fields that replace the configured ones (``class_path`` + ``init_args``)."""
+        meta = self._checkpoint["ltcx"]
+        stored_class, stored = meta.get("backbone_class"), meta.get("backbone_config")
+        if backbone is None or not isinstance(stored, dict) or not isinstance(stored_class, str):
+            return None
+        whole = "backbone" in typed  # the whole backbone typed (--model.backbone ...): every field counts as typed
+        if backbone.class_path != stored_class:
+            if whole or "backbone.class_path" in typed:
+                raise LtcxError(
+                    f"--model.backbone {backbone.class_path} is another architecture than checkpoint '{path}' (a "
+                    f"{stored_class}), whose weights can not be resumed into it: drop the flag to resume the "
+                    "checkpoint, or start a new run without --ckpt_path"
+                )
+            return None  # an architecture YAML of another class: check_same_backbone names both once it is built
+        resumable = resumable_fields(resolve_backbone(stored_class))
+        init_args = backbone.get("init_args") or {}
+        taken = {}
+        for key, value in stored.items():
+            if key not in init_args:  # vocab_size: linked from the data's tokenizer
+                continue
+            current = init_args[key]
+            if not (whole or f"backbone.{key}" in typed):
+                taken[key] = value
+                if notices and current is not None and not _same(current, value):
+                    _notice(f"resuming with the checkpoint's model.backbone.init_args.{key} {_show(value)}, not "
+                            f"{_show(current)} from the config")
+            elif _same(current, value):
+                continue
+            elif key not in resumable:
+                raise LtcxError(
+                    f"--model.backbone.init_args.{key} {_show(current)} would change the architecture of "
+                    f"checkpoint '{path}' (it has {key} {_show(value)}), whose weights can not be resumed into it: "
+                    "drop the flag to resume the checkpoint, or start a new run without --ckpt_path"
+                )
+            elif notices:
+                _notice(f"resuming with model.backbone.init_args.{key} {_show(current)} (the checkpoint has "
+                        f"{_show(value)})")
+        return {"class_path": stored_class, "init_args": taken} if taken else None
 
     def instantiate_trainer(self, **kwargs):
         config = self._get(self.config_init, "trainer", default={})
@@ -199,6 +283,28 @@ class LtcxCLI(LightningCLI):
                         os.rmdir(parent)
                     except OSError:
                         break
+
+
+def _same(a, b) -> bool:
+    """Equal as configuration values: tuples and lists alike (betas), 1 == 1.0."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _show(value) -> str:
+    """A configuration value as a user would type it: 0.0001, [0.9, 0.95], null, true."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return str(value)
+
+
+def _notice(text: str) -> None:
+    """One ``ltcx:`` line on stderr, from the first process only (DDP's launcher runs the CLI in each)."""
+    if getattr(rank_zero_only, "rank", 0) == 0:
+        print(f"ltcx: {text}", file=sys.stderr)
 
 
 def _set_cpu_threads(num_threads: int | None, trainer_config, on_cpu: bool) -> None:

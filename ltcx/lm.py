@@ -37,6 +37,17 @@ def lr_at_step(step: int, max_lr: float, min_lr: float, warmup_steps: int, decay
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (max_lr - min_lr)
 
 
+# Backbone fields that leave the weights' meaning alone, so a resumed run may change them (``--model.backbone.
+# init_args.dropout 0.1 --ckpt_path ...``); every other field is the architecture and must match the checkpoint. A
+# backbone class may name its own as ``resumable_fields``.
+RESUMABLE_BACKBONE_FIELDS = frozenset({"dropout"})
+
+
+def resumable_fields(backbone_class: type) -> frozenset[str]:
+    """The fields of ``backbone_class`` a resumed run may change: its ``resumable_fields``, else dropout."""
+    return frozenset(getattr(backbone_class, "resumable_fields", RESUMABLE_BACKBONE_FIELDS))
+
+
 def weight_decay_groups(backbone: nn.Module) -> tuple[list[str], list[str]]:
     """Names of parameters with and without weight decay: matrices decay, vectors (norms, biases) do not,
     and a backbone may exempt more through ``no_weight_decay_param_names()``."""
@@ -136,6 +147,7 @@ class LanguageModel(L.LightningModule):
 
     def on_train_start(self) -> None:
         self.start_step = self.trainer.global_step  # the step this run started (or resumed) at
+        self._follow_hparams_after_restore()
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
@@ -178,8 +190,8 @@ class LanguageModel(L.LightningModule):
         decay_names, no_decay_names = weight_decay_groups(self.backbone)
         params = dict(self.backbone.named_parameters())
         groups = [
-            {"params": [params[n] for n in decay_names], "weight_decay": self.hparams.weight_decay},
-            {"params": [params[n] for n in no_decay_names], "weight_decay": 0.0},
+            {"params": [params[n] for n in names], "weight_decay": decay}
+            for names, decay in zip((decay_names, no_decay_names), self._group_weight_decays())
         ]
         optimizer = torch.optim.AdamW(
             groups,
@@ -195,6 +207,33 @@ class LanguageModel(L.LightningModule):
             optimizer, lambda step: lr_at_step(step, max_lr, min_lr, warmup, self.decay_steps) / max_lr
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _group_weight_decays(self) -> tuple[float, float]:
+        """Weight decay of the optimizer's two parameter groups: the matrices', then the rest's."""
+        return self.hparams.weight_decay, 0.0
+
+    def _follow_hparams_after_restore(self) -> None:
+        """Lightning restores a resumed optimizer and scheduler from their state dicts, hyper-parameters included
+        (each group's lr, initial_lr, weight_decay, betas, eps; the scheduler's base_lrs), after
+        ``configure_optimizers``: set those back to this model's, which a ``--model.*`` flag typed on resume may have
+        changed, keeping the restored moments and step counts. The next step's rate is the schedule's at the
+        scheduler's step, as ``LambdaLR`` computes it (so a run resumed unchanged continues exactly)."""
+        if type(self).configure_optimizers is not LanguageModel.configure_optimizers or not self.trainer.optimizers:
+            return  # a subclass's own optimizer: its own business
+        optimizer, configs = self.trainer.optimizers[0], self.trainer.lr_scheduler_configs
+        scheduler = configs[0].scheduler if configs else None
+        if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR) or len(optimizer.param_groups) != 2:
+            return
+        max_lr = self.hparams.learning_rate
+        scheduler.base_lrs = [max_lr] * len(optimizer.param_groups)
+        rates = [base * rate(scheduler.last_epoch) for base, rate in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        for group, decay, lr in zip(optimizer.param_groups, self._group_weight_decays(), rates):
+            group.update(initial_lr=max_lr, weight_decay=decay, betas=tuple(self.hparams.betas), eps=self.hparams.eps)
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+        scheduler._last_lr = rates
 
     def _schedule_end(self) -> int:
         """The step where the cosine ends: ``model.decay_steps``, else the resumed checkpoint's own end (so making
@@ -260,14 +299,19 @@ class LanguageModel(L.LightningModule):
 
 
 def check_same_backbone(meta: dict, backbone: nn.Module, ckpt_path: str | Path) -> None:
-    """Raise one line if the checkpoint's ``ltcx`` metadata describes another model than ``backbone``."""
+    """Raise one line if the checkpoint's ``ltcx`` metadata describes another model than ``backbone`` (fields in
+    ``resumable_fields``, dropout, may differ)."""
     stored_class, stored = meta.get("backbone_class"), meta.get("backbone_config", {})
     configured_class, configured = class_path(type(backbone)), backbone.config_dict()
     fix = "pass the config that trained it (saved next to its logs as config.yaml)"
     if stored_class != configured_class:
         difference = f"it holds a {stored_class}, the config builds a {configured_class}"
     else:
-        keys = [k for k in sorted(set(stored) | set(configured)) if stored.get(k) != configured.get(k)]
+        resumable = set(resumable_fields(type(backbone)))
+        keys = [
+            k for k in sorted(set(stored) | set(configured))
+            if k not in resumable and stored.get(k) != configured.get(k)
+        ]
         if not keys:
             return
 

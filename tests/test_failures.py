@@ -311,14 +311,15 @@ def damaged(tmp_path: Path, checkpoint: Path, how: str) -> Path:
     ("empty", "is empty (0 bytes): use another checkpoint"),
     ("truncated", "it is truncated or not a checkpoint"),
     ("random", "could not be read"),
-    ("another architecture", "is of another model (bias: True in the file, False configured, n_embd: 32 in the file, "
-                             "16 configured, vocab_size: 320 in the file, 50304 configured): pass the config that"),
+    ("another architecture", "--model.backbone.init_args.n_embd 16 would change the architecture of checkpoint '{path}' "
+                             "(it has n_embd 32), whose weights can not be resumed into it: drop the flag to resume"),
+    ("another vocabulary", "is of another model (vocab_size: 320 in the file, 50304 configured): pass the config that"),
 ])
 def test_fit_ckpt_path_failures(tmp_path, fit_env, capsys, checkpoint, how, message):
-    path = checkpoint if how == "another architecture" else damaged(tmp_path, checkpoint, how)
-    line = one_error_line(fit_args(fit_env, "--trainer.max_steps", "1", "--ckpt_path", str(path),
-                                   "--model.backbone.init_args.n_embd", "16"), capsys)
-    assert f"checkpoint '{path}'" in line and message in line
+    path = checkpoint if how.startswith("another") else damaged(tmp_path, checkpoint, how)
+    typed = [] if how == "another vocabulary" else ["--model.backbone.init_args.n_embd", "16"]  # gpt2 here, bytes there
+    line = one_error_line(fit_args(fit_env, "--trainer.max_steps", "1", "--ckpt_path", str(path), *typed), capsys)
+    assert f"checkpoint '{path}'" in line and message.format(path=path) in line
     assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
 
 
