@@ -22,11 +22,12 @@ from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar
 from ltcx.checkpoint import SafeCheckpointIO, checkpoint_in_folder, latest_last_checkpoint, read_checkpoint
 from ltcx.data import TextDataModule
-from ltcx.errors import ConfigError, LtcxError
+from ltcx.errors import ConfigError, LtcxError, StoppedOnAllRanks
 from ltcx.lm import LanguageModel, check_same_backbone
 
 
@@ -398,7 +399,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             cli_main(argv)  # None: LightningCLI reads sys.argv itself
     except LtcxError as error:
-        print(f"ltcx: error: {error}", file=sys.stderr)
+        if not isinstance(error, StoppedOnAllRanks) or rank_zero_only.rank == 0:  # every rank has it: say it once
+            print(f"ltcx: error: {error}", file=sys.stderr)
         sys.exit(2)
     except SIGTERMException as stop:  # training stopped by a signal: never report success
         sys.exit(stop.code or 128 + signal.SIGTERM)
