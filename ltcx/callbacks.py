@@ -3,20 +3,24 @@ utilisation, and Lightning's ModelCheckpoint that also saves the final step and 
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import signal
+import subprocess
 import sys
+import threading
 import time
 
 import lightning as L
 import torch
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.pytorch import callbacks as pl_callbacks
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ltcx.checkpoint import run_versions
-from ltcx.errors import LtcxError
+from ltcx.errors import LtcxError, StoppedOnAllRanks
 from ltcx.generation import generate_texts
 from ltcx.throughput import default_peak_flops, model_flops_per_token
 
@@ -175,16 +179,55 @@ class FiniteLossGuard(L.Callback):
     """Stop training with a clear message as soon as the training loss is NaN or infinite.
 
     Checked before the backward pass, so the optimizer never steps on it and the weights stay those of the
-    last good step (``SafeCheckpointIO`` refuses to write non-finite weights in any case).
+    last good step (``SafeCheckpointIO`` refuses to write non-finite weights in any case). Under DDP the ranks'
+    losses are gathered first (one scalar per rank and step), so a NaN on one rank stops every rank at the same
+    step, before the backward pass whose gradient all-reduce the others would otherwise wait in.
     """
 
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
-        if not math.isfinite(float(loss.detach())):
-            raise LtcxError(
-                f"training loss became {float(loss)} at step {trainer.global_step + 1}, so training stopped before "
-                "updating the weights (the last checkpoint is the last good one); lower model.learning_rate, raise "
-                "model.warmup_steps or set trainer.gradient_clip_val"
-            )
+        losses = loss.detach().float().reshape(1)
+        if trainer.world_size > 1:
+            losses = trainer.strategy.all_gather(losses).reshape(-1)  # every rank sees every rank's loss
+        bad = [(rank, value) for rank, value in enumerate(losses.tolist()) if not math.isfinite(value)]
+        if not bad:
+            return
+        if trainer.world_size == 1:
+            where, stopped = "", "training stopped"
+        else:
+            ranks = ", ".join(str(rank) for rank, _ in bad)
+            where, stopped = f" on rank {ranks} of {trainer.world_size}", "every rank stopped"
+            _launcher_outlives_workers(trainer)
+        raise StoppedOnAllRanks(
+            f"training loss became {bad[0][1]}{where} at step {trainer.global_step + 1}, so {stopped} before "
+            "updating the weights (the last checkpoint is the last good one); lower model.learning_rate, raise "
+            "model.warmup_steps or set trainer.gradient_clip_val"
+        )
+
+
+def _launcher_outlives_workers(trainer: L.Trainer) -> None:
+    """In a stop every rank agreed on, the process that started the others (rank 0 under Lightning's ``ddp``
+    launcher) exits after them, with its own exit status.
+
+    Lightning's child-process observer in that process SIGKILLs it (exit -9, its last line maybe lost) as soon as a
+    worker exits non-zero, which here each one does on purpose (2, 143); it is told there is nothing left to watch,
+    and the workers are waited for when this process exits (killed after 60 s, so nothing hangs)."""
+    procs = list(getattr(trainer.strategy.launcher, "procs", None) or [])
+    if not procs:  # a worker, or processes started by torchrun / SLURM: each exits on its own
+        return
+    for thread in threading.enumerate():
+        if isinstance(thread, _ChildProcessObserver):
+            thread._child_processes = []  # its next poll finds all (none) fine and stops
+    atexit.register(_wait_for, procs, 60.0)
+
+
+def _wait_for(procs: list, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _step_total(bar_class: type) -> type:
@@ -278,7 +321,9 @@ class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
     between periodic saves lost its last steps. On SIGTERM Lightning stops after the current step and exits
     0 without saving; Ctrl-C (SIGINT) stops wherever it lands. Here both stop after the current step, save it
     (as ``last.ckpt`` when ``save_last``) and exit with 128 + the signal number (143, 130), so a preempted
-    job never looks finished. A second Ctrl-C stops at once without saving.
+    job never looks finished. A second Ctrl-C stops at once without saving. Under DDP a signal reaching any
+    rank (the launching process, or the whole process group) stops every rank after the same training step,
+    decided together at its end; every rank exits with the same status.
 
     With ``run_folders`` (the default) a run saves in ``<dirpath>/version_N/``, N being its logger's version
     (``lightning_logs/<model>/version_N``), so runs sharing a ``dirpath`` never overwrite each other's files.
@@ -290,6 +335,7 @@ class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
         self._root_dirpath = self.dirpath  # dirpath as configured; a run saves in <dirpath>/version_N
         self._stop_signal = signal.SIGTERM
         self._previous_sigint = None
+        self._pending_signal = 0  # under DDP: the signal this rank received, until the ranks agree on it
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self.run_folders and self._root_dirpath is not None:
@@ -315,9 +361,34 @@ class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
             self._save_topk_checkpoint(trainer, candidates)
 
     def on_train_start(self, trainer, pl_module) -> None:
-        # Lightning turns SIGTERM into a stop after the current step (and passes it to DDP workers): route
-        # the first Ctrl-C there too.
-        self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+        self._pending_signal = 0
+        if trainer.world_size > 1:
+            # Under DDP a signal only marks the rank it reached; the ranks agree on stopping at the end of each
+            # training step (on_train_batch_end). Lightning's own SIGTERM handler is replaced: it runs a broadcast
+            # inside the handler, at whatever point each rank is, and the ranks' collectives then no longer match
+            # (a SIGTERM to the launching process hung the run).
+            signal.signal(signal.SIGTERM, self._note_signal)
+            self._previous_sigint = signal.signal(signal.SIGINT, self._note_signal)
+        else:
+            # Lightning turns SIGTERM into a stop after the current step: route the first Ctrl-C there too.
+            self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _note_signal(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            self._restore_sigint()  # a second Ctrl-C interrupts at once
+        self._pending_signal = max(self._pending_signal, int(signum))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.world_size > 1:
+            # Every rank, every step: the highest signal any rank received (0: none), so all stop at this same step
+            # with the same exit status, whichever ranks the signal reached (the launching process, the group).
+            flag = torch.tensor(self._pending_signal, device=trainer.strategy.root_device)
+            signum = int(trainer.strategy.reduce(flag, reduce_op="max"))
+            if signum:
+                self._stop_signal = signal.Signals(signum)
+                # What Lightning's handler sets: its loop raises SIGTERMException after this step on every rank.
+                trainer._signal_connector.received_sigterm = True
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def _on_sigint(self, signum, frame) -> None:
         self._stop_signal = signal.SIGINT
@@ -343,6 +414,8 @@ class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
         self._save_current_step(trainer)
         # SIGTERMException is a SystemExit: its code becomes the process's exit status.
         exception.code = 128 + self._stop_signal
+        if trainer.world_size > 1:
+            _launcher_outlives_workers(trainer)
         saved = self.last_model_path or self.best_model_path
         step = trainer.global_step
         rank_zero_info(f"ltcx: {self._stop_signal.name} at step {step}: saved {saved}; resume with --ckpt_path last")

@@ -30,7 +30,7 @@ from ltcx.checkpoint import (
     unknown_settings,
 )
 from ltcx.data import TextDataModule
-from ltcx.errors import ConfigError, LtcxError
+from ltcx.errors import ConfigError, LtcxError, StoppedOnAllRanks
 from ltcx.lm import LanguageModel, check_same_backbone, resumable_fields
 from ltcx.models.registry import resolve_backbone
 
@@ -518,7 +518,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             cli_main(argv)  # None: LightningCLI reads sys.argv itself
     except LtcxError as error:
-        print(f"ltcx: error: {error}", file=sys.stderr)
+        if not isinstance(error, StoppedOnAllRanks) or rank_zero_only.rank == 0:  # every rank has it: say it once
+            print(f"ltcx: error: {error}", file=sys.stderr)
         sys.exit(2)
     except SIGTERMException as stop:  # training stopped by a signal: never report success
         sys.exit(stop.code or 128 + signal.SIGTERM)

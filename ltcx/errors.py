@@ -7,3 +7,7 @@ class LtcxError(Exception):
 
 class ConfigError(LtcxError, ValueError):
     """An impossible configuration value; the message names the field and the rule."""
+
+
+class StoppedOnAllRanks(LtcxError):
+    """An error every process of a distributed run raised at the same step; only global rank 0 prints it."""

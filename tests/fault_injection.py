@@ -8,24 +8,33 @@ import torch
 
 
 class PoisonWeights(L.Callback):
-    """After optimizer step ``at_step``, set one weight to NaN (as a blown-up update would)."""
+    """After optimizer step ``at_step``, set one weight to NaN (as a blown-up update would); with ``rank``, on that
+    global rank only (under DDP the next loss is then NaN there alone, as with a bad batch on one rank)."""
 
-    def __init__(self, at_step: int) -> None:
+    def __init__(self, at_step: int, rank: int | None = None) -> None:
         self.at_step = at_step
+        self.rank = rank
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.at_step:
+        if trainer.global_step == self.at_step and self.rank in (None, trainer.global_rank):
             with torch.no_grad():
                 next(pl_module.parameters()).view(-1)[0] = float("nan")
 
 
 class SignalSelf(L.Callback):
-    """After optimizer step ``at_step``, send ``signal_name`` (e.g. SIGTERM) to this process."""
+    """After optimizer step ``at_step``, send ``signal_name`` (e.g. SIGTERM) to this process; with ``rank``, only the
+    process of that global rank sends it (under DDP, rank 0 is the launching process); with ``group``, to this
+    process's whole process group (every rank, as Ctrl-C in a terminal or a job scheduler does)."""
 
-    def __init__(self, at_step: int, signal_name: str) -> None:
+    def __init__(self, at_step: int, signal_name: str, rank: int | None = None, group: bool = False) -> None:
         self.at_step = at_step
         self.signal_name = signal_name
+        self.rank = rank
+        self.group = group
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.at_step:
-            os.kill(os.getpid(), getattr(signal, self.signal_name))
+        if trainer.global_step == self.at_step and self.rank in (None, trainer.global_rank):
+            if self.group:
+                os.killpg(os.getpgid(0), getattr(signal, self.signal_name))
+            else:
+                os.kill(os.getpid(), getattr(signal, self.signal_name))

@@ -56,7 +56,7 @@ def test_no_samples_during_sanity_check_or_on_other_ranks(lm, overrides):
 
 def test_finite_loss_guard_stops_before_the_backward_pass():
     guard = FiniteLossGuard()
-    trainer = SimpleNamespace(global_step=3)  # steps done; this loss belongs to step 4
+    trainer = SimpleNamespace(global_step=3, world_size=1)  # steps done; this loss belongs to step 4
     guard.on_before_backward(trainer, None, torch.tensor(1.0))
     with pytest.raises(LtcxError, match="training loss became nan at step 4, so training stopped before updating"):
         guard.on_before_backward(trainer, None, torch.tensor(float("nan")))

@@ -1,0 +1,108 @@
+"""The failure catalogue under DDP: 2 CPU processes (gloo) through `run.py fit`, a tiny model, a few steps.
+
+A NaN loss on one rank or a signal to the launching process (or to every rank) stops every rank at the same step,
+says so once, leaves only good checkpoints and ends every process with the single-process exit status. Each run is
+bounded by a timeout that kills the whole process group, so a rank stuck in a collective fails the test instead of
+hanging it. About 10 s per DDP run on an idle 2-core machine."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ltcx.checkpoint import read_checkpoint
+from test_cli import ROOT, write_corpus
+from test_failures import lean_fit_args, step_and_weights
+
+DDP = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
+TIMEOUT = 120  # s; a run takes ~10 s, a hang is caught well before pytest's patience ends
+
+
+def run_ddp(args: list[str], cwd: Path, exits: Path) -> subprocess.CompletedProcess:
+    """``ltcx fit ... --trainer.devices 2`` in its own process group; every rank's exit status lands in ``exits``."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "HF_HUB_OFFLINE": "1",
+           "LTCX_EXIT_DIR": str(exits)}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests/record_exit.py"), *args, *DDP], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)  # returns once every rank has closed the pipes
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"DDP run still going after {TIMEOUT} s (a rank hangs):\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def rank_exits(exits: Path) -> dict[str, int]:
+    return {p.name: int(p.read_text()) for p in sorted(exits.iterdir())}
+
+
+def test_nan_on_one_rank_stops_every_rank_at_that_step(tmp_path):
+    """Rank 1's weights alone go NaN after step 4 (as a bad batch on one rank would make them): the loss of step 5 is
+    NaN there only. Both ranks stop before the backward pass of step 5, one line, exit 2 on both, and the good
+    checkpoint of step 3 is untouched."""
+    data = write_corpus(tmp_path / "corpus", 60, 10)
+    first = run_ddp(lean_fit_args(tmp_path, data, "--trainer.max_steps", "3"), tmp_path, tmp_path / "exits0")
+    assert first.returncode == 0, first.stderr[-3000:]
+    last = tmp_path / "checkpoints/gpt/version_0/last.ckpt"
+    before = last.read_bytes()
+
+    stopped = run_ddp(lean_fit_args(
+        tmp_path, data, "--trainer.max_steps", "6", "--ckpt_path", "last",
+        "--trainer.callbacks+=fault_injection.PoisonWeights", "--trainer.callbacks.at_step=4",
+        "--trainer.callbacks.rank=1",
+    ), tmp_path, tmp_path / "exits1")
+    assert rank_exits(tmp_path / "exits1") == {"rank0": 2, "rank1": 2}, stopped.stderr[-3000:]
+    assert stopped.returncode == 2
+    errors = [line for line in stopped.stderr.splitlines() if line.startswith("ltcx: error: ")]
+    assert errors == ["ltcx: error: training loss became nan on rank 1 of 2 at step 5, so every rank stopped before "
+                      "updating the weights (the last checkpoint is the last good one); lower model.learning_rate, "
+                      "raise model.warmup_steps or set trainer.gradient_clip_val"], stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr
+    assert last.read_bytes() == before and step_and_weights(last)[0] == 3
+    folder = tmp_path / "checkpoints/gpt"
+    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")) == ["version_0", "version_0/last.ckpt"]
+
+
+def test_sigterm_to_the_launcher_saves_once_every_rank_exits_143_and_resumes(tmp_path):
+    """SIGTERM to the launching process (rank 0) only, after step 3 of 6: every rank stops after step 3, last.ckpt of
+    step 3 is written once, both ranks exit 143; --ckpt_path last then finishes the run."""
+    data = write_corpus(tmp_path / "corpus", 60, 10)
+    stopped = run_ddp(lean_fit_args(tmp_path, data, "--trainer.max_steps", "6",
+                                    "--trainer.callbacks+=fault_injection.SignalSelf", "--trainer.callbacks.at_step=3",
+                                    "--trainer.callbacks.signal_name=SIGTERM", "--trainer.callbacks.rank=0"),
+                      tmp_path, tmp_path / "exits0")
+    assert rank_exits(tmp_path / "exits0") == {"rank0": 143, "rank1": 143}, stopped.stderr[-3000:]
+    assert stopped.returncode == 143
+    last = tmp_path / "checkpoints/gpt/version_0/last.ckpt"
+    assert stopped.stderr.count("ltcx: SIGTERM at step 3: saved") == 1 and f"saved {last};" in stopped.stderr
+    assert "Traceback" not in stopped.stderr
+    assert [p.name for p in last.parent.iterdir()] == ["last.ckpt"]  # no temp file, no second name
+    assert step_and_weights(last)[0] == 3
+
+    resumed = run_ddp(lean_fit_args(tmp_path, data, "--trainer.max_steps", "6", "--ckpt_path", "last"),
+                      tmp_path, tmp_path / "exits1")
+    assert rank_exits(tmp_path / "exits1") == {"rank0": 0, "rank1": 0}, resumed.stderr[-3000:]
+    state = read_checkpoint(tmp_path / "checkpoints/gpt/version_1/last.ckpt")
+    assert state["global_step"] == 6
+    assert state["ltcx"]["tokens_seen"] == 6 * 2 * 4 * 32  # resumed at step 3: 6 steps x 2 ranks x 4 x 32 tokens
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.slow)])
+def test_signal_to_every_rank_stops_them_at_the_same_step(tmp_path, signal_name):
+    """The whole process group gets the signal (a scheduler stopping the job, Ctrl-C in a terminal): one save of
+    step 2, every rank exits 128 + the signal."""
+    data = write_corpus(tmp_path / "corpus", 60, 10)
+    stopped = run_ddp(lean_fit_args(tmp_path, data, "--trainer.max_steps", "6",
+                                    "--trainer.callbacks+=fault_injection.SignalSelf", "--trainer.callbacks.at_step=2",
+                                    f"--trainer.callbacks.signal_name={signal_name}", "--trainer.callbacks.rank=0",
+                                    "--trainer.callbacks.group=true"),
+                      tmp_path, tmp_path / "exits")
+    code = 128 + getattr(signal, signal_name)
+    assert rank_exits(tmp_path / "exits") == {"rank0": code, "rank1": code}, stopped.stderr[-3000:]
+    assert stopped.returncode == code
+    assert stopped.stderr.count(f"ltcx: {signal_name} at step 2: saved") == 1 and "Traceback" not in stopped.stderr
+    assert step_and_weights(tmp_path / "checkpoints/gpt/version_0/last.ckpt")[0] == 2
