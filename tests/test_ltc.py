@@ -319,6 +319,23 @@ def test_cache_layout_is_compact_and_batch_first():
     assert not hasattr(cache, "basis")  # the basis is folded into the projections, not carried per sequence
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("modes", [8, 5])  # all coordinates, and fewer modes than head_dim
+def test_decode_step_scales_equal_scale_modes_bit_for_bit(dtype, modes):
+    """The one-token scaling (both scales from one exponent) is the same float work as scale_modes."""
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(3, 4, 1, 8, generator=generator).to(dtype)  # 4 query heads over 2 KV heads
+    k = torch.randn(3, 2, 1, 8, generator=generator).to(dtype)
+    tau = (torch.rand(3, 2, modes, generator=generator) * 40 + 2).to(ltc_ops.compute_dtype(dtype))
+    for position in (0, 17, 63):
+        q_step, k_step = ltc_ops.scale_modes_step(q, k, tau, position, centre=31.5)
+        expected_q = ltc_ops.scale_modes(q, tau, position, 31.5, is_query=True)
+        expected_k = ltc_ops.scale_modes(k, tau, position, 31.5, is_query=False)
+        assert q_step.dtype == k_step.dtype == dtype
+        torch.testing.assert_close(q_step, expected_q, rtol=0, atol=0)
+        torch.testing.assert_close(k_step, expected_k, rtol=0, atol=0)
+
+
 def test_inference_reuses_the_folded_projections_until_a_parameter_changes():
     """Decoding folds the basis into the q/k weights once; an in-place update (an optimizer step) or new
     weights refold them, so cached decoding keeps equal to the full forward."""

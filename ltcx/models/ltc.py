@@ -186,8 +186,11 @@ class LTCAttention(GQAAttention):
         # time constants come from the sequence's first token: computed now, or kept in the cache
         tau = self.time_constants(x[:, 0]) if cache is None else cache.tau  # [B, G, M]
         q, k, v = self.project_rotated(x)
-        q = ltc_ops.scale_modes(q, tau, start, self.centre, is_query=True)
-        k = ltc_ops.scale_modes(k, tau, start, self.centre, is_query=False)
+        if length == 1:  # a decode step: both scales from one exponent, fewer small ops per token
+            q, k = ltc_ops.scale_modes_step(q, k, tau, start, self.centre)
+        else:
+            q = ltc_ops.scale_modes(q, tau, start, self.centre, is_query=True)
+            k = ltc_ops.scale_modes(k, tau, start, self.centre, is_query=False)
         if cache is not None:
             k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
         y = causal_gqa_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)

@@ -124,6 +124,29 @@ def scale_modes(
     return out.reshape(batch, heads, length, head_dim).to(out_dtype or x.dtype)
 
 
+def scale_modes_step(
+    q: torch.Tensor, k: torch.Tensor, tau: torch.Tensor, position: int, centre: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scale_modes`` of one new token's query and key at ``position`` (a decode step), in one pass.
+
+    q: [B, H, 1, D], k: [B, G, 1, D] in the modal basis; tau: [B, G, M]. The query's scales exp(-(i - c) / tau)
+    and the key's exp(+(i - c) / tau) share their exponent, so they cost one division, one product and two exps,
+    with the same float operations as ``scale_modes`` (equal bit for bit). Returns (q, k) in their own dtypes.
+    """
+    batch, heads, _, head_dim = q.shape
+    groups, modes = tau.shape[1], tau.shape[2]
+    dtype = compute_dtype(q.dtype)
+    with without_autocast(q.device):
+        exponent = (1.0 / tau.to(dtype) * (position - centre)).unsqueeze(2)  # [B, G, 1, M]: (i - c) / tau
+        key_scales, query_scales = torch.exp(exponent), torch.exp(-exponent)
+        if modes < head_dim:  # the other coordinates keep scale 1
+            key_scales = F.pad(key_scales, (0, head_dim - modes), value=1.0)
+            query_scales = F.pad(query_scales, (0, head_dim - modes), value=1.0)
+        q_scaled = q.to(dtype).view(batch, groups, heads // groups, head_dim) * query_scales
+        k_scaled = k.to(dtype) * key_scales
+    return q_scaled.view(batch, heads, 1, head_dim).to(q.dtype), k_scaled.to(k.dtype)
+
+
 def ltc_transform(
     x: torch.Tensor,
     basis: torch.Tensor,
