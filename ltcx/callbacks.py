@@ -14,7 +14,6 @@ import time
 
 import lightning as L
 import torch
-from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.pytorch import callbacks as pl_callbacks
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -214,8 +213,12 @@ def _launcher_outlives_workers(trainer: L.Trainer) -> None:
     procs = list(getattr(trainer.strategy.launcher, "procs", None) or [])
     if not procs:  # a worker, or processes started by torchrun / SLURM: each exits on its own
         return
+    try:  # Lightning's private observer (lightning is pinned in requirements.txt); without it, nothing to quiet
+        from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+    except ImportError:
+        _ChildProcessObserver = None
     for thread in threading.enumerate():
-        if isinstance(thread, _ChildProcessObserver):
+        if _ChildProcessObserver is not None and isinstance(thread, _ChildProcessObserver):
             thread._child_processes = []  # its next poll finds all (none) fine and stops
     atexit.register(_wait_for, procs, 60.0)
 
