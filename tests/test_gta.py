@@ -210,13 +210,17 @@ def test_cached_decode_float32_tolerance():
     torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 9:], rtol=1e-5, atol=1e-5)
 
 
+def gta_and_gpt_for_bf16():
+    """A GTA GPT and a GPT of one shape (float32 weights) whose bf16 errors are compared."""
+    shape = dict(block_size=64, vocab_size=97, n_layer=2, n_head=4, n_embd=128, bias=False)
+    torch.manual_seed(0)
+    return GTAGPT(**shape, n_query_group=2, key_dim=32, latent_dim=32).eval(), GPT(**shape, n_kv_head=2).eval()
+
+
 @pytest.mark.parametrize("mode", ["bf16 weights", "autocast"])
 def test_bf16_decode_step_error_is_at_the_gqa_level(mode):
     """One-token decode steps in bf16 (softmax in float32) against the float64 forward: no worse than the GPT's."""
-    shape = dict(block_size=64, vocab_size=97, n_layer=2, n_head=4, n_embd=128, bias=False)
-    torch.manual_seed(0)
-    gta = GTAGPT(**shape, n_query_group=2, key_dim=32, latent_dim=32).eval()
-    gpt = GPT(**shape, n_kv_head=2).eval()
+    gta, gpt = gta_and_gpt_for_bf16()
     idx = tokens(2, 48, vocab=97)
     errors = []
     for net in (gta, gpt):
@@ -343,10 +347,7 @@ def test_gradients_reach_every_parameter_including_decoder_and_gate():
 
 
 def test_bf16_autocast_error_is_at_the_gqa_level():
-    shape = dict(block_size=64, vocab_size=97, n_layer=2, n_head=4, n_embd=128, bias=False)
-    torch.manual_seed(0)
-    gta = GTAGPT(**shape, n_query_group=2, key_dim=32, latent_dim=32).eval()
-    gpt = GPT(**shape, n_kv_head=2).eval()
+    gta, gpt = gta_and_gpt_for_bf16()
     idx = tokens(2, 64, vocab=97)
     errors = []
     for net in (gta, gpt):
