@@ -298,6 +298,18 @@ class LanguageModel(L.LightningModule):
             self.decay_steps = self._schedule_end()
 
 
+_MISSING = object()
+
+
+def _constructor_defaults(backbone_class: type) -> dict:
+    """The backbone constructor's default for each argument that has one."""
+    try:
+        parameters = inspect.signature(backbone_class).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+
+
 def check_same_backbone(meta: dict, backbone: nn.Module, ckpt_path: str | Path) -> None:
     """Raise one line if the checkpoint's ``ltcx`` metadata describes another model than ``backbone`` (fields in
     ``resumable_fields``, dropout, may differ)."""
@@ -308,20 +320,25 @@ def check_same_backbone(meta: dict, backbone: nn.Module, ckpt_path: str | Path) 
         difference = f"it holds a {stored_class}, the config builds a {configured_class}"
     else:
         resumable = set(resumable_fields(type(backbone)))
+        # A setting added after the file was written is absent from it; at its default it builds the older model.
+        defaults = _constructor_defaults(type(backbone))
         keys = [
             k for k in sorted(set(stored) | set(configured))
-            if k not in resumable and stored.get(k) != configured.get(k)
+            if k not in resumable and stored.get(k, defaults.get(k, _MISSING)) != configured.get(k, _MISSING)
         ]
         if not keys:
             return
 
         def one(k: str) -> str:
-            file = f"{stored[k]!r} in the file" if k in stored else "not in the file"
+            if k in stored:
+                file = f"{stored[k]!r} in the file"
+            else:
+                file = f"{defaults[k]!r} (the default) in the file" if k in defaults else "not in the file"
             here = f"{configured[k]!r} configured" if k in configured else "not a setting of this version"
             return f"{k}: {file}, {here}"
 
         difference = ", ".join(one(k) for k in keys)
-        if any(k not in stored or k not in configured for k in keys):  # no config of this version builds it
+        if any((k not in stored and k not in defaults) or k not in configured for k in keys):  # no config builds it
             fix = f"it was saved by another version of ltcx: {ANOTHER_VERSION}"
     raise LtcxError(f"checkpoint '{ckpt_path}' is of another model ({difference}): {fix}")
 

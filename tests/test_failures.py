@@ -490,6 +490,26 @@ def test_settings_of_another_version_are_named(tmp_path, fit_env, capsys, traine
     assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
 
 
+def test_checkpoint_from_before_a_new_setting_loads_at_its_default(tmp_path, fit_env, capsys, trained):
+    """A setting added later (the GPT's mlp_hidden) is absent from older files: at its default it builds the model
+    they hold, so they resume, validate and generate; typing another value is named as another model."""
+    saved, data = trained
+
+    def before_mlp_hidden(checkpoint):
+        del checkpoint["ltcx"]["backbone_config"]["mlp_hidden"]
+
+    path = as_an_older_version(saved, tmp_path / "older.ckpt", before_mlp_hidden)
+    main(["generate", "--ckpt_path", str(path), "--prompt", "a", "--max_new_tokens", "2", "--seed", "0"])
+    main(["validate", *lean_fit_args(tmp_path, data)[1:], "--ckpt_path", str(path)])
+    main(lean_fit_args(tmp_path, data, "--trainer.max_steps", "2", "--ckpt_path", str(path)))
+    assert torch.load(tmp_path / "checkpoints/gpt/version_1/last.ckpt", weights_only=True)["global_step"] == 2
+    capsys.readouterr()
+    line = one_error_line(["validate", *lean_fit_args(tmp_path, data)[1:], "--ckpt_path", str(path),
+                           "--model.backbone.init_args.mlp_hidden", "64"], capsys)
+    assert line.startswith(f"ltcx: error: checkpoint '{path}' is of another model (mlp_hidden: None (the default) in "
+                           "the file, 64 configured): pass the config that trained it")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 def test_generate_device_cuda_without_cuda(capsys, checkpoint):
     line = one_error_line(["generate", "--ckpt_path", str(checkpoint), "--device", "cuda"], capsys)

@@ -46,9 +46,9 @@ TITANS_TINY = dict(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_kv_head=2, m
                    n_persistent=3, mem_heads=2, mem_head_dim=16, mem_hidden=24, memory_chunk_size=4)
 
 
-@pytest.mark.parametrize("length", [32, 13])
-def test_gpt_counts_exactly(length):
-    model = GPT(**GPT_TINY).eval()
+@pytest.mark.parametrize("length,mlp_hidden", [(32, None), (13, None), (13, 40)])
+def test_gpt_counts_exactly(length, mlp_hidden):
+    model = GPT(**GPT_TINY, mlp_hidden=mlp_hidden).eval()
     assert counted_forward_flops_per_token(model, 2, length) == model.forward_flops_per_token(length)
     assert model.flops_per_token(length) == 3 * model.forward_flops_per_token(length)
 
@@ -108,11 +108,11 @@ def test_unknown_backbones_fall_back_to_six_n():
     assert model_flops_per_token(gpt, 16) == gpt.flops_per_token(16)
 
 
-@pytest.mark.parametrize("gate", [True, False])
-def test_gta_counts_exactly(gate):
+@pytest.mark.parametrize("gate,mlp_hidden", [(True, None), (False, None), (True, 48)])
+def test_gta_counts_exactly(gate, mlp_hidden):
     """key_dim = latent_dim, so the fused kernel needs no padding and counts what the formula counts."""
     from ltcx.models.gta import GTAGPT
 
     model = GTAGPT(block_size=32, vocab_size=96, n_layer=2, n_head=4, n_embd=32, n_query_group=2, n_key_head=1,
-                   key_dim=8, n_latent_head=1, latent_dim=8, gate=gate).eval()
+                   key_dim=8, n_latent_head=1, latent_dim=8, gate=gate, mlp_hidden=mlp_hidden).eval()
     assert counted_forward_flops_per_token(model, 2, 13) == model.forward_flops_per_token(13)

@@ -105,6 +105,10 @@ def test_reference_parameter_count():
     assert model.parameter_count() == 28_758_912
     assert model.parameter_count(exclude_position_embeddings=False) == 28_758_912 + 512 * 384
     assert model.lm_head.weight is model.wte.weight
+    # mlp_hidden sets the MLP's width (default 4 n_embd): 2 C F weights a layer, plus F biases when bias is on
+    assert GPT(**REFERENCE, mlp_hidden=1472).parameter_count() == 28_758_912 - 6 * 2 * 384 * 64
+    assert GPT(**REFERENCE, mlp_hidden=1536).config_dict()["mlp_hidden"] == 1536
+    assert GPT(**REFERENCE).config_dict()["mlp_hidden"] is None  # kept unset: files from before it have none
 
 
 def test_config_dict_rebuilds_the_model():
@@ -139,6 +143,7 @@ def test_gradients_reach_every_parameter():
         (dict(n_head=5, n_embd=32, n_kv_head=5), r"n_embd \(32\) must be divisible by n_head \(5\)"),
         (dict(n_layer=0), r"n_layer \(0\) must be a positive integer"),
         (dict(dropout=1.5), r"dropout \(1.5\) must be in \[0, 1\)"),
+        (dict(mlp_hidden=0), r"mlp_hidden \(0\) must be a positive integer or null \(4 n_embd\)"),
     ],
 )
 def test_config_errors_name_field_and_rule(overrides, message):

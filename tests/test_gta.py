@@ -370,6 +370,7 @@ def test_bf16_autocast_error_is_at_the_gqa_level():
         (dict(latent_dim=64), 417_792, 28_906_368),  # expand 3
         (dict(n_query_group=3, latent_dim=64), 442_368, 29_053_824),  # 2 heads per map
         (dict(gate=False), 294_912, 28_169_088),
+        (dict(mlp_hidden=1472), 442_368, 28_758_912),  # the spec's equal-parameter row: exactly the GPT's count
     ],
 )
 def test_exact_parameter_counts(overrides, attention, total):

@@ -36,10 +36,15 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm layers
+    mlp_hidden: int | None = None  # hidden width of each block's MLP; None = 4 n_embd (kept None: older files lack it)
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
+        _require(
+            self.mlp_hidden is None or (isinstance(self.mlp_hidden, int) and self.mlp_hidden > 0),
+            f"mlp_hidden ({self.mlp_hidden}) must be a positive integer or null (4 n_embd)",
+        )
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0, f"{name} ({value}) must be a positive integer")
@@ -53,6 +58,11 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def ffn_hidden(self) -> int:
+        """The MLP's hidden width: mlp_hidden, or 4 n_embd."""
+        return self.mlp_hidden or 4 * self.n_embd
 
 
 @dataclass
@@ -119,7 +129,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = attention
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, config.ffn_hidden)
 
     def forward(self, x: torch.Tensor, cache=None):
         attended, cache = self.attn(self.ln_1(x), cache)
@@ -142,6 +152,7 @@ class GPT(nn.Module):
         n_embd: residual stream width.
         dropout: dropout on attention weights, residual branches and embeddings.
         bias: use biases in Linear and LayerNorm layers.
+        mlp_hidden: hidden width of each block's MLP; None means 4 n_embd.
     """
 
     config_class = GPTConfig
@@ -156,9 +167,10 @@ class GPT(nn.Module):
         n_embd: int = 768,
         dropout: float = 0.0,
         bias: bool = True,
+        mlp_hidden: int | None = None,
     ) -> None:
         super().__init__()
-        self._build(GPTConfig(block_size, vocab_size, n_layer, n_head, n_kv_head, n_embd, dropout, bias))
+        self._build(GPTConfig(block_size, vocab_size, n_layer, n_head, n_kv_head, n_embd, dropout, bias, mlp_hidden))
 
     @classmethod
     def from_config(cls, config: GPTConfig) -> "GPT":
@@ -215,10 +227,11 @@ class GPT(nn.Module):
 
             2 (L (C (H D + 2 G D + H D) + 2 C F) + C V) + L * 2 H D (T + 1)
 
-        (C n_embd, H/G query/KV heads, D head dim, F = 4 C, V vocabulary, L layers, T seq_len).
+        (C n_embd, H/G query/KV heads, D head dim, F the MLP width (mlp_hidden, 4 C by default), V vocabulary,
+        L layers, T seq_len).
         """
         c = self.config
-        head_dim, ffn = c.head_dim, 4 * c.n_embd
+        head_dim, ffn = c.head_dim, c.ffn_hidden
         layer_weights = c.n_embd * (2 * c.n_head * head_dim + 2 * c.n_kv_head * head_dim) + 2 * c.n_embd * ffn
         attention = 2 * c.n_head * head_dim * (seq_len + 1)
         return 2 * (c.n_layer * layer_weights + c.n_embd * c.vocab_size) + c.n_layer * attention

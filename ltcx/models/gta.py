@@ -159,6 +159,8 @@ class GTAGPT(GPT):
         n_embd: residual stream width.
         dropout: dropout on attention weights (one mask per shared map), residual branches and embeddings.
         bias: use biases in Linear and LayerNorm layers.
+        mlp_hidden: hidden width of each block's MLP; None means 4 n_embd (1,472 in the reference shape gives
+            exactly the GPT's parameter count).
         n_query_group: G, query heads; each map is shared by n_head / G output heads.
         n_key_head: n_k, key heads; divides n_query_group.
         key_dim: d_k, query and key width; None means head_dim.
@@ -179,6 +181,7 @@ class GTAGPT(GPT):
         n_embd: int = 768,
         dropout: float = 0.0,
         bias: bool = True,
+        mlp_hidden: int | None = None,
         n_query_group: int = 2,
         n_key_head: int = 1,
         key_dim: int | None = None,
@@ -191,8 +194,9 @@ class GTAGPT(GPT):
         self._build(
             GTAConfig(
                 block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                dropout=dropout, bias=bias, n_query_group=n_query_group, n_key_head=n_key_head, key_dim=key_dim,
-                n_latent_head=n_latent_head, latent_dim=latent_dim, gate=gate, rope=rope,
+                dropout=dropout, bias=bias, mlp_hidden=mlp_hidden, n_query_group=n_query_group,
+                n_key_head=n_key_head, key_dim=key_dim, n_latent_head=n_latent_head, latent_dim=latent_dim, gate=gate,
+                rope=rope,
             )
         )
 
@@ -215,11 +219,13 @@ class GTAGPT(GPT):
 
             2 (L (C (G d_k + n_k d_k + n_c d_l [+ C]) + d_l C + C^2 + 2 C F) + C V) + L 2 G (d_k + d_l) (T + 1) / 2
 
+        (F the MLP width, ``ffn_hidden``).
+
         The zero-padding of q, k and the latent to one width (for the fused kernel) is not counted.
         """
         c = self.config
         attention = self.blocks[0].attn
         projections = c.n_embd * sum(attention.widths) + c.latent_dim * c.n_embd + c.n_embd * c.n_embd
-        layer_weights = projections + 2 * c.n_embd * 4 * c.n_embd
+        layer_weights = projections + 2 * c.n_embd * c.ffn_hidden
         scores_and_values = 2 * c.n_query_group * (c.key_dim + c.latent_dim) * (seq_len + 1) / 2
         return 2 * (c.n_layer * layer_weights + c.n_embd * c.vocab_size) + c.n_layer * scores_and_values

@@ -213,6 +213,7 @@ class LTCGPT(GPT):
         n_embd: residual stream width.
         dropout: dropout on attention weights, residual branches and embeddings.
         bias: use biases in Linear and LayerNorm layers (the LTC controller always has one).
+        mlp_hidden: hidden width of each block's MLP; None means 4 n_embd.
         num_decay_modes: orthonormal decay modes per KV head, from 1 to head_dim (n_embd / n_head).
         controller_rank: >0 makes the time-constant controller low rank (W = A B); only with one decay mode.
         controller_hidden_size: >0 makes the time-constant controller an MLP with this hidden width.
@@ -231,6 +232,7 @@ class LTCGPT(GPT):
         n_embd: int = 768,
         dropout: float = 0.0,
         bias: bool = True,
+        mlp_hidden: int | None = None,
         num_decay_modes: int = 64,
         controller_rank: int = 0,
         controller_hidden_size: int = 0,
@@ -239,8 +241,9 @@ class LTCGPT(GPT):
         nn.Module.__init__(self)  # GPT.__init__ would build a plain GPTConfig
         self._build(
             LTCConfig(
-                block_size, vocab_size, n_layer, n_head, n_kv_head, n_embd, dropout, bias,
-                num_decay_modes, controller_rank, controller_hidden_size, tau_min,
+                block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head,
+                n_embd=n_embd, dropout=dropout, bias=bias, mlp_hidden=mlp_hidden, num_decay_modes=num_decay_modes,
+                controller_rank=controller_rank, controller_hidden_size=controller_hidden_size, tau_min=tau_min,
             )
         )
 
