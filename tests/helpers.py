@@ -30,3 +30,15 @@ def unit_docs(n: int, start: int = 0, size: int = 16) -> list[str]:
     """Documents of exactly ``size`` bytes: with the bytes tokenizer and block_size ``size`` each one plus its
     end-of-text is exactly one block."""
     return [f"doc{i:0{size - 3}d}" for i in range(start, start + n)]
+
+
+def run_in_pieces(model, idx: torch.Tensor, sizes) -> tuple[torch.Tensor, object]:
+    """Feed idx [B, T] to a backbone in consecutive pieces of ``sizes`` (summing to T), carrying the state ->
+    (the pieces' logits concatenated [B, T, V], the final state)."""
+    state, outputs, start = None, [], 0
+    for size in sizes:
+        logits, state = model(idx[:, start : start + size], state)
+        outputs.append(logits)
+        start += size
+    assert start == idx.shape[1], (start, idx.shape)
+    return torch.cat(outputs, dim=1), state

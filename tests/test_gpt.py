@@ -8,6 +8,7 @@ import torch
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.gpt import GPT, GPTConfig
 from ltcx.ops.attention import causal_gqa_attention
+from helpers import run_in_pieces
 
 REFERENCE = dict(block_size=512, vocab_size=50304, n_layer=6, n_head=6, n_kv_head=2, n_embd=384, dropout=0.0, bias=False)
 
@@ -63,12 +64,8 @@ def test_cached_decode_equals_full_forward(pieces):
     model = tiny().double().eval()
     idx = torch.randint(0, 97, (3, sum(pieces)))
     full, _ = model(idx)
-    state, outputs, start = None, [], 0
-    for size in pieces:
-        logits, state = model(idx[:, start : start + size], state)
-        outputs.append(logits)
-        start += size
-    torch.testing.assert_close(torch.cat(outputs, dim=1), full, atol=1e-10, rtol=0)
+    logits, state = run_in_pieces(model, idx, pieces)
+    torch.testing.assert_close(logits, full, atol=1e-10, rtol=0)
     assert state[0].k.shape == (3, 2, 20, 8)  # compact KV-head layout: [B, n_kv_head, T, head_dim]
 
 

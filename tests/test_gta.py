@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.gpt import GPT, GQAAttention
 from ltcx.models.gta import GTAAttention, GTAConfig, GTAGPT
+from helpers import run_in_pieces
 
 F64 = torch.float64
 REFERENCE = dict(
@@ -183,12 +184,8 @@ def test_pieces_with_state_equal_the_full_forward(variant, pieces):
     idx = tokens(3, sum(pieces))
     with torch.no_grad():
         full, _ = model(idx)
-        state, outputs, start = None, [], 0
-        for size in pieces:
-            logits, state = model(idx[:, start : start + size], state)
-            outputs.append(logits)
-            start += size
-    torch.testing.assert_close(torch.cat(outputs, dim=1), full, rtol=0, atol=1e-10)
+        logits, state = run_in_pieces(model, idx, pieces)
+    torch.testing.assert_close(logits, full, rtol=0, atol=1e-10)
     config = model.config
     for cache in state:  # keys and latents only, append-only
         assert cache.k.shape == (3, config.n_key_head, 20, config.key_dim)
@@ -293,11 +290,8 @@ def test_inference_keeps_the_decoder_matrix_until_the_decoder_changes():
     model.load_state_dict(small_model(seed=3).state_dict())
     with torch.no_grad():
         full, _ = model(idx)
-        state, steps = None, []
-        for t in range(12):
-            logits, state = model(idx[:, t : t + 1], state)
-            steps.append(logits)
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-10)
+        steps, _ = run_in_pieces(model, idx, [1] * 12)
+    torch.testing.assert_close(steps, full, rtol=0, atol=1e-10)
     assert attn.decoder_matrix().requires_grad and attn.decoder_matrix() is not attn.decoder_matrix()
     assert not any("derived" in name for name in model.state_dict())
 

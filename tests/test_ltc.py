@@ -14,7 +14,7 @@ from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.gpt import GPT
 from ltcx.models.ltc import LTCAttention, LTCCache, LTCConfig, LTCGPT
 from ltcx.ops import ltc as ltc_ops
-from helpers import relative_error
+from helpers import relative_error, run_in_pieces
 
 F64 = torch.float64
 REFERENCE = dict(block_size=512, vocab_size=50304, n_layer=6, n_head=6, n_kv_head=2, n_embd=384, bias=False)
@@ -286,23 +286,13 @@ def test_logits_are_causal():
 # Cache
 
 
-def _run_in_chunks(model, idx, chunks):
-    state, outputs, start = None, [], 0
-    for size in chunks:
-        logits, state = model(idx[:, start : start + size], state)
-        outputs.append(logits)
-        start += size
-    assert start == idx.shape[1]
-    return torch.cat(outputs, dim=1), state
-
-
 @pytest.mark.parametrize(("dtype", "atol"), [(F64, 1e-10), (torch.float32, 2e-5)])
 def test_cached_decode_equals_full_forward(dtype, atol):
     model = small_model(dtype=dtype, num_decay_modes=6)
     idx = torch.randint(0, SMALL["vocab_size"], (3, SMALL["block_size"]), generator=torch.Generator().manual_seed(0))
     full, full_state = model(idx)
     for chunks in ([1] * 32, [5, 1, 7, 3, 16], [32]):
-        pieces, state = _run_in_chunks(model, idx, chunks)
+        pieces, state = run_in_pieces(model, idx, chunks)
         torch.testing.assert_close(pieces, full, rtol=0, atol=atol)
         assert isinstance(state[0], LTCCache) and state[0].length == 32
         torch.testing.assert_close(state[0].tau, full_state[0].tau, rtol=0, atol=0)
@@ -350,12 +340,12 @@ def test_inference_reuses_the_folded_projections_until_a_parameter_changes():
         attn.q_proj.weight.mul_(1.5)
         assert attn.rotated_projections() is not folded
         full, _ = model(idx)
-        pieces, _ = _run_in_chunks(model, idx, [5] + [1] * 7)
+        pieces, _ = run_in_pieces(model, idx, [5] + [1] * 7)
     torch.testing.assert_close(pieces, full, rtol=0, atol=1e-10)
     model.load_state_dict(small_model(seed=3, num_decay_modes=5).state_dict())
     with torch.no_grad():
         full, _ = model(idx)
-        pieces, _ = _run_in_chunks(model, idx, [5] + [1] * 7)
+        pieces, _ = run_in_pieces(model, idx, [5] + [1] * 7)
     torch.testing.assert_close(pieces, full, rtol=0, atol=1e-10)
     assert not any("derived" in name or "folded" in name for name in model.state_dict())
 

@@ -27,6 +27,7 @@ from ltcx.ops.mlstm import (
     mlstm_step,
 )
 from ltcx.ops.slstm import slstm_scan, slstm_step
+from helpers import run_in_pieces
 
 F64 = dict(rtol=1e-9, atol=1e-9)
 F32_REL_TOL = 5e-4  # float32 forms vs the float64 recurrence: max |err| <= 5e-4 * max |h|
@@ -251,13 +252,8 @@ def test_model_pieces_and_steps_equal_whole_float64(backend):
     with torch.no_grad():
         logits, state = model(idx)
         assert logits.shape == (2, 16, 37) and logits.dtype == torch.float64
-        pieces, s = [], None
-        start = 0
-        for size in (5, 1, 7, 3):
-            out, s = model(idx[:, start : start + size], s)
-            pieces.append(out)
-            start += size
-        torch.testing.assert_close(torch.cat(pieces, 1), logits, **F64)
+        pieces, s = run_in_pieces(model, idx, (5, 1, 7, 3))
+        torch.testing.assert_close(pieces, logits, **F64)
         _assert_states_close([t for blk in s for t in blk], [t for blk in state for t in blk], **F64)
         step_logits, step_state = model.forward_recurrent(idx)
         torch.testing.assert_close(step_logits, logits, **F64)
