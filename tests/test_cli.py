@@ -111,6 +111,26 @@ def test_ddp_two_cpu_processes_see_disjoint_blocks(tmp_path):
     assert not {tuple(b) for b in rank0} & {tuple(b) for b in rank1}
 
 
+@pytest.mark.slow  # about 10 s an architecture on 2 cores
+@pytest.mark.parametrize("arch", ["ltc", "xlstm", "gta", "titans_mag", "titans_mac", "titans_mal", "titans_lmm"])
+def test_every_architecture_trains_with_two_ddp_processes(arch, tmp_path):
+    """Every parameter of every architecture takes part in its loss: DDP's gradient reduction would fail on one
+    that does not (Lightning's ddp does not look for unused parameters)."""
+    from test_titans import TINY_CLI
+
+    overrides = TINY_CLI if arch.startswith("titans") else TINY_OVERRIDES[arch]
+    data = write_corpus(tmp_path / "corpus", train_docs=200)
+    args = [
+        "fit", "--config", str(ROOT / f"configs/{arch}.yaml"), "--config", str(ROOT / "configs/trainer/smoke.yaml"),
+        "--data.path", str(data), "--data.block_size", "32", "--data.batch_size", "4", "--data.val_batches", "2",
+        "--trainer.val_check_interval", "2", "--trainer.max_steps", "3", "--trainer.accelerator", "cpu",
+        "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.enable_progress_bar", "false", *overrides,
+    ]
+    result = run_cli(args, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "`max_steps=3` reached" in result.stderr
+
+
 def run_main(args, capsys) -> str:
     with pytest.raises(SystemExit) as exit_info:
         main(args)
