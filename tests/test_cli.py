@@ -131,6 +131,15 @@ def test_every_architecture_trains_with_two_ddp_processes(arch, tmp_path):
     assert "`max_steps=3` reached" in result.stderr
 
 
+def assert_generates(checkpoint: Path, capsys) -> None:
+    """``ltcx generate`` continues a prompt from ``checkpoint`` (greedy, 8 new tokens)."""
+    capsys.readouterr()
+    main(["generate", "--ckpt_path", str(checkpoint), "--prompt", "The cat", "--max_new_tokens", "8",
+          "--temperature", "0"])
+    out = capsys.readouterr().out
+    assert out.startswith("The cat") and len(out.strip()) > len("The cat")
+
+
 def run_main(args, capsys) -> str:
     with pytest.raises(SystemExit) as exit_info:
         main(args)
@@ -203,11 +212,7 @@ def test_every_config_trains_and_generates(arch, tmp_path, monkeypatch, capsys):
     assert torch.load(checkpoint, weights_only=False)["global_step"] == 3
     for subcommand in ("validate", "test", "predict"):
         main([subcommand, *args[1:], "--ckpt_path", str(checkpoint)])
-    capsys.readouterr()
-    main(["generate", "--ckpt_path", str(checkpoint), "--prompt", "The cat", "--max_new_tokens", "8",
-          "--temperature", "0"])
-    out = capsys.readouterr().out
-    assert out.startswith("The cat") and len(out.strip()) > len("The cat")
+    assert_generates(checkpoint, capsys)
 
 
 def test_smoke_config_trains_on_the_builtin_sample(tmp_path, monkeypatch, capsys):

@@ -20,7 +20,7 @@ from ltcx.generation import generate
 from ltcx.models.state import map_state_tensors
 from ltcx.models.titans import MACBlock, MemoryCache, Titans, TitansConfig
 from ltcx.ops.titans import memory_apply
-from helpers import relative_error
+from helpers import relative_error, run_in_pieces
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ["mag", "mac", "mal", "lmm"]
@@ -35,11 +35,9 @@ def tiny(variant: str = "mag", **overrides) -> Titans:
 
 
 def feed_in_pieces(model: Titans, idx: torch.Tensor, cuts: list[int]) -> torch.Tensor:
-    logits, state, bounds = [], None, [0, *cuts, idx.shape[1]]
-    for start, end in zip(bounds, bounds[1:]):
-        piece, state = model(idx[:, start:end], state)
-        logits.append(piece)
-    return torch.cat(logits, dim=1)
+    """The logits of idx fed in pieces split at the positions ``cuts``."""
+    bounds = [0, *cuts, idx.shape[1]]
+    return run_in_pieces(model, idx, [end - start for start, end in zip(bounds, bounds[1:])])[0]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -304,7 +302,7 @@ TINY_CLI = [
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_cli_fits_samples_resumes_and_generates(variant, tmp_path, monkeypatch, capsys):
     """configs/titans_<variant>.yaml through the real CLI: fit, TensorBoard samples, resume, validate, generate."""
-    from test_cli import read_events, write_corpus
+    from test_cli import assert_generates, read_events, write_corpus
 
     from ltcx.cli import main
 
@@ -326,11 +324,7 @@ def test_cli_fits_samples_resumes_and_generates(variant, tmp_path, monkeypatch, 
     checkpoint = tmp_path / f"checkpoints/titans_{variant}/version_1/last.ckpt"  # the resumed run's own folder
     assert torch.load(checkpoint, weights_only=True)["global_step"] == 3
     main(["validate", *args[1:], "--ckpt_path", str(checkpoint)])
-    capsys.readouterr()
-    main(["generate", "--ckpt_path", str(checkpoint), "--prompt", "The cat", "--max_new_tokens", "8",
-          "--temperature", "0"])
-    out = capsys.readouterr().out
-    assert out.startswith("The cat") and len(out.strip()) > len("The cat")
+    assert_generates(checkpoint, capsys)
 
 
 def test_cli_diverging_memory_stops_with_one_line(tmp_path, monkeypatch, capsys):

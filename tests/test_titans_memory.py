@@ -50,6 +50,14 @@ def _read(w1, w2, x):
     return x + torch.einsum("...km,...nm->...nk", w2, hidden), hidden
 
 
+def _random_weights_and_keys(g: torch.Generator, n: int):
+    """float64 memory weights W1 [B, H, dm, dk], W2 [B, H, dk, dm] and n keys [B, H, n, dk], scaled by 1 / sqrt(fan-in)."""
+    w1 = torch.randn(B, H, DM, DK, generator=g, dtype=torch.float64) / math.sqrt(DK)
+    w2 = torch.randn(B, H, DK, DM, generator=g, dtype=torch.float64) / math.sqrt(DM)
+    k = torch.randn(B, H, n, DK, generator=g, dtype=torch.float64) / math.sqrt(DK)
+    return w1, w2, k
+
+
 def _autograd_step(w1, w2, k, v):
     """The token's inner gradient ∇_{W1, W2} ‖M(k; W) − v‖² by autograd (graph kept for the outer loop) and its
     curvature κ from those gradients: ‖∇W1‖² = ‖k‖²‖δ1‖², ‖h‖² from the forward, ‖δ2‖² = ‖2(M(k) − v)‖².
@@ -264,9 +272,7 @@ def test_analytic_inner_gradient_equals_autograd_and_memory_apply_equals_definit
     token, with the per-token gradients from autograd on one weight copy per token; ``memory_apply`` = M."""
     g = torch.Generator().manual_seed(3)
     n = 7
-    w1 = torch.randn(B, H, DM, DK, generator=g, dtype=torch.float64) / math.sqrt(DK)
-    w2 = torch.randn(B, H, DK, DM, generator=g, dtype=torch.float64) / math.sqrt(DM)
-    k = torch.randn(B, H, n, DK, generator=g, dtype=torch.float64) / math.sqrt(DK)
+    w1, w2, k = _random_weights_and_keys(g, n)
     v = torch.randn(B, H, n, DK, generator=g, dtype=torch.float64)
 
     out_ref, hidden_ref = _read(w1, w2, k)
@@ -290,9 +296,7 @@ def test_curvature_is_rayleigh_quotient_of_the_jacobian():
     relative and the comparison is at 1e-6."""
     g = torch.Generator().manual_seed(4)
     n = 3
-    w1 = torch.randn(B, H, DM, DK, generator=g, dtype=torch.float64) / math.sqrt(DK)
-    w2 = torch.randn(B, H, DK, DM, generator=g, dtype=torch.float64) / math.sqrt(DM)
-    k = torch.randn(B, H, n, DK, generator=g, dtype=torch.float64) / math.sqrt(DK)
+    w1, w2, k = _random_weights_and_keys(g, n)
     err_dir = torch.randn(B, H, n, DK, generator=g, dtype=torch.float64)
     err_norm = 1.0 + torch.rand(B, H, n, 1, generator=g, dtype=torch.float64)  # ‖e‖ ∈ (1, 2): ‖δ2‖² = 4‖e‖² ≥ 4
     v = _read(w1, w2, k)[0] - err_norm * F.normalize(err_dir, dim=-1)
