@@ -151,6 +151,25 @@ def test_checksum_mismatch_is_one_line(tmp_path, corpus):
         shard_dm(out)
 
 
+def test_no_data_files_names_the_callers_flag(tmp_path, capsys):
+    from test_failures import one_error_line
+
+    missing = tmp_path / "nope"
+    with pytest.raises(LtcxError) as info:
+        TextDataModule(path=str(missing), tokenizer="bytes").setup("fit")
+    assert str(info.value) == (f"no data files match '{missing}': pass --data.path a file, folder or glob of "
+                               ".txt/.jsonl/.parquet files")
+    line = one_error_line(["prepare", "--source", str(missing), "--out", str(tmp_path / "out"), "--num_proc", "1"],
+                          capsys)
+    assert line == (f"ltcx: error: no data files match '{missing}': pass --source a file, folder or glob of "
+                    ".txt/.jsonl/.parquet files")
+    write_jsonl(tmp_path / "a.jsonl", ["some text"])
+    line = one_error_line(["prepare", "--source", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "out"),
+                           "--text_column", "body", "--tokenizer", "bytes"], capsys)
+    assert line.endswith("(columns: 'text'): set --text_column")
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------- the shard data mode
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("nodes,devices", [(1, 2), (2, 2)])

@@ -125,10 +125,11 @@ def prepare(
         print(f"ltcx: '{out}' is already prepared ({_summary(meta)})", file=sys.stderr)
         return meta
     if local:
-        ds, _, what = open_local(source, txt_sample_by=txt_sample_by, validation=False)
+        ds, _, what = open_local(source, txt_sample_by=txt_sample_by, validation=False, flag="--source")
     else:
         ds, _, what = open_hub(source, name, split, None, flags=("--source", "--split"))
-    check_text(ds, source, what, text_column, split=split if not local else "train")
+    check_text(ds, source, what, text_column, split=split if not local else "train",
+               flags=("--source", "--text_column"))
     if meta is None:  # everything checked: only now is anything written
         meta = _create(out, settings, tok, dtype)
     elif meta["resume"]["stream"] is not None:
