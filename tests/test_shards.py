@@ -151,6 +151,16 @@ def test_checksum_mismatch_is_one_line(tmp_path, corpus):
         shard_dm(out)
 
 
+@pytest.mark.parametrize("flag,value", [("--num_proc", "0"), ("--shard_tokens", "0"), ("--max_tokens", "-5")])
+def test_prepare_refuses_counts_below_one(tmp_path, corpus, capsys, flag, value):
+    from test_failures import one_error_line
+
+    out = tmp_path / "out"
+    line = one_error_line(["prepare", "--source", str(corpus[0]), "--out", str(out), flag, value], capsys)
+    assert line == f"ltcx: error: {flag} must be >= 1, not {value}"
+    assert not out.exists()
+
+
 def test_no_data_files_names_the_callers_flag(tmp_path, capsys):
     from test_failures import one_error_line
 

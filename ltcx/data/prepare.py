@@ -110,8 +110,10 @@ def prepare(
         raise LtcxError("no output folder: pass --out (a new or empty folder, or one to resume)")
     if not 0.0 <= val_fraction < 1.0:
         raise LtcxError(f"--val_fraction ({val_fraction}) must be in [0, 1)")
-    if shard_tokens < 1 or batch_docs < 1 or (max_tokens is not None and max_tokens < 1):
-        raise LtcxError("--shard_tokens, --batch_docs and --max_tokens must be >= 1")
+    for flag, value in (("--shard_tokens", shard_tokens), ("--max_tokens", max_tokens), ("--num_proc", num_proc),
+                        ("batch_docs", batch_docs)):  # None: the default (no limit, one process per CPU)
+        if value is not None and value < 1:
+            raise LtcxError(f"{flag} must be >= 1, not {value}")
     local = looks_local(source)
     tok = get_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
@@ -135,7 +137,7 @@ def prepare(
     elif meta["resume"]["stream"] is not None:
         ds.load_state_dict(meta["resume"]["stream"])
 
-    num_proc = max(1, num_proc or os.cpu_count() or 1)
+    num_proc = num_proc or os.cpu_count() or 1
     # The workers only tokenize (no `datasets` or fsspec state is used after the fork).
     pool = multiprocessing.Pool(num_proc, _init_worker, (tokenizer,)) if num_proc > 1 else None
     try:
