@@ -283,8 +283,8 @@ class TextDataModule(L.LightningDataModule):
         txt_sample_by: one document of a .txt file: "line", "paragraph" (blank-line separated) or "document" (file).
         pad_vocab_to_multiple_of: round the model's vocabulary size up to a multiple of this (1 = no padding).
         sampling: token shards only: "blocks" (every block once per epoch, shuffled) or "random" (random offsets).
-        verify: token shards only: check them against meta.json at start, "fast" (size and header), "full" (SHA-256)
-            or "none".
+        verify: token shards only: check them against meta.json at start, "fast" (size, header and the largest id
+            meta.json records), "full" (SHA-256 and every id below the vocabulary) or "none".
     """
 
     def __init__(
@@ -417,12 +417,18 @@ class TextDataModule(L.LightningDataModule):
                 f"the token shards in '{self.path}' were made with tokenizer '{meta['tokenizer']}', not "
                 f"'{self.tokenizer}': set --data.tokenizer {meta['tokenizer']}"
             )
+        if meta["vocab_size"] != self.vocab_size:  # same name, other files (a local or updated hub tokenizer)
+            raise ConfigError(
+                f"the token shards in '{self.path}' were made with tokenizer '{meta['tokenizer']}' of "
+                f"{meta['vocab_size']} ids, which now has {self.vocab_size}: use the tokenizer they were made with, "
+                "or prepare the data again into a new folder"
+            )
         if self.val_batches > 0 and not meta["shards"]["validation"]:
             raise ConfigError(
                 f"the token shards in '{self.path}' have no validation split (prepared with --val_fraction 0): "
                 "set --data.val_batches 0 or prepare with a validation fraction"
             )
-        verify_shards(folder, meta, self.verify)
+        verify_shards(folder, meta, self.verify, vocab_size=self.vocab_size)
         self._shards = folder, meta
 
     def _shard_blocks(self, split: str, rank: int, world_size: int, **kw: Any) -> ShardBlocks:
