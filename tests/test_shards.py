@@ -204,6 +204,25 @@ def test_ids_outside_the_vocabulary_stop_fit_before_training(tmp_path, monkeypat
     assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
 
 
+def test_folder_without_meta_json_is_named(tmp_path, corpus, capsys):
+    from test_failures import one_error_line
+
+    out, _ = prepared(tmp_path, corpus)
+    (out / "meta.json").unlink()
+    with pytest.raises(LtcxError) as info:
+        shard_dm(out)
+    assert str(info.value) == (
+        f"'{out}' holds token shards but no meta.json: it was deleted or moved, and without it the shards cannot be "
+        "checked or read; restore meta.json, or prepare the data again with ltcx prepare --out <a new or empty "
+        "folder> and point --data.path at that folder"
+    )
+    before = sorted(os.listdir(out))
+    line = one_error_line(["prepare", "--source", str(corpus[0]), "--out", str(out), "--tokenizer", "bytes"], capsys)
+    assert line == (f"ltcx: error: '{out}' holds token shards but no meta.json: it was deleted or moved, and without "
+                    "it nothing can be resumed; restore meta.json to resume, or pass --out a new or empty folder")
+    assert sorted(os.listdir(out)) == before
+
+
 @pytest.mark.parametrize("flag,value", [("--num_proc", "0"), ("--shard_tokens", "0"), ("--max_tokens", "-5")])
 def test_prepare_refuses_counts_below_one(tmp_path, corpus, capsys, flag, value):
     from test_failures import one_error_line

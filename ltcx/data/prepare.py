@@ -28,7 +28,7 @@ import numpy as np
 
 from ltcx.data.files import looks_local
 from ltcx.data.packing import in_holdout
-from ltcx.data.shards import FORMAT, META, VERSION, token_dtype, write_json, write_shard
+from ltcx.data.shards import FORMAT, META, VERSION, holds_shards, token_dtype, write_json, write_shard
 from ltcx.data.sources import check_text, open_hub, open_local
 from ltcx.errors import LtcxError
 from ltcx.tokenizers import get_tokenizer
@@ -162,6 +162,11 @@ def _existing(out: str, settings: dict) -> dict[str, Any] | None:
             diff = ", ".join(f"{k}: {theirs.get(k)!r} there, {v!r} now" for k, v in settings.items() if theirs.get(k) != v)
             raise LtcxError(f"'{out}' holds a preparation with other settings ({diff}): use another --out")
         return meta
+    if holds_shards(out):
+        raise LtcxError(
+            f"'{out}' holds token shards but no {META}: it was deleted or moved, and without it nothing can be "
+            f"resumed; restore {META} to resume, or pass --out a new or empty folder"
+        )
     if os.path.isdir(out) and os.listdir(out):
         raise LtcxError(f"'{out}' is not empty and holds no {META}: pass --out a new or empty folder")
     return None

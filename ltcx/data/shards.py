@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 from typing import Any
 
@@ -24,8 +25,8 @@ import numpy as np
 from ltcx.errors import LtcxError
 
 __all__ = [
-    "HEADER_BYTES", "META", "Shard", "is_prepared", "load_meta", "open_shard", "token_dtype", "verify_shards",
-    "write_json", "write_shard",
+    "HEADER_BYTES", "META", "Shard", "holds_shards", "is_prepared", "load_meta", "open_shard", "token_dtype",
+    "verify_shards", "write_json", "write_shard",
 ]
 
 MAGIC = b"LTCXTOK\0"
@@ -37,6 +38,7 @@ FORMAT = "ltcx-token-shards"
 VERIFY_MODES = ("fast", "full", "none")
 
 Shard = dict[str, Any]  # meta.json's record of one shard: file, tokens, documents, max_id (newer folders), sha256
+_SHARD_NAME = re.compile(r"(train|val)_\d{6}\.bin")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -79,6 +81,21 @@ def write_json(path: str, data: dict) -> None:
 def is_prepared(folder: str) -> bool:
     """Whether ``folder`` is (or was being made into) a prepared token-shard folder."""
     return os.path.isfile(os.path.join(folder, META))
+
+
+def holds_shards(folder: str) -> bool:
+    """Whether ``folder`` holds an ltcx token shard (by its name and magic), with or without a meta.json."""
+    if not os.path.isdir(folder):
+        return False
+    for name in os.listdir(folder):
+        if _SHARD_NAME.fullmatch(name):
+            try:
+                with open(os.path.join(folder, name), "rb") as f:
+                    if f.read(len(MAGIC)) == MAGIC:
+                        return True
+            except OSError:
+                continue
+    return False
 
 
 def load_meta(folder: str) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from ltcx.data.files import local_path
 from ltcx.data.packing import in_holdout, pack_blocks, pack_positions
 from ltcx.data.shard_data import SAMPLING, ShardBlocks
-from ltcx.data.shards import VERIFY_MODES, is_prepared, load_meta, verify_shards
+from ltcx.data.shards import META, VERIFY_MODES, holds_shards, is_prepared, load_meta, verify_shards
 from ltcx.data.sources import open_text
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.tokenizers import Tokenizer, _short_reason, get_tokenizer
@@ -388,6 +388,12 @@ class TextDataModule(L.LightningDataModule):
         if is_prepared(folder):
             self._setup_shards(folder)
             return
+        if holds_shards(folder):  # a prepared folder that lost its meta.json, not one without text files
+            raise LtcxError(
+                f"'{self.path}' holds token shards but no {META}: it was deleted or moved, and without it the shards "
+                f"cannot be checked or read; restore {META}, or prepare the data again with ltcx prepare --out "
+                "<a new or empty folder> and point --data.path at that folder"
+            )
         train, val, what = open_text(
             self.path, name=self.name, train_split=self.train_split,
             val_split=self.val_split if self.val_batches > 0 else None,
