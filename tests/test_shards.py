@@ -128,8 +128,14 @@ def test_token_dtype_and_uint32_shards(tmp_path):
     assert token_dtype(50257) == np.uint16 and token_dtype(65536) == np.uint16 and token_dtype(100277) == np.uint32
     ids = np.array([0, 70000, 100276], dtype=np.uint32)
     record = write_shard(str(tmp_path / "t.bin"), ids, documents=1)
-    meta = {"dtype": "uint32", "shards": {"train": [record], "validation": []}}
-    verify_shards(str(tmp_path), meta, "full")
+    assert record["max_id"] == 100276
+    meta = {"dtype": "uint32", "tokenizer": "cl100k_base", "shards": {"train": [record], "validation": []}}
+    verify_shards(str(tmp_path), meta, "full", vocab_size=100277)
+    del record["max_id"]  # only the full check reads the ids themselves
+    verify_shards(str(tmp_path), meta, "fast", vocab_size=70000)
+    with pytest.raises(LtcxError, match=r"holds id 100276, outside the vocabulary of tokenizer 'cl100k_base' "
+                                        r"\(70000 ids, 0-69999\)"):
+        verify_shards(str(tmp_path), meta, "full", vocab_size=70000)
     assert np.fromfile(tmp_path / "t.bin", dtype="<u4", offset=HEADER_BYTES).tolist() == ids.tolist()
 
 
@@ -149,6 +155,101 @@ def test_checksum_mismatch_is_one_line(tmp_path, corpus):
     shard.write_bytes(bytes(data[:-2]))
     with pytest.raises(LtcxError, match=r"\(\d+ bytes, expected \d+\)"):
         shard_dm(out)
+
+
+def test_ids_outside_the_vocabulary_are_named(tmp_path, corpus):
+    out, meta = prepared(tmp_path, corpus)
+    records = meta["shards"]["train"] + meta["shards"]["validation"]
+    assert {r["max_id"] for r in records} == {256}  # end-of-text, the bytes tokenizer's largest id
+    record = meta["shards"]["train"][1]
+    shard = out / record["file"]
+    ids = np.fromfile(shard, dtype="<u2", offset=HEADER_BYTES)
+    ids[5] = 300
+    record.update(write_shard(str(shard), ids, record["documents"]))  # size, header, max_id, SHA-256: all consistent
+    (out / "meta.json").write_text(json.dumps(meta))
+    message = (f"token shard '{shard}' holds id 300, outside the vocabulary of tokenizer 'bytes' (257 ids, 0-256): "
+               "it was changed after ltcx prepare or made with another tokenizer; prepare the data again into a new "
+               "folder")
+    for verify in ("fast", "full"):
+        with pytest.raises(LtcxError) as info:
+            shard_dm(out, verify=verify)
+        assert str(info.value) == message
+    for r in records:  # a folder prepared before max_id was recorded: loads, and only the full check reads the ids
+        del r["max_id"]
+    (out / "meta.json").write_text(json.dumps(meta))
+    shard_dm(out, verify="fast")
+    with pytest.raises(LtcxError) as info:
+        shard_dm(out, verify="full")
+    assert str(info.value) == message
+
+
+def test_ids_outside_the_vocabulary_stop_fit_before_training(tmp_path, monkeypatch, capsys):
+    """Not `IndexError: index out of range in self` mid-run (exit 1, no shard named): one line, nothing written."""
+    from test_failures import lean_fit_args, one_error_line
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ltcx"])
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", [f"{d} {d}" for d in unit_docs(80)])
+    meta = prepare(str(corpus), str(tmp_path / "shards"), tokenizer="gpt2", val_fraction=0.2, num_proc=1)
+    record = meta["shards"]["train"][0]
+    shard = tmp_path / "shards" / record["file"]
+    ids = np.fromfile(shard, dtype="<u2", offset=HEADER_BYTES)
+    ids[3] = 60000  # past gpt2's 50257 ids and the model's padded 50304
+    record.update(write_shard(str(shard), ids, record["documents"]))
+    (tmp_path / "shards" / "meta.json").write_text(json.dumps(meta))
+    line = one_error_line(lean_fit_args(tmp_path, tmp_path / "shards", "--trainer.max_steps", "2"), capsys)
+    assert line == (f"ltcx: error: token shard '{shard}' holds id 60000, outside the vocabulary of tokenizer 'gpt2' "
+                    "(50257 ids, 0-50256): it was changed after ltcx prepare or made with another tokenizer; prepare "
+                    "the data again into a new folder")
+    assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_folder_without_meta_json_is_named(tmp_path, corpus, capsys):
+    from test_failures import one_error_line
+
+    out, _ = prepared(tmp_path, corpus)
+    (out / "meta.json").unlink()
+    with pytest.raises(LtcxError) as info:
+        shard_dm(out)
+    assert str(info.value) == (
+        f"'{out}' holds token shards but no meta.json: it was deleted or moved, and without it the shards cannot be "
+        "checked or read; restore meta.json, or prepare the data again with ltcx prepare --out <a new or empty "
+        "folder> and point --data.path at that folder"
+    )
+    before = sorted(os.listdir(out))
+    line = one_error_line(["prepare", "--source", str(corpus[0]), "--out", str(out), "--tokenizer", "bytes"], capsys)
+    assert line == (f"ltcx: error: '{out}' holds token shards but no meta.json: it was deleted or moved, and without "
+                    "it nothing can be resumed; restore meta.json to resume, or pass --out a new or empty folder")
+    assert sorted(os.listdir(out)) == before
+
+
+@pytest.mark.parametrize("flag,value", [("--num_proc", "0"), ("--shard_tokens", "0"), ("--max_tokens", "-5")])
+def test_prepare_refuses_counts_below_one(tmp_path, corpus, capsys, flag, value):
+    from test_failures import one_error_line
+
+    out = tmp_path / "out"
+    line = one_error_line(["prepare", "--source", str(corpus[0]), "--out", str(out), flag, value], capsys)
+    assert line == f"ltcx: error: {flag} must be >= 1, not {value}"
+    assert not out.exists()
+
+
+def test_no_data_files_names_the_callers_flag(tmp_path, capsys):
+    from test_failures import one_error_line
+
+    missing = tmp_path / "nope"
+    with pytest.raises(LtcxError) as info:
+        TextDataModule(path=str(missing), tokenizer="bytes").setup("fit")
+    assert str(info.value) == (f"no data files match '{missing}': pass --data.path a file, folder or glob of "
+                               ".txt/.jsonl/.parquet files")
+    line = one_error_line(["prepare", "--source", str(missing), "--out", str(tmp_path / "out"), "--num_proc", "1"],
+                          capsys)
+    assert line == (f"ltcx: error: no data files match '{missing}': pass --source a file, folder or glob of "
+                    ".txt/.jsonl/.parquet files")
+    write_jsonl(tmp_path / "a.jsonl", ["some text"])
+    line = one_error_line(["prepare", "--source", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "out"),
+                           "--text_column", "body", "--tokenizer", "bytes"], capsys)
+    assert line.endswith("(columns: 'text'): set --text_column")
+    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------- the shard data mode
@@ -220,6 +321,12 @@ def test_shard_mode_errors(tmp_path, corpus):
     out, _ = prepared(tmp_path, corpus)
     with pytest.raises(LtcxError, match=r"made with tokenizer 'bytes', not 'gpt2': set --data.tokenizer bytes"):
         shard_dm(out, tokenizer="gpt2")
+    meta = json.loads((out / "meta.json").read_text())
+    (out / "meta.json").write_text(json.dumps({**meta, "vocab_size": 300}))  # same name, other ids
+    with pytest.raises(LtcxError, match=r"made with tokenizer 'bytes' of 300 ids, which now has 257: use the "
+                                        r"tokenizer they were made with, or prepare the data again into a new folder"):
+        shard_dm(out)
+    (out / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(LtcxError, match=r"training shards in .* too small: \d+ blocks of 4097 tokens for 1 rank"):
         shard_dm(out, block_size=4096).train_dataset()
 

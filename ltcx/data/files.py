@@ -23,7 +23,7 @@ _COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 _VAL_RE = re.compile(r"(?<![a-z])(?:val|valid|validation)(?![a-z])")
 _TEST_RE = re.compile(r"(?<![a-z])test(?![a-z])")
 
-_NO_MATCH = "no data files match '{path}': pass --data.path a file, folder or glob of .txt/.jsonl/.parquet files"
+_NO_MATCH = "no data files match '{path}': pass {flag} a file, folder or glob of .txt/.jsonl/.parquet files"
 
 
 def file_kind(path: str) -> str | None:
@@ -93,19 +93,20 @@ def _split_of(rel: str) -> str:
     return "train"
 
 
-def resolve_local_files(path: str) -> LocalFiles:
+def resolve_local_files(path: str, flag: str = "--data.path") -> LocalFiles:
     """Resolve ``path`` (a file, a folder searched recursively, or a glob) to data files and assign them to splits.
 
     Files whose path below the folder (or whose name) contains ``val``/``valid``/``validation`` as a word go to
     validation; if there are none, files named ``test`` do; files named ``test`` never go to training. A single
     file, or a set without a validation-named file, is training data only. Hidden files and files of other types
-    in a folder or glob are ignored; mixing types, and an empty file, are errors.
+    in a folder or glob are ignored; mixing types, and an empty file, are errors, which name ``flag`` (the
+    caller's option that set ``path``) as the fix.
     """
     p = local_path(path)
     if os.path.isfile(p):
         if file_kind(p) is None:
             raise LtcxError(
-                f"unsupported data file type '{path}': pass --data.path .txt, .jsonl, .json or .parquet files"
+                f"unsupported data file type '{path}': pass {flag} .txt, .jsonl, .json or .parquet files"
             )
         base, files = os.path.dirname(p), [p]
     elif os.path.isdir(p):
@@ -117,21 +118,21 @@ def resolve_local_files(path: str) -> LocalFiles:
         files = sorted(f for f in glob.glob(p, recursive=True) if os.path.isfile(f))
         base = os.path.commonpath([os.path.dirname(f) for f in files]) if files else ""
     else:
-        raise LtcxError(_NO_MATCH.format(path=path))
+        raise LtcxError(_NO_MATCH.format(path=path, flag=flag))
 
     files = [f for f in files if file_kind(f) is not None and not _is_hidden(os.path.relpath(f, base or "."))]
     if not files:
-        raise LtcxError(_NO_MATCH.format(path=path))
+        raise LtcxError(_NO_MATCH.format(path=path, flag=flag))
     kinds = sorted({_BUILDERS[file_kind(f)] for f in files})  # type: ignore[index]
     if len(kinds) > 1:
         exts = ", ".join(sorted({file_kind(f) for f in files}))  # type: ignore[misc]
         raise LtcxError(
-            f"data files of different types under '{path}' ({exts}): point --data.path at one type, "
+            f"data files of different types under '{path}' ({exts}): point {flag} at one type, "
             "e.g. a glob like 'folder/**/*.txt'"
         )
     for f in files:
         if os.path.getsize(f) == 0:
-            raise LtcxError(f"data file '{f}' is empty: put text in it, delete it, or point --data.path elsewhere")
+            raise LtcxError(f"data file '{f}' is empty: put text in it, delete it, or point {flag} elsewhere")
 
     kind = file_kind(files[0]) or ""
     if len(files) == 1:

@@ -28,7 +28,7 @@ import numpy as np
 
 from ltcx.data.files import looks_local
 from ltcx.data.packing import in_holdout
-from ltcx.data.shards import FORMAT, META, VERSION, token_dtype, write_json, write_shard
+from ltcx.data.shards import FORMAT, META, VERSION, holds_shards, token_dtype, write_json, write_shard
 from ltcx.data.sources import check_text, open_hub, open_local
 from ltcx.errors import LtcxError
 from ltcx.tokenizers import get_tokenizer
@@ -110,8 +110,10 @@ def prepare(
         raise LtcxError("no output folder: pass --out (a new or empty folder, or one to resume)")
     if not 0.0 <= val_fraction < 1.0:
         raise LtcxError(f"--val_fraction ({val_fraction}) must be in [0, 1)")
-    if shard_tokens < 1 or batch_docs < 1 or (max_tokens is not None and max_tokens < 1):
-        raise LtcxError("--shard_tokens, --batch_docs and --max_tokens must be >= 1")
+    for flag, value in (("--shard_tokens", shard_tokens), ("--max_tokens", max_tokens), ("--num_proc", num_proc),
+                        ("batch_docs", batch_docs)):  # None: the default (no limit, one process per CPU)
+        if value is not None and value < 1:
+            raise LtcxError(f"{flag} must be >= 1, not {value}")
     local = looks_local(source)
     tok = get_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
@@ -125,16 +127,17 @@ def prepare(
         print(f"ltcx: '{out}' is already prepared ({_summary(meta)})", file=sys.stderr)
         return meta
     if local:
-        ds, _, what = open_local(source, txt_sample_by=txt_sample_by, validation=False)
+        ds, _, what = open_local(source, txt_sample_by=txt_sample_by, validation=False, flag="--source")
     else:
         ds, _, what = open_hub(source, name, split, None, flags=("--source", "--split"))
-    check_text(ds, source, what, text_column, split=split if not local else "train")
+    check_text(ds, source, what, text_column, split=split if not local else "train",
+               flags=("--source", "--text_column"))
     if meta is None:  # everything checked: only now is anything written
         meta = _create(out, settings, tok, dtype)
     elif meta["resume"]["stream"] is not None:
         ds.load_state_dict(meta["resume"]["stream"])
 
-    num_proc = max(1, num_proc or os.cpu_count() or 1)
+    num_proc = num_proc or os.cpu_count() or 1
     # The workers only tokenize (no `datasets` or fsspec state is used after the fork).
     pool = multiprocessing.Pool(num_proc, _init_worker, (tokenizer,)) if num_proc > 1 else None
     try:
@@ -159,6 +162,11 @@ def _existing(out: str, settings: dict) -> dict[str, Any] | None:
             diff = ", ".join(f"{k}: {theirs.get(k)!r} there, {v!r} now" for k, v in settings.items() if theirs.get(k) != v)
             raise LtcxError(f"'{out}' holds a preparation with other settings ({diff}): use another --out")
         return meta
+    if holds_shards(out):
+        raise LtcxError(
+            f"'{out}' holds token shards but no {META}: it was deleted or moved, and without it nothing can be "
+            f"resumed; restore {META} to resume, or pass --out a new or empty folder"
+        )
     if os.path.isdir(out) and os.listdir(out):
         raise LtcxError(f"'{out}' is not empty and holds no {META}: pass --out a new or empty folder")
     return None

@@ -1,12 +1,14 @@
 """Token shards on disk: written by ``ltcx prepare``, memory-mapped by the shard data mode.
 
 A prepared folder holds ``train_NNNNNN.bin``, ``val_NNNNNN.bin`` and ``meta.json`` (tokenizer, settings, counts, and
-for every shard its token and document counts and SHA-256). A shard is a 64-byte header and the token ids:
+for every shard its token and document counts, largest id and SHA-256). A shard is a 64-byte header and the token ids:
 
     magic b"LTCXTOK\\0" | version u32 | bytes per token u32 (2: uint16, 4: uint32) | tokens u64 | documents u64 | 0...
     tokens x little-endian uint16/uint32, every document followed by the tokenizer's end-of-text id
 
-so the fast check (file size and header against meta.json) needs no reading beyond 64 bytes a shard.
+so the fast check (file size and header against meta.json) needs no reading beyond 64 bytes a shard. A shard's
+``max_id`` was added to meta.json later (same format version): folders prepared before it load as before, and for
+them only the full check sees ids outside the vocabulary.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 from typing import Any
 
@@ -22,8 +25,8 @@ import numpy as np
 from ltcx.errors import LtcxError
 
 __all__ = [
-    "HEADER_BYTES", "META", "Shard", "is_prepared", "load_meta", "open_shard", "token_dtype", "verify_shards",
-    "write_json", "write_shard",
+    "HEADER_BYTES", "META", "Shard", "holds_shards", "is_prepared", "load_meta", "open_shard", "token_dtype",
+    "verify_shards", "write_json", "write_shard",
 ]
 
 MAGIC = b"LTCXTOK\0"
@@ -34,7 +37,8 @@ META = "meta.json"
 FORMAT = "ltcx-token-shards"
 VERIFY_MODES = ("fast", "full", "none")
 
-Shard = dict[str, Any]  # meta.json's record of one shard: file, tokens, documents, sha256
+Shard = dict[str, Any]  # meta.json's record of one shard: file, tokens, documents, max_id (newer folders), sha256
+_SHARD_NAME = re.compile(r"(train|val)_\d{6}\.bin")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -60,7 +64,8 @@ def write_shard(path: str, tokens: np.ndarray, documents: int) -> Shard:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return {"file": os.path.basename(path), "tokens": int(tokens.size), "documents": documents, "sha256": _sha256(path)}
+    return {"file": os.path.basename(path), "tokens": int(tokens.size), "documents": documents,
+            "max_id": int(tokens.max(initial=0)), "sha256": _sha256(path)}
 
 
 def write_json(path: str, data: dict) -> None:
@@ -76,6 +81,21 @@ def write_json(path: str, data: dict) -> None:
 def is_prepared(folder: str) -> bool:
     """Whether ``folder`` is (or was being made into) a prepared token-shard folder."""
     return os.path.isfile(os.path.join(folder, META))
+
+
+def holds_shards(folder: str) -> bool:
+    """Whether ``folder`` holds an ltcx token shard (by its name and magic), with or without a meta.json."""
+    if not os.path.isdir(folder):
+        return False
+    for name in os.listdir(folder):
+        if _SHARD_NAME.fullmatch(name):
+            try:
+                with open(os.path.join(folder, name), "rb") as f:
+                    if f.read(len(MAGIC)) == MAGIC:
+                        return True
+            except OSError:
+                continue
+    return False
 
 
 def load_meta(folder: str) -> dict[str, Any]:
@@ -101,39 +121,60 @@ def open_shard(folder: str, shard: Shard, dtype: np.dtype) -> np.memmap:
                      shape=(shard["tokens"],))
 
 
-def verify_shards(folder: str, meta: dict[str, Any], mode: str = "fast") -> None:
+def verify_shards(folder: str, meta: dict[str, Any], mode: str = "fast", vocab_size: int | None = None) -> None:
     """Check every shard against ``meta.json``: ``fast`` its size and header, ``full`` also its SHA-256.
 
+    With ``vocab_size``, also that every id is below it: ``fast`` by the ``max_id`` meta.json records (absent in
+    folders prepared before it was recorded: not checked), ``full`` by reading every id (in the SHA-256 pass).
     Raises one ``LtcxError`` line naming the first shard that does not match.
     """
     if mode not in VERIFY_MODES:
         raise LtcxError(f"data.verify={mode!r} must be 'fast', 'full' or 'none': fix --data.verify")
     if mode == "none":
         return
-    itemsize = np.dtype(meta["dtype"]).itemsize
+    dtype = np.dtype(meta["dtype"]).newbyteorder("<")
     for shard in meta["shards"]["train"] + meta["shards"]["validation"]:
         path = os.path.join(folder, shard["file"])
-        problem = _shard_problem(path, shard, itemsize, full=mode == "full")
+        problem, max_id = _shard_problem(path, shard, dtype, full=mode == "full")
         if problem:
             raise LtcxError(
                 f"token shard '{path}' does not match {META} ({problem}): it was changed or damaged after "
                 "ltcx prepare; prepare the data again into a new folder"
             )
+        if vocab_size is not None and max_id is not None and max_id >= vocab_size:
+            raise LtcxError(
+                f"token shard '{path}' holds id {max_id}, outside the vocabulary of tokenizer "
+                f"'{meta['tokenizer']}' ({vocab_size} ids, 0-{vocab_size - 1}): it was changed after ltcx prepare "
+                "or made with another tokenizer; prepare the data again into a new folder"
+            )
 
 
-def _shard_problem(path: str, shard: Shard, itemsize: int, *, full: bool) -> str | None:
+def _shard_problem(path: str, shard: Shard, dtype: np.dtype, *, full: bool) -> tuple[str | None, int | None]:
+    """What is wrong with the shard's file (None: nothing), and its largest id (full: read; fast: as recorded)."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             head = f.read(_HEADER.size)
     except OSError as exc:
-        return exc.strerror or str(exc)
-    expected = HEADER_BYTES + shard["tokens"] * itemsize
+        return exc.strerror or str(exc), None
+    expected = HEADER_BYTES + shard["tokens"] * dtype.itemsize
     if size != expected:
-        return f"{size} bytes, expected {expected}"
-    if len(head) < _HEADER.size or _HEADER.unpack(head) != (MAGIC, VERSION, itemsize, shard["tokens"],
+        return f"{size} bytes, expected {expected}", None
+    if len(head) < _HEADER.size or _HEADER.unpack(head) != (MAGIC, VERSION, dtype.itemsize, shard["tokens"],
                                                              shard["documents"]):
-        return "its header differs"
-    if full and _sha256(path) != shard["sha256"]:
-        return "SHA-256 differs"
-    return None
+        return "its header differs", None
+    if not full:
+        return None, shard.get("max_id")
+    sha256, max_id = _scan(path, dtype)
+    return ("SHA-256 differs" if sha256 != shard["sha256"] else None), max_id
+
+
+def _scan(path: str, dtype: np.dtype) -> tuple[str, int]:
+    """The SHA-256 of a shard file and its largest id, in one read (chunks hold whole ids: the size was checked)."""
+    digest, max_id = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        digest.update(f.read(HEADER_BYTES))
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+            max_id = max(max_id, int(np.frombuffer(chunk, dtype=dtype).max()))
+    return digest.hexdigest(), max_id

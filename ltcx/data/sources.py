@@ -21,12 +21,14 @@ def hub_error(path: str, reason: str, flag: str = "--data.path") -> LtcxError:
     )
 
 
-def open_local(path: str, *, txt_sample_by: str, validation: bool = True) -> tuple[Any, Any, str]:
+def open_local(
+    path: str, *, txt_sample_by: str, validation: bool = True, flag: str = "--data.path"
+) -> tuple[Any, Any, str]:
     """``(train, validation or None, description)`` of local files; ``validation=False`` reads every file,
-    validation-named ones included, as one training stream."""
+    validation-named ones included, as one training stream. ``flag``: the option that set ``path``, for messages."""
     import datasets
 
-    files: LocalFiles = resolve_local_files(path)
+    files: LocalFiles = resolve_local_files(path, flag)
     data_files = {"train": files.train if validation else files.train + files.validation}
     if validation and files.validation:
         data_files["validation"] = files.validation
@@ -77,8 +79,13 @@ def open_text(
     return train, val, what
 
 
-def check_text(ds: Any, path: str, what: str, text_column: str, *, split: str) -> None:
-    """Peek at the first examples: the text column exists and some document is non-empty."""
+def check_text(
+    ds: Any, path: str, what: str, text_column: str, *, split: str,
+    flags: tuple[str, str] = ("--data.path", "--data.text_column"),
+) -> None:
+    """Peek at the first examples: the text column exists and some document is non-empty. ``flags``: the options
+    that set the data and the column, as messages name them."""
+    path_flag, column_flag = flags
     try:
         found_column = False
         for example in ds:
@@ -86,7 +93,7 @@ def check_text(ds: Any, path: str, what: str, text_column: str, *, split: str) -
                 cols = ", ".join(repr(c) for c in example)
                 raise LtcxError(
                     f"column '{text_column}' not found in the {split} split of {what} (columns: {cols}): "
-                    "set --data.text_column"
+                    f"set {column_flag}"
                 )
             found_column = True
             text = example[text_column]
@@ -96,7 +103,7 @@ def check_text(ds: Any, path: str, what: str, text_column: str, *, split: str) -
         raise
     except Exception as exc:  # noqa: BLE001
         if not looks_local(path):
-            raise hub_error(path, _short_reason(exc)) from exc
+            raise hub_error(path, _short_reason(exc), path_flag) from exc
         raise LtcxError(f"cannot read {what} ({_short_reason(exc)}): check that the files are valid") from exc
     detail = f"every document in column '{text_column}' is empty" if found_column else "it has no documents"
-    raise LtcxError(f"no text in the {split} split of {what}: {detail}; point --data.path at files with text")
+    raise LtcxError(f"no text in the {split} split of {what}: {detail}; point {path_flag} at files with text")

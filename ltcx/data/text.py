@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from ltcx.data.files import local_path
 from ltcx.data.packing import in_holdout, pack_blocks, pack_positions
 from ltcx.data.shard_data import SAMPLING, ShardBlocks
-from ltcx.data.shards import VERIFY_MODES, is_prepared, load_meta, verify_shards
+from ltcx.data.shards import META, VERIFY_MODES, holds_shards, is_prepared, load_meta, verify_shards
 from ltcx.data.sources import open_text
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.tokenizers import Tokenizer, _short_reason, get_tokenizer
@@ -283,8 +283,8 @@ class TextDataModule(L.LightningDataModule):
         txt_sample_by: one document of a .txt file: "line", "paragraph" (blank-line separated) or "document" (file).
         pad_vocab_to_multiple_of: round the model's vocabulary size up to a multiple of this (1 = no padding).
         sampling: token shards only: "blocks" (every block once per epoch, shuffled) or "random" (random offsets).
-        verify: token shards only: check them against meta.json at start, "fast" (size and header), "full" (SHA-256)
-            or "none".
+        verify: token shards only: check them against meta.json at start, "fast" (size, header and the largest id
+            meta.json records), "full" (SHA-256 and every id below the vocabulary) or "none".
     """
 
     def __init__(
@@ -388,6 +388,12 @@ class TextDataModule(L.LightningDataModule):
         if is_prepared(folder):
             self._setup_shards(folder)
             return
+        if holds_shards(folder):  # a prepared folder that lost its meta.json, not one without text files
+            raise LtcxError(
+                f"'{self.path}' holds token shards but no {META}: it was deleted or moved, and without it the shards "
+                f"cannot be checked or read; restore {META}, or prepare the data again with ltcx prepare --out "
+                "<a new or empty folder> and point --data.path at that folder"
+            )
         train, val, what = open_text(
             self.path, name=self.name, train_split=self.train_split,
             val_split=self.val_split if self.val_batches > 0 else None,
@@ -417,12 +423,18 @@ class TextDataModule(L.LightningDataModule):
                 f"the token shards in '{self.path}' were made with tokenizer '{meta['tokenizer']}', not "
                 f"'{self.tokenizer}': set --data.tokenizer {meta['tokenizer']}"
             )
+        if meta["vocab_size"] != self.vocab_size:  # same name, other files (a local or updated hub tokenizer)
+            raise ConfigError(
+                f"the token shards in '{self.path}' were made with tokenizer '{meta['tokenizer']}' of "
+                f"{meta['vocab_size']} ids, which now has {self.vocab_size}: use the tokenizer they were made with, "
+                "or prepare the data again into a new folder"
+            )
         if self.val_batches > 0 and not meta["shards"]["validation"]:
             raise ConfigError(
                 f"the token shards in '{self.path}' have no validation split (prepared with --val_fraction 0): "
                 "set --data.val_batches 0 or prepare with a validation fraction"
             )
-        verify_shards(folder, meta, self.verify)
+        verify_shards(folder, meta, self.verify, vocab_size=self.vocab_size)
         self._shards = folder, meta
 
     def _shard_blocks(self, split: str, rank: int, world_size: int, **kw: Any) -> ShardBlocks:
