@@ -378,3 +378,18 @@ def test_prepare_offline_hub_names_the_fix(tmp_path):
     assert str(info.value).endswith("offline? use --source sample (a TinyStories sample shipped with ltcx) or point "
                                     "--source at local .txt/.jsonl/.parquet files")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", ["meta_not_json", "meta_a_list", "out_a_file"])
+def test_prepare_names_a_damaged_out(tmp_path, corpus, capsys, damage):
+    from test_failures import one_error_line
+
+    out = tmp_path / "out"
+    if damage == "out_a_file":
+        out.write_text("not a folder")
+    else:
+        out.mkdir()
+        (out / "meta.json").write_text("{ broken" if damage == "meta_not_json" else "[1, 2]")
+    line = one_error_line(["prepare", "--source", str(corpus[0]), "--out", str(out), "--num_proc", "1"], capsys)
+    assert "pass --out a new or empty folder" in line
+    assert ("is a file, not a folder" if damage == "out_a_file" else "meta.json") in line

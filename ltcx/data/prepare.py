@@ -31,7 +31,7 @@ from ltcx.data.packing import in_holdout
 from ltcx.data.shards import FORMAT, META, VERSION, holds_shards, token_dtype, write_json, write_shard
 from ltcx.data.sources import check_text, open_hub, open_local
 from ltcx.errors import LtcxError
-from ltcx.tokenizers import get_tokenizer
+from ltcx.tokenizers import _short_reason, get_tokenizer
 
 __all__ = ["prepare", "prepare_main"]
 
@@ -154,9 +154,18 @@ def prepare(
 def _existing(out: str, settings: dict) -> dict[str, Any] | None:
     """The ``meta.json`` in ``out`` when its settings are the same; None for a new or empty folder."""
     path = os.path.join(out, META)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise LtcxError(f"--out '{out}' is a file, not a folder: pass --out a new or empty folder")
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
+        try:
+            with open(path, encoding="utf-8") as f:
+                meta = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise LtcxError(
+                f"cannot read '{path}' ({_short_reason(exc)}): it is damaged; pass --out a new or empty folder"
+            ) from None
+        if not isinstance(meta, dict):
+            raise LtcxError(f"'{path}' is not an ltcx token-shard {META}: pass --out a new or empty folder")
         if meta.get("format") != FORMAT or meta.get("settings") != settings:
             theirs = meta.get("settings", {})
             diff = ", ".join(f"{k}: {theirs.get(k)!r} there, {v!r} now" for k, v in settings.items() if theirs.get(k) != v)
