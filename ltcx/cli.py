@@ -402,8 +402,8 @@ def cli_main(args: list[str] | None = None) -> LtcxCLI:
 def generate_main(argv: list[str]) -> None:
     """``ltcx generate``: stream a completion of each prompt from a checkpoint to stdout."""
     from ltcx.generation import check_generation_args, stream_tokens
-    from ltcx.lm import load_language_model
-    from ltcx.tokenizers import get_tokenizer
+    from ltcx.lm import EXPORT_CONFIG, load_language_model
+    from ltcx.tokenizers import get_tokenizer, stored_tokenizer_name
 
     parser = argparse.ArgumentParser(prog="ltcx generate", description=generate_main.__doc__)
     parser.add_argument(
@@ -421,7 +421,11 @@ def generate_main(argv: list[str]) -> None:
     parser.add_argument("--num_samples", type=int, default=1, help="completions per prompt")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--no_stop_at_eot", action="store_true", help="keep going after the end-of-text token")
-    parser.add_argument("--tokenizer", default=None, help="override the tokenizer stored in the checkpoint")
+    parser.add_argument(
+        "--tokenizer", default=None,
+        help="override the tokenizer stored in the checkpoint (gpt2, bytes, a Hugging Face id or local folder; a "
+        "folder the checkpoint names is only loaded when given here)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     if args.num_samples < 1:
@@ -430,7 +434,13 @@ def generate_main(argv: list[str]) -> None:
 
     model, meta = load_language_model(args.ckpt_path, map_location=device)
     backbone = model.backbone.to(device)
-    tokenizer_name = args.tokenizer or meta.get("tokenizer")
+    stored = meta.get("tokenizer")
+    exported = os.path.isfile(os.path.join(args.ckpt_path, EXPORT_CONFIG))
+    source = f"exported model '{args.ckpt_path}'" if exported else f"checkpoint '{args.ckpt_path}'"
+    tokenizer_name = args.tokenizer or stored_tokenizer_name(
+        stored, f"{source} names tokenizer",
+        "ltcx loads no tokenizer folder a file names; if you trust it, pass --tokenizer FOLDER yourself",
+    )
     if tokenizer_name is None:
         raise LtcxError("the checkpoint names no tokenizer: pass --tokenizer (e.g. gpt2)")
     tokenizer = get_tokenizer(tokenizer_name)
@@ -485,8 +495,13 @@ def export_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="ltcx export", description=export_main.__doc__)
     parser.add_argument("--ckpt_path", required=True, help="checkpoint written by `ltcx fit`, or its checkpoint folder")
     parser.add_argument("--out", required=True, help="a new folder to write")
+    parser.add_argument(
+        "--tokenizer", default=None,
+        help="the tokenizer name to record instead of the checkpoint's: gpt2, bytes or a Hugging Face hub id (the "
+        "folder holds no tokenizer, and a folder name is never recorded)",
+    )
     args = parser.parse_args(argv)
-    out = export_model(args.ckpt_path, args.out)
+    out = export_model(args.ckpt_path, args.out, tokenizer=args.tokenizer)
     print(f"ltcx: exported to {out}/ ({', '.join(sorted(p.name for p in out.iterdir()))})")
 
 
