@@ -403,7 +403,7 @@ def generate_main(argv: list[str]) -> None:
     """``ltcx generate``: stream a completion of each prompt from a checkpoint to stdout."""
     from ltcx.generation import check_generation_args, stream_tokens
     from ltcx.lm import EXPORT_CONFIG, load_language_model
-    from ltcx.tokenizers import get_tokenizer, stored_tokenizer_name
+    from ltcx.tokenizers import get_tokenizer, stored_tokenizer_name, vocab_fits
 
     parser = argparse.ArgumentParser(prog="ltcx generate", description=generate_main.__doc__)
     parser.add_argument(
@@ -445,10 +445,16 @@ def generate_main(argv: list[str]) -> None:
         raise LtcxError("the checkpoint names no tokenizer: pass --tokenizer (e.g. gpt2)")
     tokenizer = get_tokenizer(tokenizer_name)
     model_vocab = meta.get("backbone_config", {}).get("vocab_size")
-    if model_vocab is not None and tokenizer.vocab_size > model_vocab:
+    if model_vocab is not None and not vocab_fits(tokenizer.vocab_size, model_vocab):
+        if args.tokenizer in (None, stored):
+            fix = f"{source} names another tokenizer than its model's: pass the --tokenizer it was trained with"
+        elif stored is not None:
+            fix = f"it was trained with tokenizer {stored!r}: pass that --tokenizer"
+        else:
+            fix = "pass the --tokenizer it was trained with"
         raise LtcxError(
-            f"tokenizer '{tokenizer_name}' has {tokenizer.vocab_size} ids but the model's vocabulary is {model_vocab} "
-            f"(it was trained with '{meta.get('tokenizer')}'): pass that --tokenizer"
+            f"tokenizer {tokenizer_name!r} ({tokenizer.vocab_size} ids) does not fit the model's vocabulary of "
+            f"{model_vocab}: {fix}"
         )
     generator = torch.Generator(device=device)
     if args.seed is not None:

@@ -17,7 +17,7 @@ from typing import Any
 from ltcx.errors import LtcxError
 from ltcx.hub import hub_unreachable
 
-__all__ = ["Tokenizer", "get_tokenizer", "padded_vocab_size", "stored_tokenizer_name"]
+__all__ = ["Tokenizer", "get_tokenizer", "padded_vocab_size", "stored_tokenizer_name", "vocab_fits"]
 
 BUILTIN_TOKENIZERS = ("gpt2", "bytes")
 # A Hugging Face hub id, "name" or "namespace/name" (the hub's rule: letters, digits, "-", "_", "." between
@@ -237,3 +237,8 @@ def padded_vocab_size(vocab_size: int, multiple: int = 64) -> int:
         return int(vocab_size)
     return -(-int(vocab_size) // multiple) * multiple
 
+
+def vocab_fits(tokenizer_size: int, model_vocab: int) -> bool:
+    """Whether a model vocabulary of ``model_vocab`` rows is that of a tokenizer of ``tokenizer_size`` ids, padded
+    as ``data.pad_vocab_to_multiple_of`` pads it (to a multiple of 64 by default; 1, 2, 4, ... 256 are recognised)."""
+    return any(padded_vocab_size(tokenizer_size, 2**k) == model_vocab for k in range(9))

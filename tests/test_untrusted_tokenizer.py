@@ -1,4 +1,5 @@
-"""Issue 17: a tokenizer name a file holds never runs code nor asks to."""
+"""Issue 17: a tokenizer name a file holds never runs code nor asks to, and a tokenizer of another vocabulary than
+the model's is refused."""
 
 import json
 import os
@@ -7,12 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from ltcx.cli import main
 from ltcx.errors import LtcxError
-from ltcx.lm import export_model
+from ltcx.lm import LanguageModel, export_model
+from ltcx.models.gpt import GPT
 from ltcx.tokenizers import get_tokenizer, stored_tokenizer_name
 from test_cli import ROOT
-from test_failures import one_error_line, write_checkpoint
+from test_failures import GPT_CONFIG, one_error_line, write_checkpoint
 
 
 def custom_code_tokenizer(folder: Path, marker: Path) -> Path:
@@ -116,3 +120,32 @@ def test_export_never_records_a_tokenizer_folder(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
     export_model(checkpoint, tmp_path / "out", tokenizer="some-org/my-tokenizer")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["tokenizer"] == "some-org/my-tokenizer"
+
+
+def checkpoint_of_vocabulary(path: Path, vocab_size: int, tokenizer: str) -> Path:
+    """A tiny GPT checkpoint of ``vocab_size`` embedding rows that names ``tokenizer``."""
+    torch.manual_seed(0)
+    model = LanguageModel(GPT(**{**GPT_CONFIG, "vocab_size": vocab_size}))
+    torch.save({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams), "global_step": 1,
+                "ltcx": {"backbone_class": "ltcx.models.gpt.GPT", "backbone_config": model.backbone.config_dict(),
+                         "tokenizer": tokenizer, "tokens_seen": 0}}, path)
+    return path
+
+
+@pytest.mark.parametrize("stored,flag,fix", [
+    ("gpt2", ["--tokenizer", "bytes"], "it was trained with tokenizer 'gpt2': pass that --tokenizer"),
+    ("bytes", [], "checkpoint '{path}' names another tokenizer than its model's: pass the --tokenizer it was trained "
+                  "with"),
+])
+def test_generate_refuses_a_tokenizer_of_another_vocabulary(tmp_path, capsys, stored, flag, fix):
+    path = checkpoint_of_vocabulary(tmp_path / "gpt2.ckpt", 50304, stored)  # gpt2's 50257 ids padded to 64
+    line = one_error_line(["generate", "--ckpt_path", str(path), *flag, "--prompt", "a"], capsys)
+    assert line == ("ltcx: error: tokenizer 'bytes' (257 ids) does not fit the model's vocabulary of 50304: "
+                    + fix.format(path=path))
+    assert capsys.readouterr().out == ""
+
+
+def test_generate_accepts_a_vocabulary_padded_to_another_multiple(tmp_path, capsys):
+    path = checkpoint_of_vocabulary(tmp_path / "bytes128.ckpt", 384, "bytes")  # bytes' 257 ids padded to 128
+    main(["generate", "--ckpt_path", str(path), "--prompt", "a", "--max_new_tokens", "3", "--seed", "0"])
+    assert capsys.readouterr().out.startswith("a")
