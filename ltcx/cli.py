@@ -402,8 +402,8 @@ def cli_main(args: list[str] | None = None) -> LtcxCLI:
 def generate_main(argv: list[str]) -> None:
     """``ltcx generate``: stream a completion of each prompt from a checkpoint to stdout."""
     from ltcx.generation import check_generation_args, stream_tokens
-    from ltcx.lm import load_language_model
-    from ltcx.tokenizers import get_tokenizer
+    from ltcx.lm import EXPORT_CONFIG, load_language_model
+    from ltcx.tokenizers import get_tokenizer, stored_tokenizer_name, vocab_fits
 
     parser = argparse.ArgumentParser(prog="ltcx generate", description=generate_main.__doc__)
     parser.add_argument(
@@ -421,7 +421,11 @@ def generate_main(argv: list[str]) -> None:
     parser.add_argument("--num_samples", type=int, default=1, help="completions per prompt")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--no_stop_at_eot", action="store_true", help="keep going after the end-of-text token")
-    parser.add_argument("--tokenizer", default=None, help="override the tokenizer stored in the checkpoint")
+    parser.add_argument(
+        "--tokenizer", default=None,
+        help="override the tokenizer stored in the checkpoint (gpt2, bytes, a Hugging Face id or local folder; a "
+        "folder the checkpoint names is only loaded when given here)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     if args.num_samples < 1:
@@ -430,15 +434,27 @@ def generate_main(argv: list[str]) -> None:
 
     model, meta = load_language_model(args.ckpt_path, map_location=device)
     backbone = model.backbone.to(device)
-    tokenizer_name = args.tokenizer or meta.get("tokenizer")
+    stored = meta.get("tokenizer")
+    exported = os.path.isfile(os.path.join(args.ckpt_path, EXPORT_CONFIG))
+    source = f"exported model '{args.ckpt_path}'" if exported else f"checkpoint '{args.ckpt_path}'"
+    tokenizer_name = args.tokenizer or stored_tokenizer_name(
+        stored, f"{source} names tokenizer",
+        "ltcx loads no tokenizer folder a file names; if you trust it, pass --tokenizer FOLDER yourself",
+    )
     if tokenizer_name is None:
         raise LtcxError("the checkpoint names no tokenizer: pass --tokenizer (e.g. gpt2)")
     tokenizer = get_tokenizer(tokenizer_name)
     model_vocab = meta.get("backbone_config", {}).get("vocab_size")
-    if model_vocab is not None and tokenizer.vocab_size > model_vocab:
+    if model_vocab is not None and not vocab_fits(tokenizer.vocab_size, model_vocab):
+        if args.tokenizer in (None, stored):
+            fix = f"{source} names another tokenizer than its model's: pass the --tokenizer it was trained with"
+        elif stored is not None:
+            fix = f"it was trained with tokenizer {stored!r}: pass that --tokenizer"
+        else:
+            fix = "pass the --tokenizer it was trained with"
         raise LtcxError(
-            f"tokenizer '{tokenizer_name}' has {tokenizer.vocab_size} ids but the model's vocabulary is {model_vocab} "
-            f"(it was trained with '{meta.get('tokenizer')}'): pass that --tokenizer"
+            f"tokenizer {tokenizer_name!r} ({tokenizer.vocab_size} ids) does not fit the model's vocabulary of "
+            f"{model_vocab}: {fix}"
         )
     generator = torch.Generator(device=device)
     if args.seed is not None:
@@ -485,8 +501,13 @@ def export_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="ltcx export", description=export_main.__doc__)
     parser.add_argument("--ckpt_path", required=True, help="checkpoint written by `ltcx fit`, or its checkpoint folder")
     parser.add_argument("--out", required=True, help="a new folder to write")
+    parser.add_argument(
+        "--tokenizer", default=None,
+        help="the tokenizer name to record instead of the checkpoint's: gpt2, bytes or a Hugging Face hub id (the "
+        "folder holds no tokenizer, and a folder name is never recorded)",
+    )
     args = parser.parse_args(argv)
-    out = export_model(args.ckpt_path, args.out)
+    out = export_model(args.ckpt_path, args.out, tokenizer=args.tokenizer)
     print(f"ltcx: exported to {out}/ ({', '.join(sorted(p.name for p in out.iterdir()))})")
 
 

@@ -90,7 +90,7 @@ def stream_tokens(
 
     The prompt is fed once; each later step feeds only the last token with the backbone's state (KV cache
     or recurrent state). A row that produced ``stop_token`` keeps yielding it; the loop ends when every
-    row has stopped or ``max_new_tokens`` were produced.
+    row has stopped or ``max_new_tokens`` were produced. Non-finite logits (damaged weights) raise ``LtcxError``.
     """
     check_generation_args(backbone, prompt.shape[1], max_new_tokens, temperature, top_k, top_p)
     if max_new_tokens == 0:
@@ -98,7 +98,14 @@ def stream_tokens(
     logits, state = backbone(prompt, None)
     finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
     for step in range(max_new_tokens):
-        token = sample_next(logits[:, -1], temperature, top_k, top_p, vocab_limit, generator)
+        last = logits[:, -1]  # [B, V]
+        # Damaged weights: multinomial would raise a traceback, and greedy would print garbage.
+        if not bool(torch.isfinite(last).all()):
+            raise LtcxError(
+                f"the model's logits are not finite at generated token {step + 1}: its weights are damaged or "
+                "diverged; sample from an earlier checkpoint"
+            )
+        token = sample_next(last, temperature, top_k, top_p, vocab_limit, generator)
         if stop_token is not None:
             token = token.masked_fill(finished, stop_token)
             finished |= token == stop_token

@@ -412,21 +412,35 @@ def load_language_model(ckpt_path: str | Path, map_location: str | torch.device 
 EXPORT_CONFIG, EXPORT_WEIGHTS, EXPORT_FORMAT = "config.json", "model.safetensors", "ltcx-export-1"
 
 
-def export_model(ckpt_path: str | Path, out: str | Path) -> Path:
+def export_model(ckpt_path: str | Path, out: str | Path, tokenizer: str | None = None) -> Path:
     """Write the model of a checkpoint to a new folder ``out`` without pickles: ``model.safetensors`` (the
     backbone's weights) and ``config.json`` (backbone class path and config, tokenizer name, hyper-parameters,
-    step). ``load_exported(out)`` rebuilds it. The folder appears whole or not at all."""
+    step). ``load_exported(out)`` rebuilds it. The folder appears whole or not at all.
+
+    tokenizer: the name to record instead of the checkpoint's. Either must be one a reader of the export may load on
+    the file's word (``stored_tokenizer_name``: gpt2, bytes or a Hugging Face hub id), never a folder."""
     from safetensors.torch import save_model
+
+    from ltcx.tokenizers import stored_tokenizer_name
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise LtcxError(f"'{out}' already exists and is not an empty folder: pass --out a new folder")
     model, meta = load_language_model(ckpt_path)
+    # Whoever reads the export loads the name on the file's word (``ltcx generate``).
+    only = "an export names only gpt2, bytes or a Hugging Face hub id"
+    if tokenizer is not None:
+        tokenizer = stored_tokenizer_name(tokenizer, "--tokenizer", only)
+    else:
+        tokenizer = stored_tokenizer_name(
+            meta.get("tokenizer"), f"checkpoint '{ckpt_path}' names tokenizer",
+            f"{only}: pass --tokenizer with the tokenizer's hub id",
+        )
     config = {
         "format": EXPORT_FORMAT,
         "backbone_class": meta["backbone_class"],
         "backbone_config": meta["backbone_config"],
-        "tokenizer": meta.get("tokenizer"),
+        "tokenizer": tokenizer,
         "tokens_seen": meta.get("tokens_seen", 0),
         "hyper_parameters": {k: (list(v) if isinstance(v, tuple) else v) for k, v in model.hparams.items()},
     }

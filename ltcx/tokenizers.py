@@ -10,13 +10,20 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ltcx.errors import LtcxError
 from ltcx.hub import hub_unreachable
 
-__all__ = ["Tokenizer", "get_tokenizer", "padded_vocab_size"]
+__all__ = ["Tokenizer", "get_tokenizer", "padded_vocab_size", "stored_tokenizer_name", "vocab_fits"]
+
+BUILTIN_TOKENIZERS = ("gpt2", "bytes")
+# A Hugging Face hub id, "name" or "namespace/name" (the hub's rule: letters, digits, "-", "_", "." between
+# alphanumerics, no "--" or ".."): never a path, so a name a file gives can not point into this machine.
+_HUB_PART = r"[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9])?"
+_HUB_ID = re.compile(rf"(?!.*(?:--|\.\.)){_HUB_PART}(?:/{_HUB_PART})?", re.ASCII)
 
 # SHA-256 of GPT-2's published vocab.bpe / encoder.json (the same hashes tiktoken checks for its "gpt2").
 _GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
@@ -174,6 +181,8 @@ def _short_reason(exc: BaseException, limit: int = 200) -> str:
 def get_tokenizer(name: str = "gpt2") -> Tokenizer:
     """The tokenizer called ``name``: ``"gpt2"``, ``"bytes"``, or a Hugging Face tokenizer id / local folder.
 
+    A Hugging Face tokenizer is loaded with ``trust_remote_code=False``: ltcx never runs (nor asks to run) a
+    tokenizer's own Python code, and one that needs it (``auto_map`` in its ``tokenizer_config.json``) is refused.
     Instances are cached, so every caller (and every dataloader worker of a process) shares one.
     """
     if name == "gpt2":
@@ -184,14 +193,42 @@ def get_tokenizer(name: str = "gpt2") -> Tokenizer:
     unreachable = None if os.path.isdir(name) else hub_unreachable()
     try:
         from transformers import AutoTokenizer
+        from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
-        hf = AutoTokenizer.from_pretrained(name, local_files_only=unreachable is not None)
+        # Read as JSON first: transformers would otherwise load the built-in class a custom tokenizer names and
+        # ignore its code, giving other ids than the tokenizer's author meant.
+        custom = "auto_map" in get_tokenizer_config(name, local_files_only=unreachable is not None)
+        hf = None if custom else AutoTokenizer.from_pretrained(
+            name, local_files_only=unreachable is not None, trust_remote_code=False
+        )
     except Exception as exc:  # noqa: BLE001 - any failure means "cannot use this name"
         reason = f"not in the local cache and {unreachable}" if unreachable else _short_reason(exc)
         raise LtcxError(
             f"unknown tokenizer {name!r}: use 'gpt2', 'bytes', or a Hugging Face tokenizer name/local folder ({reason})"
         ) from exc
+    if custom:
+        raise LtcxError(
+            f"tokenizer {name!r} needs its own Python code (auto_map in its tokenizer_config.json), which ltcx never "
+            "runs: use 'gpt2', 'bytes', or a Hugging Face tokenizer that loads without custom code"
+        )
     return HFTokenizer(name, hf)
+
+
+def stored_tokenizer_name(name: Any, names: str, fix: str) -> str | None:
+    """``name``, a tokenizer name a file holds, if it may be loaded on the file's word: None, ``"gpt2"``,
+    ``"bytes"`` or a Hugging Face hub id that is no path here; else one line ``"{names} {name}, which is ...: {fix}"``
+    (``names``: e.g. ``"checkpoint 'x.ckpt' names tokenizer"``). A file someone hands over never chooses a folder
+    of this machine to load a tokenizer from."""
+    if name is None or name in BUILTIN_TOKENIZERS:
+        return name
+    if isinstance(name, str) and _HUB_ID.fullmatch(name) and not os.path.exists(name):
+        return name
+    shown = repr(name) if len(repr(name)) <= 200 else repr(name)[:197] + "..."
+    if isinstance(name, str) and os.path.exists(name):
+        what = "a path on this machine"
+    else:
+        what = "neither 'gpt2', 'bytes' nor a Hugging Face hub id"
+    raise LtcxError(f"{names} {shown}, which is {what}: {fix}")
 
 
 def padded_vocab_size(vocab_size: int, multiple: int = 64) -> int:
@@ -199,3 +236,9 @@ def padded_vocab_size(vocab_size: int, multiple: int = 64) -> int:
     if multiple <= 1:
         return int(vocab_size)
     return -(-int(vocab_size) // multiple) * multiple
+
+
+def vocab_fits(tokenizer_size: int, model_vocab: int) -> bool:
+    """Whether a model vocabulary of ``model_vocab`` rows is that of a tokenizer of ``tokenizer_size`` ids, padded
+    as ``data.pad_vocab_to_multiple_of`` pads it (to a multiple of 64 by default; 1, 2, 4, ... 256 are recognised)."""
+    return any(padded_vocab_size(tokenizer_size, 2**k) == model_vocab for k in range(9))

@@ -353,8 +353,8 @@ def test_unreadable_file_mid_training_is_named(tmp_path, fit_env, capsys):
     (["--num_samples", "0"], "--num_samples (0) must be >= 1"),
     (["--temperature", "nan"], "temperature (nan) must be a finite number >= 0"),
     (["--temperature", "inf"], "temperature (inf) must be a finite number >= 0"),
-    (["--tokenizer", "gpt2"], "tokenizer 'gpt2' has 50257 ids but the model's vocabulary is 320 (it was trained with "
-                              "'bytes'): pass that --tokenizer"),
+    (["--tokenizer", "gpt2"], "tokenizer 'gpt2' (50257 ids) does not fit the model's vocabulary of 320: it was trained "
+                              "with tokenizer 'bytes': pass that --tokenizer"),
     (["--prompt", "x" * 80], "prompt (80 tokens) plus max_new_tokens (5) is 85 tokens, more than the model's context"),
 ])
 def test_generate_flag_errors_print_nothing_else(capsys, checkpoint, flags, message):

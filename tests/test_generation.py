@@ -6,6 +6,7 @@ import torch
 from ltcx.errors import LtcxError
 from ltcx.generation import filter_logits, generate, stream_tokens
 from ltcx.models.gpt import GPT
+from test_failures import one_error_line, write_checkpoint
 
 
 @pytest.fixture
@@ -69,3 +70,41 @@ def test_generate_texts_batches_prompts_of_any_length(model):
     together = generate_texts(small, tokenizer, prompts, 6, temperature=0, stop_at_eot=False)
     alone = [generate_texts(small, tokenizer, [p], 6, temperature=0, stop_at_eot=False)[0] for p in prompts]
     assert together == alone and [t[: len(p)] for t, p in zip(together, prompts)] == prompts
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0])
+def test_non_finite_logits_raise_one_line(model, temperature):
+    prompt = torch.randint(0, 64, (2, 3))
+    generate(model, prompt, 3, temperature=temperature)  # healthy weights sample
+    with torch.no_grad():
+        for weights in model.parameters():
+            weights.fill_(float("nan"))
+    with pytest.raises(LtcxError) as info:
+        generate(model, prompt, 3, temperature=temperature)
+    assert str(info.value) == ("the model's logits are not finite at generated token 1: its weights are damaged or "
+                               "diverged; sample from an earlier checkpoint")
+
+
+def test_non_finite_logits_name_the_token(model):
+    calls = []
+
+    def diverge_on_third_call(module, inputs, output):  # fed the prompt, token 1, token 2: token 3 has NaN logits
+        calls.append(1)
+        return (output[0] * float("nan"), output[1]) if len(calls) == 3 else output
+
+    model.register_forward_hook(diverge_on_third_call)
+    with pytest.raises(LtcxError, match="not finite at generated token 3: "):
+        generate(model, torch.randint(0, 64, (1, 3)), 5, temperature=1.0)
+
+
+@pytest.mark.parametrize("temperature", ["0.8", "0"])
+def test_generate_cli_with_non_finite_weights_is_one_line(tmp_path, capsys, temperature):
+    path = write_checkpoint(tmp_path / "nan.ckpt")
+    checkpoint = torch.load(path, weights_only=True)
+    for weights in checkpoint["state_dict"].values():
+        weights.fill_(float("nan"))
+    torch.save(checkpoint, path)
+    line = one_error_line(["generate", "--ckpt_path", str(path), "--prompt", "a", "--max_new_tokens", "5",
+                           "--temperature", temperature], capsys)
+    assert line == ("ltcx: error: the model's logits are not finite at generated token 1: its weights are damaged or "
+                    "diverged; sample from an earlier checkpoint")
