@@ -319,7 +319,7 @@ def test_validation_batches_are_fixed_and_disjoint(tmp_path, corpus):
 
 def test_shard_mode_errors(tmp_path, corpus):
     out, _ = prepared(tmp_path, corpus)
-    with pytest.raises(LtcxError, match=r"made with tokenizer 'bytes', not 'gpt2': set --data.tokenizer bytes"):
+    with pytest.raises(LtcxError, match=r"made with tokenizer 'bytes', not 'gpt2': set --data.tokenizer to it"):
         shard_dm(out, tokenizer="gpt2")
     meta = json.loads((out / "meta.json").read_text())
     (out / "meta.json").write_text(json.dumps({**meta, "vocab_size": 300}))  # same name, other ids

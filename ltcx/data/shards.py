@@ -144,7 +144,7 @@ def verify_shards(folder: str, meta: dict[str, Any], mode: str = "fast", vocab_s
         if vocab_size is not None and max_id is not None and max_id >= vocab_size:
             raise LtcxError(
                 f"token shard '{path}' holds id {max_id}, outside the vocabulary of tokenizer "
-                f"'{meta['tokenizer']}' ({vocab_size} ids, 0-{vocab_size - 1}): it was changed after ltcx prepare "
+                f"{meta['tokenizer']!r} ({vocab_size} ids, 0-{vocab_size - 1}): it was changed after ltcx prepare "
                 "or made with another tokenizer; prepare the data again into a new folder"
             )
 

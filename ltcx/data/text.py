@@ -418,14 +418,15 @@ class TextDataModule(L.LightningDataModule):
 
     def _setup_shards(self, folder: str) -> None:
         meta = load_meta(folder)
+        made_with = repr(meta["tokenizer"])  # a name from a file, shown as data (a newline stays one line)
         if meta["tokenizer"] != self.tokenizer:
             raise ConfigError(
-                f"the token shards in '{self.path}' were made with tokenizer '{meta['tokenizer']}', not "
-                f"'{self.tokenizer}': set --data.tokenizer {meta['tokenizer']}"
+                f"the token shards in '{self.path}' were made with tokenizer {made_with}, not "
+                f"'{self.tokenizer}': set --data.tokenizer to it"
             )
         if meta["vocab_size"] != self.vocab_size:  # same name, other files (a local or updated hub tokenizer)
             raise ConfigError(
-                f"the token shards in '{self.path}' were made with tokenizer '{meta['tokenizer']}' of "
+                f"the token shards in '{self.path}' were made with tokenizer {made_with} of "
                 f"{meta['vocab_size']} ids, which now has {self.vocab_size}: use the tokenizer they were made with, "
                 "or prepare the data again into a new folder"
             )
