@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import math
@@ -433,7 +434,7 @@ def export_model(ckpt_path: str | Path, out: str | Path) -> Path:
     if meta.get("global_step") is not None:
         config["global_step"] = meta["global_step"]
     try:
-        text = json.dumps(config, indent=2)
+        json.dumps(config)
     except TypeError as error:
         raise LtcxError(f"checkpoint '{ckpt_path}' holds a config that is not plain data ({error})") from None
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -442,7 +443,8 @@ def export_model(ckpt_path: str | Path, out: str | Path) -> Path:
     try:
         temp.mkdir()
         save_model(model.backbone, str(temp / EXPORT_WEIGHTS), metadata={"format": "pt"})
-        (temp / EXPORT_CONFIG).write_text(text + "\n")
+        config["weights_sha256"] = _file_sha256(temp / EXPORT_WEIGHTS)  # checked by load_exported
+        (temp / EXPORT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         if out.exists():
             out.rmdir()  # empty, checked above
         os.replace(temp, out)
@@ -451,6 +453,14 @@ def export_model(ckpt_path: str | Path, out: str | Path) -> Path:
     finally:
         shutil.rmtree(temp, ignore_errors=True)
     return out
+
+
+def _file_sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            sha.update(block)
+    return sha.hexdigest()
 
 
 def load_exported(folder: str | Path, map_location: str | torch.device = "cpu") -> tuple[LanguageModel, dict]:
@@ -474,6 +484,13 @@ def load_exported(folder: str | Path, map_location: str | torch.device = "cpu") 
     weights = folder / EXPORT_WEIGHTS
     if not weights.is_file():
         raise LtcxError(f"{source} has no {EXPORT_WEIGHTS}: export it again")
+    expected = config.get("weights_sha256")
+    if expected is None:
+        print(f"ltcx: {source} has no weights_sha256 in {EXPORT_CONFIG} (exported by an earlier ltcx), so its "
+              f"{EXPORT_WEIGHTS} could not be checked for damage", file=sys.stderr)
+    elif _file_sha256(weights) != expected:
+        raise LtcxError(f"{source} is damaged: its {EXPORT_WEIGHTS} does not match the SHA-256 in its {EXPORT_CONFIG} "
+                        "(bytes changed on disk or in transfer); export it again from its checkpoint")
     try:
         with safe_open(str(weights), framework="pt") as f:
             stored = {name: f.get_slice(name).get_shape() for name in f.keys()}

@@ -3,10 +3,12 @@ folders, bad flags, offline, bf16 decoding, default_root_dir. Each case asserts 
 message, the exit code, and which files exist and are intact."""
 
 import errno
+import json
 import os
 import pickle
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -175,23 +177,28 @@ def test_final_step_saved_after_periodic_saves(tmp_path, fit_env):
 
 
 def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, fit_env, monkeypatch, capsys):
-    """The disk fills after the save of step 1: the save of step 2 fails with one line, step 1's file is intact."""
+    """The disk fills after the saves of step 1: step 2's first save (its top-k file) fails with one line, which
+    is true: nothing of step 2 is on disk, and step 1's files are intact."""
     data = fit_env
-    last = tmp_path / "checkpoints/gpt/version_0/last.ckpt"
+    folder = tmp_path / "checkpoints/gpt/version_0"
+    last = folder / "last.ckpt"
     real_fsync, saved = os.fsync, {}
 
     def full_disk(fd):
-        if last.is_file():
+        if last.is_file() and stat.S_ISREG(os.fstat(fd).st_mode):  # a file's data, not its folder's rename
             saved.setdefault("before", last.read_bytes())
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real_fsync(fd)
 
     monkeypatch.setattr("ltcx.checkpoint.os.fsync", full_disk)
     line = one_error_line(lean_fit_args(tmp_path, data, "--trainer.max_steps", "3", every=1), capsys)
-    assert line == (f"ltcx: error: cannot write checkpoint '{last}' (disk full); the "
-                    "previous checkpoint there is intact: free space or point the checkpoint dirpath at another disk")
+    assert line == (f"ltcx: error: cannot write checkpoint '{folder / 'epoch=0-step=2.ckpt'}' (disk full); nothing was "
+                    "written: free space or point the checkpoint dirpath at another disk")
     assert last.read_bytes() == saved["before"] and step_and_weights(last)[0] == 1
-    assert not [p.name for p in last.parent.iterdir() if p.name.startswith(".")]  # no temp file left
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=1.ckpt", "last.ckpt"]  # no temp file left
+    with pytest.raises(LtcxError, match="the previous checkpoint there is intact"):  # an existing name: its old file
+        atomic_save({"new": torch.ones(3)}, last)
+    assert last.read_bytes() == saved["before"]
 
 
 KILLED_MID_SAVE = """
@@ -383,6 +390,103 @@ def test_weights_that_are_no_tensors_are_still_a_damaged_file(tmp_path, capsys):
     assert line.endswith("); the file is damaged")
 
 
+# -- 9a: a checkpoint or export whose bytes changed is named damaged, never loaded -------------------------------
+
+
+def test_digest_covers_every_value_type_lightning_saves(tmp_path):
+    """The digest of what was saved is that of what loads back, for each kind of value in a Lightning checkpoint;
+    any changed value or byte changes it."""
+    from collections import OrderedDict
+
+    from ltcx.checkpoint import DIGEST_KEY, content_digest
+
+    values = {
+        "state_dict": OrderedDict(w=torch.arange(6, dtype=torch.bfloat16).reshape(2, 3).t(), s=torch.tensor(2.5)),
+        "optimizer_states": [{"state": {0: {"step": torch.tensor(3.0)}, 1: {}}, "param_groups": [
+            {"betas": (0.9, 0.95), "lr": 1e-3, "params": [0, 1], "foreach": None, "fused": False}]}],
+        "floats": [float("nan"), -0.0, float("inf"), 1 / 3], "size": torch.Size([2, 3]), "nested": [[1, [2, "x"]], ()],
+        "tags": {"b", "a"}, "dtype": torch.float16, "text": "ünï", "ltcx": {"backbone_class": "ltcx.models.gpt.GPT"},
+    }
+    atomic_save(values, tmp_path / "all.ckpt")
+    stored = torch.load(tmp_path / "all.ckpt", weights_only=True)
+    assert list(stored)[-1] == DIGEST_KEY and stored[DIGEST_KEY]["sha256"] == content_digest(values)
+    loaded = read_checkpoint(tmp_path / "all.ckpt")
+    assert DIGEST_KEY not in loaded and content_digest(loaded) == content_digest(values)
+    for change in (lambda v: v["state_dict"]["w"][1, 0].add_(1),
+                   lambda v: v["optimizer_states"][0]["state"].update({2: {}}),
+                   lambda v: v["floats"].__setitem__(1, 0.0), lambda v: v.update(size=(2, 3))):
+        change(loaded)
+        assert content_digest(loaded) != content_digest(values)
+
+
+def flip_tensor_bytes(path: Path, tensor: torch.Tensor, count: int = 20) -> None:
+    """Flip ``count`` bytes in the middle of ``tensor``'s data inside the file ``path`` (torch stores records
+    uncompressed, so the tensor's bytes are there as they are in memory)."""
+    data, raw = bytearray(path.read_bytes()), tensor.contiguous().view(torch.uint8).numpy().tobytes()
+    at = data.find(raw)
+    assert at >= 0 and data.find(raw, at + 1) < 0
+    middle = at + len(raw) // 2
+    data[middle:middle + count] = bytes(b ^ 0xFF for b in data[middle:middle + count])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("entry", ["read_checkpoint", "load_from_checkpoint", "generate", "export", "fit"])
+def test_checkpoint_with_flipped_bytes_is_named_damaged(tmp_path, fit_env, capsys, trained, entry):
+    saved, data = trained
+    path = tmp_path / "flipped.ckpt"
+    shutil.copy(saved, path)
+    flip_tensor_bytes(path, read_checkpoint(saved)["optimizer_states"][0]["state"][0]["exp_avg"])
+    assert torch.load(path, weights_only=True)["global_step"] == 1  # torch reads it without a word
+    before = {p for p in tmp_path.rglob("*") if p.name != "lean.yaml"}
+    message = (f"checkpoint '{path}' is damaged: its contents do not match the SHA-256 digest saved with it (bytes "
+               "changed on disk or in transfer); use another checkpoint")
+    if entry in ("read_checkpoint", "load_from_checkpoint"):
+        with pytest.raises(LtcxError) as error:
+            (read_checkpoint if entry == "read_checkpoint" else LanguageModel.load_from_checkpoint)(path)
+        assert str(error.value) == message
+    else:
+        args = {
+            "generate": ["generate", "--ckpt_path", str(path), "--prompt", "a", "--max_new_tokens", "2"],
+            "export": ["export", "--ckpt_path", str(path), "--out", str(tmp_path / "exported")],
+            "fit": lean_fit_args(tmp_path, data, "--trainer.max_steps", "2", "--ckpt_path", str(path)),
+        }[entry]
+        assert one_error_line(args, capsys) == f"ltcx: error: {message}"
+    assert_nothing_written(tmp_path, before)
+
+
+def test_export_with_flipped_bytes_is_named_damaged(tmp_path, trained, capsys):
+    out = tmp_path / "exported"
+    main(["export", "--ckpt_path", str(trained[0]), "--out", str(out)])
+    capsys.readouterr()
+    assert len(json.loads((out / "config.json").read_text())["weights_sha256"]) == 64
+    flip_tensor_bytes(out / "model.safetensors", read_checkpoint(trained[0])["state_dict"]["backbone.wpe.weight"])
+    message = (f"exported model '{out}' is damaged: its model.safetensors does not match the SHA-256 in its config.json "
+               "(bytes changed on disk or in transfer); export it again from its checkpoint")
+    with pytest.raises(LtcxError) as error:
+        LanguageModel.from_pretrained(out)
+    assert str(error.value) == message
+    assert one_error_line(["generate", "--ckpt_path", str(out), "--max_new_tokens", "2"], capsys) == \
+        f"ltcx: error: {message}"
+    assert capsys.readouterr().out == ""
+
+
+def test_files_without_a_digest_load_with_one_notice(tmp_path, trained, capsys, checkpoint):
+    load_language_model(checkpoint)  # written by torch.save, as an earlier ltcx did
+    assert capsys.readouterr().err.splitlines() == [
+        f"ltcx: checkpoint '{checkpoint}' has no SHA-256 digest (written by torch.save or an earlier ltcx), so it could "
+        "not be checked for damage"]
+    out = tmp_path / "exported"
+    main(["export", "--ckpt_path", str(trained[0]), "--out", str(out)])
+    config = json.loads((out / "config.json").read_text())
+    del config["weights_sha256"]
+    (out / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    LanguageModel.from_pretrained(out)
+    assert capsys.readouterr().err.splitlines() == [
+        f"ltcx: exported model '{out}' has no weights_sha256 in config.json (exported by an earlier ltcx), so its "
+        "model.safetensors could not be checked for damage"]
+
+
 # -- 9b: a readable checkpoint of another version of ltcx is named as such, not as a damaged file ----------------
 
 OTHER_VERSION = ("it was saved by another version of ltcx or another config: load it with the version that wrote it, "
@@ -456,6 +560,9 @@ def test_exported_model_of_other_shapes_is_not_called_damaged(tmp_path, trained,
     weights = load_file(out / "model.safetensors")
     weights["blocks.0.mlp.c_fc.weight"] = torch.zeros(96, 32)
     save_file(weights, out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    del config["weights_sha256"]  # as an earlier ltcx exported it
+    (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(LtcxError) as error:
         LanguageModel.from_pretrained(out)
     assert str(error.value) == (f"exported model '{out}' does not fit the model: blocks.0.mlp.c_fc.weight is [96, 32] "
