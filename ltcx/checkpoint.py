@@ -248,7 +248,7 @@ def remove_stale_temps(folder: str | os.PathLike) -> None:
     names = os.listdir(folder) if os.path.isdir(folder) else []
     for name in names:
         found, temp = _TEMP.fullmatch(name), os.path.join(folder, name)
-        if not found or not os.path.isfile(temp):  # an export's temp folder is its own business
+        if not found or (os.path.isdir(temp) and not os.path.islink(temp)):  # an export's temp folder: its own business
             continue
         try:
             os.kill(int(found.group(1)), 0)
@@ -278,6 +278,8 @@ def _replace_durably(write, path: str) -> None:
     try:
         os.makedirs(folder, exist_ok=True)
         remove_stale_temps(folder)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temp)  # this process's own leftover (a link would redirect the write)
         write(temp)
         os.replace(temp, path)
         replaced = True

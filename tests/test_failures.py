@@ -70,13 +70,14 @@ def fit_env(tmp_path, monkeypatch):
     return write_corpus(tmp_path / "corpus", 60, 10)
 
 
-def lean_fit_args(tmp_path: Path, data: Path, *extra: str, every: int = 100) -> list[str]:
+def lean_fit_args(tmp_path: Path, data: Path, *extra: str, every: int = 100, keep_runs: str = "") -> list[str]:
     """fit_args without validation or samples; checkpoints every ``every`` steps to checkpoints/gpt."""
     callbacks = tmp_path / "lean.yaml"
     callbacks.write_text(
         "trainer:\n  callbacks:\n    - class_path: ltcx.callbacks.ModelCheckpoint\n      init_args:\n"
         f"        dirpath: checkpoints/gpt\n        save_last: true\n        every_n_train_steps: {every}\n"
-        "    - class_path: ltcx.callbacks.FiniteLossGuard\n"
+        + (f"        keep_runs: {keep_runs}\n" if keep_runs else "")
+        + "    - class_path: ltcx.callbacks.FiniteLossGuard\n"
     )
     return fit_args(data, "--config", str(callbacks), "--trainer.limit_val_batches", "0", *extra)
 
@@ -221,6 +222,102 @@ def test_kill_9_mid_save_leaves_the_previous_checkpoint(tmp_path):
     atomic_save({"newer": torch.ones(3)}, target)  # the next save clears the dead process's temp file
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
     assert torch.load(target, weights_only=True)["newer"].eq(1).all()
+
+
+def test_temp_files_of_killed_saves_are_removed_when_a_run_starts(tmp_path, fit_env):
+    """A resumed run saves in a new folder: the temp file a kill left in the old one goes when the run starts."""
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1"))
+    folder = tmp_path / "checkpoints/gpt/version_0"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale, alive = folder / f".last.ckpt.tmp-{int(dead.stdout)}", folder / f".last.ckpt.tmp-{os.getpid()}"
+    stale.write_bytes(b"half a checkpoint"), alive.write_bytes(b"being written")
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "2", "--ckpt_path", "last"))
+    assert not stale.exists() and alive.exists()  # a running process's file is its own
+
+
+def test_keep_runs_deletes_the_checkpoints_of_older_runs_of_a_resumed_chain(tmp_path, fit_env, capsys):
+    """Default keep_runs 2: a resume keeps its own and its parent's files and deletes its older ancestors' once it
+    has saved; a run it does not descend from is never touched; the file resumed from stays until this run saved."""
+    folder = tmp_path / "checkpoints/gpt"
+
+    def fit(steps: int, ckpt_path: str, *extra: str, keep_runs: str = "") -> None:
+        main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", str(steps), "--ckpt_path", ckpt_path, *extra,
+                           keep_runs=keep_runs))
+
+    def files() -> list[str]:
+        return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.ckpt"))
+
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1"))  # version_0
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1"))  # version_1: another run, fresh
+    fit(2, str(folder / "version_0/last.ckpt"))  # version_2, resumed from version_0
+    fit(3, "last")  # version_3, from version_2: version_0 goes
+    assert files() == ["version_1/last.ckpt", "version_2/last.ckpt", "version_3/last.ckpt"]
+    assert sorted(p.name for p in folder.iterdir()) == ["version_1", "version_2", "version_3"]
+    notices = [line for line in capsys.readouterr().err.splitlines() if "removed" in line]
+    assert notices == [f"ltcx: removed version_0/last.ckpt from {folder}: checkpoints of runs before the last 2 "
+                       "(ModelCheckpoint keep_runs; null keeps them)"]
+    one_error_line(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "6", "--ckpt_path", "last",
+                                 "--trainer.callbacks+=fault_injection.PoisonWeights", "--trainer.callbacks.at_step=4",
+                                 keep_runs="1"), capsys)  # stops (NaN) before its first save: nothing deleted
+    assert files() == ["version_1/last.ckpt", "version_2/last.ckpt", "version_3/last.ckpt"]
+    fit(4, "last", keep_runs="1")  # version_5 (the failed run logged as version_4)
+    assert [f for f in files() if f != "version_1/last.ckpt"] == ["version_5/last.ckpt"]
+    assert step_and_weights(folder / "version_5/last.ckpt")[0] == 4
+
+
+def test_keep_runs_must_be_positive(tmp_path, fit_env, capsys):
+    line = one_error_line(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1", keep_runs="0"), capsys)
+    assert line == ("ltcx: error: ModelCheckpoint keep_runs (0) must be an integer >= 1 (null: keep every run's "
+                    "checkpoints): fix its init_args.keep_runs")
+
+
+def test_save_last_link_replaces_last_whole_even_when_copying(tmp_path, monkeypatch):
+    """``save_last: link`` where links fail copies the top-k file: a full disk midway keeps the old last.ckpt
+    (Lightning removed it first and left half a copy)."""
+    from types import SimpleNamespace
+
+    from ltcx.callbacks import ModelCheckpoint
+
+    trainer = SimpleNamespace(is_global_zero=True, strategy=SimpleNamespace(barrier=lambda *a: None))
+    top, last = tmp_path / "epoch=0-step=2.ckpt", tmp_path / "last.ckpt"
+    top.write_bytes(b"new" * 1000), last.write_bytes(b"old")
+    ModelCheckpoint._link_checkpoint(trainer, str(top), str(last))
+    assert last.is_symlink() and last.read_bytes() == top.read_bytes()
+    last.unlink(), last.write_bytes(b"old")
+
+    def no_links(*args):
+        raise OSError(errno.EPERM, "links not supported")
+
+    def half_copy(source, target):
+        Path(target).write_bytes(Path(source).read_bytes()[:1000])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "symlink", no_links)
+    monkeypatch.setattr(shutil, "copyfile", half_copy)
+    with pytest.raises(LtcxError, match=r"last.ckpt' \(disk full\); the previous checkpoint there is intact"):
+        ModelCheckpoint._link_checkpoint(trainer, str(top), str(last))
+    assert last.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == [top.name, "last.ckpt"]
+    monkeypatch.undo()
+    monkeypatch.setattr(os, "symlink", no_links)
+    ModelCheckpoint._link_checkpoint(trainer, str(top), str(last))
+    assert not last.is_symlink() and last.read_bytes() == top.read_bytes()
+
+
+def test_file_url_saves_atomically(tmp_path, monkeypatch):
+    """A ``file://`` path is a local file: written through the same temp file and rename (fsspec would stage it in
+    /tmp and copy it over, leaving half a file when the disk fills)."""
+    target = tmp_path / "epoch=0-step=2.ckpt"
+    SafeCheckpointIO().save_checkpoint({"ltcx": {}, "w": torch.ones(3)}, f"file://{target}")
+    assert read_checkpoint(target)["w"].eq(1).all()
+    target.unlink()
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("ltcx.checkpoint.os.fsync", full_disk)
+    with pytest.raises(LtcxError, match=r"\(disk full\); nothing was written"):
+        SafeCheckpointIO().save_checkpoint({"ltcx": {}, "w": torch.ones(3)}, f"file://{target}")
+    assert not list(tmp_path.iterdir())
 
 
 def test_checkpoint_io_refuses_non_finite_weights(tmp_path):
