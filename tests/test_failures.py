@@ -606,6 +606,7 @@ def trained(tmp_path_factory):
 def as_an_older_version(trained: Path, path: Path, change) -> Path:
     """The trained checkpoint with ``change(checkpoint)`` applied, as an older ltcx would have written it."""
     checkpoint = torch.load(trained, weights_only=True)
+    del checkpoint["ltcx_digest"]  # which no earlier ltcx wrote
     change(checkpoint)
     torch.save(checkpoint, path)
     return path
@@ -692,6 +693,61 @@ def test_settings_of_another_version_are_named(tmp_path, fit_env, capsys, traine
     assert line == (f"ltcx: error: checkpoint '{path}' has backbone_config round_to, which this version's GPT does not "
                     f"take: {again}")
     assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
+
+
+WRONG_TYPES = [
+    ("decay_steps", {"steps": 5}, "an integer or null"),
+    ("learning_rate", "abc", "a number"),
+    ("betas", "x", "a list [a number, a number]"),
+    ("backbone.bias", "yes", "true or false"),
+]
+
+
+@pytest.mark.parametrize("setting,value,expected", WRONG_TYPES)
+@pytest.mark.parametrize("entry", ["fit", "generate", "export", "load_from_checkpoint"])
+def test_hyper_parameter_of_the_wrong_type_in_a_checkpoint(tmp_path, fit_env, capsys, trained, entry, setting, value,
+                                                           expected):
+    saved, data = trained
+    where, _, name = setting.rpartition(".")
+
+    def change(checkpoint):
+        (checkpoint["ltcx"]["backbone_config"] if where else checkpoint["hyper_parameters"])[name] = value
+
+    path = as_an_older_version(saved, tmp_path / "typed.ckpt", change)
+    capsys.readouterr()
+    before = {p for p in tmp_path.rglob("*") if p.name != "lean.yaml"}
+    shown = f"model.backbone.init_args.{name}" if where else f"model.{name}"
+    message = f"checkpoint '{path}' has {shown} {value!r}, which is not {expected}: fix it in the file or use another one"
+    if entry == "load_from_checkpoint":
+        with pytest.raises(LtcxError) as error:
+            LanguageModel.load_from_checkpoint(path)
+        assert str(error.value) == message
+    else:
+        args = {
+            "fit": lean_fit_args(tmp_path, data, "--trainer.max_steps", "2", "--ckpt_path", str(path)),
+            "generate": ["generate", "--ckpt_path", str(path), "--prompt", "a", "--max_new_tokens", "2"],
+            "export": ["export", "--ckpt_path", str(path), "--out", str(tmp_path / "exported")],
+        }[entry]
+        assert one_error_line(args, capsys) == f"ltcx: error: {message}"
+    assert_nothing_written(tmp_path, before)
+
+
+@pytest.mark.parametrize("setting,value,expected", WRONG_TYPES)
+def test_hyper_parameter_of_the_wrong_type_in_an_export(tmp_path, trained, capsys, setting, value, expected):
+    out = tmp_path / "exported"
+    main(["export", "--ckpt_path", str(trained[0]), "--out", str(out)])
+    config = json.loads((out / "config.json").read_text())
+    where, _, name = setting.rpartition(".")
+    (config["backbone_config"] if where else config["hyper_parameters"])[name] = value
+    (out / "config.json").write_text(json.dumps(config))
+    shown = f"config.json's backbone_config.{name}" if where else f"config.json's hyper_parameters.{name}"
+    message = (f"exported model '{out}' has {shown} {value!r}, which is not {expected}: fix it in the file or use "
+               "another one")
+    with pytest.raises(LtcxError) as error:
+        LanguageModel.from_pretrained(out)
+    assert str(error.value) == message
+    assert one_error_line(["generate", "--ckpt_path", str(out), "--max_new_tokens", "2"], capsys) == \
+        f"ltcx: error: {message}"
 
 
 def test_checkpoint_from_before_a_new_setting_loads_at_its_default(tmp_path, fit_env, capsys, trained):
