@@ -29,8 +29,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from ltcx.errors import LtcxError
 
-__all__ = ["read_checkpoint", "atomic_save", "content_digest", "remove_stale_temps", "non_finite_weights", "SafeCheckpointIO", "latest_last_checkpoint",
-           "checkpoint_in_folder", "weight_differences", "check_weights_fit", "unknown_settings"]
+__all__ = ["read_checkpoint", "atomic_save", "atomic_copy", "content_digest", "remove_stale_temps", "non_finite_weights",
+           "SafeCheckpointIO", "latest_last_checkpoint", "checkpoint_in_folder", "weight_differences", "check_weights_fit",
+           "unknown_settings"]
 
 
 def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
