@@ -5,27 +5,33 @@ Every checkpoint a user hands us (``ltcx generate``, ``load_language_model``, ``
 tensors and plain containers, so a crafted file can not run code. ``SafeCheckpointIO`` is the Lightning
 ``CheckpointIO`` the CLI installs: it reads through ``read_checkpoint`` and writes a temp file in the target's
 own directory, fsyncs it and ``os.replace`` s it over the target, so a file on disk is either the previous
-complete checkpoint or the new complete one, whatever kills the process.
+complete checkpoint or the new complete one, whatever kills the process. Each file carries a SHA-256 digest of its
+contents (``content_digest``), written with it and checked by ``read_checkpoint``: torch's zip reader does not check
+its records' CRCs, so a flipped byte in a tensor would otherwise load silently.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import glob
+import hashlib
 import io
 import os
 import pickle
 import re
+import shutil
+import sys
 from typing import Any, Mapping
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from ltcx.errors import LtcxError
 
-__all__ = ["read_checkpoint", "atomic_save", "non_finite_weights", "SafeCheckpointIO", "latest_last_checkpoint",
-           "checkpoint_in_folder", "weight_differences", "check_weights_fit", "unknown_settings"]
+__all__ = ["read_checkpoint", "atomic_save", "atomic_copy", "content_digest", "remove_stale_temps", "non_finite_weights",
+           "SafeCheckpointIO", "latest_last_checkpoint", "checkpoint_in_folder", "weight_differences", "check_weights_fit",
+           "unknown_settings"]
 
 
 def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
@@ -55,7 +61,72 @@ def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
         ) from None
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("ltcx"), dict):
         raise LtcxError(f"checkpoint '{name}' was not written by ltcx (no 'ltcx' entry); train with `ltcx fit`")
+    _check_digest(name, checkpoint)
     return checkpoint
+
+
+# The digest of a checkpoint's contents, saved in the file under this key: {"sha256": hex, "version": 1}.
+DIGEST_KEY, DIGEST_VERSION = "ltcx_digest", 1
+
+
+def content_digest(obj: Any) -> str:
+    """SHA-256 of ``obj`` walked canonically: each container's type and length, then its items in order (dict keys
+    in insertion order, which pickle keeps; sets sorted); each tensor's dtype, shape and raw bytes (contiguous, as
+    uint8, so bf16 works); other values by type and ``repr`` (exact for floats, nan and -0.0 included)."""
+    sha = hashlib.sha256()
+
+    def put(tag: str, data: bytes | memoryview = b"") -> None:
+        data = memoryview(data)
+        sha.update(f"{tag}:{data.nbytes}:".encode())
+        sha.update(data)
+
+    def walk(value: Any) -> None:
+        if torch.is_tensor(value):
+            tensor = value.detach().cpu().contiguous().reshape(-1)
+            put("tensor", f"{tensor.dtype}{list(value.shape)}".encode())
+            put("data", tensor.view(torch.uint8).numpy())
+        elif isinstance(value, Mapping):
+            put(type(value).__name__, str(len(value)).encode())
+            for key, item in value.items():
+                walk(key)
+                walk(item)
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
+            put(type(value).__name__, str(len(value)).encode())
+            for item in items:
+                walk(item)
+        elif isinstance(value, str):
+            put("str", value.encode("utf-8", "surrogatepass"))
+        elif isinstance(value, (bytes, bytearray)):
+            put(type(value).__name__, value)
+        else:
+            put(type(value).__name__, repr(value).encode())
+
+    walk(obj)
+    return sha.hexdigest()
+
+
+def _with_digest(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` (not changed) plus its digest, under the last key."""
+    contents = {k: v for k, v in checkpoint.items() if k != DIGEST_KEY}
+    return {**contents, DIGEST_KEY: {"sha256": content_digest(contents), "version": DIGEST_VERSION}}
+
+
+def _check_digest(name: str, checkpoint: dict[str, Any]) -> None:
+    """Take the digest out of ``checkpoint`` and check it; a file without one (torch.save, an earlier ltcx) is one
+    notice line."""
+    saved = checkpoint.pop(DIGEST_KEY, None)
+    if saved is None:
+        if getattr(rank_zero_only, "rank", 0) == 0:
+            print(f"ltcx: checkpoint '{name}' has no SHA-256 digest (written by torch.save or an earlier ltcx), so "
+                  "it could not be checked for damage", file=sys.stderr)
+        return
+    if not isinstance(saved, dict) or saved.get("version") != DIGEST_VERSION:
+        raise LtcxError(f"checkpoint '{name}' has a digest of another version of ltcx ({saved!r:.80}): "
+                        f"{ANOTHER_VERSION}")
+    if saved.get("sha256") != content_digest(checkpoint):
+        raise LtcxError(f"checkpoint '{name}' is damaged: its contents do not match the SHA-256 digest saved with it "
+                        "(bytes changed on disk or in transfer); use another checkpoint")
 
 
 def _shape(value: Any) -> list[int] | None:
@@ -162,20 +233,26 @@ def non_finite_weights(checkpoint: dict[str, Any]) -> list[str]:
     ]
 
 
-def _temp_prefix(path: str) -> str:
-    """``<dir>/.<name>.tmp-``: a process adds its pid; hidden, so no ``*.ckpt`` glob ever matches it."""
+def _temp_name(path: str) -> str:
+    """``<dir>/.<name>.tmp-<pid>``: in the target's own folder (so ``os.replace`` is atomic), hidden, so no
+    ``*.ckpt`` glob ever matches it."""
     folder, name = os.path.split(path)
-    return os.path.join(folder, f".{name}.tmp-")
+    return os.path.join(folder, f".{name}.tmp-{os.getpid()}")
 
 
-def _remove_stale_temps(path: str) -> None:
-    """Remove temp files of ``path`` left by processes that no longer run (killed mid-save)."""
-    for temp in glob.glob(glob.escape(_temp_prefix(path)) + "*"):
-        pid = temp.rsplit("-", 1)[1]
-        if not pid.isdigit():
+_TEMP = re.compile(r"\..+\.tmp-(\d+)")
+
+
+def remove_stale_temps(folder: str | os.PathLike) -> None:
+    """Remove the temp files in ``folder`` of processes that no longer run (killed mid-save)."""
+    folder = os.fspath(folder)
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    for name in names:
+        found, temp = _TEMP.fullmatch(name), os.path.join(folder, name)
+        if not found or (os.path.isdir(temp) and not os.path.islink(temp)):  # an export's temp folder: its own business
             continue
         try:
-            os.kill(int(pid), 0)
+            os.kill(int(found.group(1)), 0)
         except ProcessLookupError:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(temp)
@@ -183,25 +260,30 @@ def _remove_stale_temps(path: str) -> None:
             pass
 
 
-def atomic_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save(obj)`` to ``path`` through ``<dir>/.<name>.tmp-<pid>``, fsync and ``os.replace``.
+def _write_error(path: str, error: OSError, written: bool = False) -> LtcxError:
+    """The one line for a checkpoint write that failed with ``error``."""
+    reason = "disk full" if error.errno == errno.ENOSPC else (error.strerror or type(error).__name__)
+    kept = "the previous checkpoint there is intact" if os.path.exists(path) else "nothing was written"
+    if written:  # only making the rename durable failed
+        kept = "the new checkpoint there may not survive a power loss"
+    return LtcxError(f"cannot write checkpoint '{path}' ({reason}); {kept}: free space or point the checkpoint dirpath "
+                     "at another disk")
 
-    On any failure the temp file is removed and ``path`` keeps its previous content; an ``OSError`` (disk
-    full, no permission) becomes one ``LtcxError`` line.
-    """
-    path = os.fspath(path)
+
+def _replace_durably(write, path: str) -> None:
+    """``write(temp)`` a temp file beside ``path``, fsync it and ``os.replace`` it over ``path``, then fsync the folder.
+    On any failure the temp file is removed and ``path`` keeps its previous content (``_write_error`` for an OSError)."""
     folder = os.path.dirname(path) or "."
-    temp = f"{_temp_prefix(path)}{os.getpid()}"
-    buffer = io.BytesIO()  # serialise first: a failing write is then a plain OSError, not torch's zip error
-    torch.save(obj, buffer)
+    temp = _temp_name(path)
+    replaced = False
     try:
         os.makedirs(folder, exist_ok=True)
-        _remove_stale_temps(path)
-        with open(temp, "wb") as f:
-            f.write(buffer.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
+        remove_stale_temps(folder)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temp)  # this process's own leftover (a link would redirect the write)
+        write(temp)
         os.replace(temp, path)
+        replaced = True
         if hasattr(os, "O_DIRECTORY"):  # make the rename itself durable
             fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
             try:
@@ -212,18 +294,44 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.remove(temp)
         if isinstance(error, OSError):
-            reason = "disk full" if error.errno == errno.ENOSPC else (error.strerror or type(error).__name__)
-            kept = "the previous checkpoint there is intact" if os.path.exists(path) else "nothing was written"
-            raise LtcxError(
-                f"cannot write checkpoint '{path}' ({reason}); {kept}: free space or point the checkpoint dirpath at "
-                "another disk"
-            ) from None
+            raise _write_error(path, error, written=replaced) from None
         raise
+
+
+def atomic_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save(obj)`` to ``path`` through ``<dir>/.<name>.tmp-<pid>``, fsync and ``os.replace``; a dict gets
+    its digest (``content_digest``) under ``DIGEST_KEY``, so file and digest are written in one step.
+
+    On any failure the temp file is removed and ``path`` keeps its previous content; an ``OSError`` (disk
+    full, no permission) becomes one ``LtcxError`` line.
+    """
+    path = os.fspath(path)
+    buffer = io.BytesIO()  # serialise first: a failing write is then a plain OSError, not torch's zip error
+    torch.save(_with_digest(obj) if isinstance(obj, dict) else obj, buffer)
+
+    def write(temp: str) -> None:
+        with open(temp, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+
+    _replace_durably(write, path)
+
+
+def atomic_copy(source: str, path: str) -> None:
+    """Copy the file ``source`` to ``path`` as ``atomic_save`` writes: whole or not at all."""
+
+    def write(temp: str) -> None:
+        shutil.copyfile(source, temp)
+        with open(temp, "rb") as f:
+            os.fsync(f.fileno())
+
+    _replace_durably(write, path)
 
 
 class SafeCheckpointIO(TorchCheckpointIO):
     """Lightning's ``TorchCheckpointIO`` reading with ``read_checkpoint`` and writing with ``atomic_save``,
-    refusing to write non-finite weights. Remote paths (``s3://``...) keep Lightning's own writer."""
+    refusing to write non-finite weights. Remote paths (``s3://``...) keep Lightning's own writer (with the digest)."""
 
     def __init__(self) -> None:
         self._handed_over: tuple[str, dict] | None = None
@@ -248,7 +356,21 @@ class SafeCheckpointIO(TorchCheckpointIO):
                 "written and the previous checkpoint is kept: lower model.learning_rate, raise model.warmup_steps "
                 "or set trainer.gradient_clip_val"
             )
-        if storage_options is not None or "://" in str(path):
-            super().save_checkpoint(checkpoint, path, storage_options)
+        local = _local_path(path)
+        if storage_options is not None or local is None:
+            super().save_checkpoint(_with_digest(checkpoint), path, storage_options)
         else:
-            atomic_save(checkpoint, path)
+            atomic_save(checkpoint, local)
+
+
+def _local_path(path: str | os.PathLike) -> str | None:
+    """``path`` as a local file name (``file://`` URLs too: fsspec would write them through a temp file in /tmp and a
+    copy, which a full disk leaves half-written), None for a remote URL (``s3://``...)."""
+    text = os.fspath(path)
+    if "://" not in text:
+        return text
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, local = fsspec.core.url_to_fs(text)
+    return local if isinstance(fs, LocalFileSystem) else None

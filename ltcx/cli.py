@@ -31,7 +31,7 @@ from ltcx.checkpoint import (
 )
 from ltcx.data import TextDataModule
 from ltcx.errors import ConfigError, LtcxError, StoppedOnAllRanks
-from ltcx.lm import LanguageModel, check_same_backbone, resumable_fields
+from ltcx.lm import LanguageModel, check_same_backbone, check_setting_types, resumable_fields
 from ltcx.models.registry import resolve_backbone
 
 
@@ -137,6 +137,7 @@ class LtcxCLI(LightningCLI):
                 f"checkpoint '{path}' has hyper-parameter(s) {', '.join(f'model.{k}' for k in unknown)}, which this "
                 f"version of ltcx does not have: it was saved by another version of ltcx: {ANOTHER_VERSION}"
             )
+        check_setting_types(stored, self.model_class, f"checkpoint '{path}'", "model.")  # else jsonargparse's usage
         model = {}
         for key, value in stored.items():
             current = config.model.get(key) if key in config.model else value
@@ -167,6 +168,7 @@ class LtcxCLI(LightningCLI):
                     "checkpoint, or start a new run without --ckpt_path"
                 )
             return None  # an architecture YAML of another class: check_same_backbone names both once it is built
+        check_setting_types(stored, resolve_backbone(stored_class), f"checkpoint '{path}'", "model.backbone.init_args.")
         resumable = resumable_fields(resolve_backbone(stored_class))
         init_args = backbone.get("init_args") or {}
         taken = {}

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import math
@@ -10,6 +11,8 @@ import os
 import shutil
 import sys
 import time
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -343,8 +346,61 @@ def check_same_backbone(meta: dict, backbone: nn.Module, ckpt_path: str | Path) 
     raise LtcxError(f"checkpoint '{ckpt_path}' is of another model ({difference}): {fix}")
 
 
-def _build(meta: dict, hyper_parameters: dict, source: str) -> LanguageModel:
-    """A LanguageModel around the backbone that ``meta`` names (through the registry) and configures."""
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether ``value`` (read from a file) is of the annotated type ``hint``; a type not known here counts as fitting
+    (its constructor checks it)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if origin is typing.Literal:
+        return value in args
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            return False
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return len(value) == len(args) and all(_fits(v, a) for v, a in zip(value, args))
+        return not args or all(_fits(v, args[0]) for v in value)
+    if hint in (int, float):  # a bool is no number here; an int is a float
+        return isinstance(value, (int, float) if hint is float else int) and not isinstance(value, bool)
+    if hint in (bool, str, type(None)):
+        return isinstance(value, hint)
+    return True
+
+
+def _describe(hint: Any) -> str:
+    """``hint`` as a reader of a config file says it: 'an integer or null', 'a list [a number, a number]'."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        return f"a list [{', '.join(_describe(a) for a in args)}]"
+    if origin in (tuple, list):
+        return f"a list of {_describe(args[0])}s" if args else "a list"
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
+    return names.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def check_setting_types(values: Any, accepted: type, source: str, prefix: str) -> None:
+    """One ``LtcxError`` line for the first of ``values`` (settings read from ``source``) that is not of the type the
+    class ``accepted`` annotates it with, named ``prefix`` + its name: a constructor would fail on it with a
+    TypeError, or later, mid-run."""
+    if not isinstance(values, dict):
+        raise LtcxError(f"{source} has {prefix.rstrip('.')} {values!r:.80}, not a mapping of settings: use another one")
+    try:
+        hints = typing.get_type_hints(accepted.__init__)
+    except Exception:  # noqa: BLE001 - annotations this version can not resolve: the constructor checks
+        return
+    for name, value in values.items():
+        if name in hints and not _fits(value, hints[name]):
+            raise LtcxError(f"{source} has {prefix}{name} {value!r:.80}, which is not {_describe(hints[name])}: fix it "
+                            "in the file or use another one")
+
+
+def _build(meta: dict, hyper_parameters: Any, source: str, prefixes: tuple[str, str]) -> LanguageModel:
+    """A LanguageModel around the backbone that ``meta`` names (through the registry) and configures; ``prefixes``
+    name the file's hyper-parameters and backbone settings in a message."""
     backbone_class = resolve_backbone(meta.get("backbone_class"))
     config = meta.get("backbone_config")
     unknown = unknown_settings(config, backbone_class) if isinstance(config, dict) else []
@@ -353,10 +409,12 @@ def _build(meta: dict, hyper_parameters: dict, source: str) -> LanguageModel:
             f"{source} has backbone_config {', '.join(unknown)}, which this version's {backbone_class.__name__} does "
             f"not take: it was saved by another version of ltcx: {ANOTHER_VERSION}"
         )
+    check_setting_types(config, backbone_class, source, prefixes[1])
     try:
         backbone = backbone_class(**config)
     except (TypeError, ValueError) as error:  # ConfigError is a ValueError
         raise LtcxError(f"{source} has an invalid backbone_config ({error})") from None
+    check_setting_types(hyper_parameters, LanguageModel, source, prefixes[0])
     accepted = set(inspect.signature(LanguageModel).parameters) - {"backbone"}
     return LanguageModel(backbone, **{k: v for k, v in hyper_parameters.items() if k in accepted})
 
@@ -396,7 +454,8 @@ def load_language_model(ckpt_path: str | Path, map_location: str | torch.device 
         ckpt_path = checkpoint_in_folder(ckpt_path)
     checkpoint = read_checkpoint(ckpt_path, map_location=map_location)
     meta = {**checkpoint["ltcx"], "global_step": checkpoint.get("global_step")}
-    model = _build(meta, checkpoint.get("hyper_parameters", {}), f"checkpoint '{ckpt_path}'")
+    model = _build(meta, checkpoint.get("hyper_parameters", {}), f"checkpoint '{ckpt_path}'",
+                   ("model.", "model.backbone.init_args."))
     stored = checkpoint.get("state_dict")
     check_weights_fit(f"checkpoint '{ckpt_path}'", stored if isinstance(stored, dict) else {}, model.state_dict())
     try:
@@ -447,7 +506,7 @@ def export_model(ckpt_path: str | Path, out: str | Path, tokenizer: str | None =
     if meta.get("global_step") is not None:
         config["global_step"] = meta["global_step"]
     try:
-        text = json.dumps(config, indent=2)
+        json.dumps(config)
     except TypeError as error:
         raise LtcxError(f"checkpoint '{ckpt_path}' holds a config that is not plain data ({error})") from None
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -456,7 +515,8 @@ def export_model(ckpt_path: str | Path, out: str | Path, tokenizer: str | None =
     try:
         temp.mkdir()
         save_model(model.backbone, str(temp / EXPORT_WEIGHTS), metadata={"format": "pt"})
-        (temp / EXPORT_CONFIG).write_text(text + "\n")
+        config["weights_sha256"] = _file_sha256(temp / EXPORT_WEIGHTS)  # checked by load_exported
+        (temp / EXPORT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         if out.exists():
             out.rmdir()  # empty, checked above
         os.replace(temp, out)
@@ -465,6 +525,14 @@ def export_model(ckpt_path: str | Path, out: str | Path, tokenizer: str | None =
     finally:
         shutil.rmtree(temp, ignore_errors=True)
     return out
+
+
+def _file_sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            sha.update(block)
+    return sha.hexdigest()
 
 
 def load_exported(folder: str | Path, map_location: str | torch.device = "cpu") -> tuple[LanguageModel, dict]:
@@ -484,10 +552,18 @@ def load_exported(folder: str | Path, map_location: str | torch.device = "cpu") 
         raise LtcxError(f"{source}: {EXPORT_CONFIG} could not be read ({error})") from None
     if not isinstance(config, dict) or config.get("format") != EXPORT_FORMAT:
         raise LtcxError(f"{source}: {EXPORT_CONFIG} was not written by `ltcx export` (format {EXPORT_FORMAT})")
-    model = _build(config, config.get("hyper_parameters", {}), source)
+    model = _build(config, config.get("hyper_parameters", {}), source,
+                   (f"{EXPORT_CONFIG}'s hyper_parameters.", f"{EXPORT_CONFIG}'s backbone_config."))
     weights = folder / EXPORT_WEIGHTS
     if not weights.is_file():
         raise LtcxError(f"{source} has no {EXPORT_WEIGHTS}: export it again")
+    expected = config.get("weights_sha256")
+    if expected is None:
+        print(f"ltcx: {source} has no weights_sha256 in {EXPORT_CONFIG} (exported by an earlier ltcx), so its "
+              f"{EXPORT_WEIGHTS} could not be checked for damage", file=sys.stderr)
+    elif _file_sha256(weights) != expected:
+        raise LtcxError(f"{source} is damaged: its {EXPORT_WEIGHTS} does not match the SHA-256 in its {EXPORT_CONFIG} "
+                        "(bytes changed on disk or in transfer); export it again from its checkpoint")
     try:
         with safe_open(str(weights), framework="pt") as f:
             stored = {name: f.get_slice(name).get_shape() for name in f.keys()}

@@ -3,10 +3,12 @@ folders, bad flags, offline, bf16 decoding, default_root_dir. Each case asserts 
 message, the exit code, and which files exist and are intact."""
 
 import errno
+import json
 import os
 import pickle
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -68,13 +70,14 @@ def fit_env(tmp_path, monkeypatch):
     return write_corpus(tmp_path / "corpus", 60, 10)
 
 
-def lean_fit_args(tmp_path: Path, data: Path, *extra: str, every: int = 100) -> list[str]:
+def lean_fit_args(tmp_path: Path, data: Path, *extra: str, every: int = 100, keep_runs: str = "") -> list[str]:
     """fit_args without validation or samples; checkpoints every ``every`` steps to checkpoints/gpt."""
     callbacks = tmp_path / "lean.yaml"
     callbacks.write_text(
         "trainer:\n  callbacks:\n    - class_path: ltcx.callbacks.ModelCheckpoint\n      init_args:\n"
         f"        dirpath: checkpoints/gpt\n        save_last: true\n        every_n_train_steps: {every}\n"
-        "    - class_path: ltcx.callbacks.FiniteLossGuard\n"
+        + (f"        keep_runs: {keep_runs}\n" if keep_runs else "")
+        + "    - class_path: ltcx.callbacks.FiniteLossGuard\n"
     )
     return fit_args(data, "--config", str(callbacks), "--trainer.limit_val_batches", "0", *extra)
 
@@ -175,23 +178,28 @@ def test_final_step_saved_after_periodic_saves(tmp_path, fit_env):
 
 
 def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, fit_env, monkeypatch, capsys):
-    """The disk fills after the save of step 1: the save of step 2 fails with one line, step 1's file is intact."""
+    """The disk fills after the saves of step 1: step 2's first save (its top-k file) fails with one line, which
+    is true: nothing of step 2 is on disk, and step 1's files are intact."""
     data = fit_env
-    last = tmp_path / "checkpoints/gpt/version_0/last.ckpt"
+    folder = tmp_path / "checkpoints/gpt/version_0"
+    last = folder / "last.ckpt"
     real_fsync, saved = os.fsync, {}
 
     def full_disk(fd):
-        if last.is_file():
+        if last.is_file() and stat.S_ISREG(os.fstat(fd).st_mode):  # a file's data, not its folder's rename
             saved.setdefault("before", last.read_bytes())
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real_fsync(fd)
 
     monkeypatch.setattr("ltcx.checkpoint.os.fsync", full_disk)
     line = one_error_line(lean_fit_args(tmp_path, data, "--trainer.max_steps", "3", every=1), capsys)
-    assert line == (f"ltcx: error: cannot write checkpoint '{last}' (disk full); the "
-                    "previous checkpoint there is intact: free space or point the checkpoint dirpath at another disk")
+    assert line == (f"ltcx: error: cannot write checkpoint '{folder / 'epoch=0-step=2.ckpt'}' (disk full); nothing was "
+                    "written: free space or point the checkpoint dirpath at another disk")
     assert last.read_bytes() == saved["before"] and step_and_weights(last)[0] == 1
-    assert not [p.name for p in last.parent.iterdir() if p.name.startswith(".")]  # no temp file left
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=1.ckpt", "last.ckpt"]  # no temp file left
+    with pytest.raises(LtcxError, match="the previous checkpoint there is intact"):  # an existing name: its old file
+        atomic_save({"new": torch.ones(3)}, last)
+    assert last.read_bytes() == saved["before"]
 
 
 KILLED_MID_SAVE = """
@@ -214,6 +222,102 @@ def test_kill_9_mid_save_leaves_the_previous_checkpoint(tmp_path):
     atomic_save({"newer": torch.ones(3)}, target)  # the next save clears the dead process's temp file
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
     assert torch.load(target, weights_only=True)["newer"].eq(1).all()
+
+
+def test_temp_files_of_killed_saves_are_removed_when_a_run_starts(tmp_path, fit_env):
+    """A resumed run saves in a new folder: the temp file a kill left in the old one goes when the run starts."""
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1"))
+    folder = tmp_path / "checkpoints/gpt/version_0"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale, alive = folder / f".last.ckpt.tmp-{int(dead.stdout)}", folder / f".last.ckpt.tmp-{os.getpid()}"
+    stale.write_bytes(b"half a checkpoint"), alive.write_bytes(b"being written")
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "2", "--ckpt_path", "last"))
+    assert not stale.exists() and alive.exists()  # a running process's file is its own
+
+
+def test_keep_runs_deletes_the_checkpoints_of_older_runs_of_a_resumed_chain(tmp_path, fit_env, capsys):
+    """Default keep_runs 2: a resume keeps its own and its parent's files and deletes its older ancestors' once it
+    has saved; a run it does not descend from is never touched; the file resumed from stays until this run saved."""
+    folder = tmp_path / "checkpoints/gpt"
+
+    def fit(steps: int, ckpt_path: str, *extra: str, keep_runs: str = "") -> None:
+        main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", str(steps), "--ckpt_path", ckpt_path, *extra,
+                           keep_runs=keep_runs))
+
+    def files() -> list[str]:
+        return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.ckpt"))
+
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1"))  # version_0
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1"))  # version_1: another run, fresh
+    fit(2, str(folder / "version_0/last.ckpt"))  # version_2, resumed from version_0
+    fit(3, "last")  # version_3, from version_2: version_0 goes
+    assert files() == ["version_1/last.ckpt", "version_2/last.ckpt", "version_3/last.ckpt"]
+    assert sorted(p.name for p in folder.iterdir()) == ["version_1", "version_2", "version_3"]
+    notices = [line for line in capsys.readouterr().err.splitlines() if "removed" in line]
+    assert notices == [f"ltcx: removed version_0/last.ckpt from {folder}: checkpoints of runs before the last 2 "
+                       "(ModelCheckpoint keep_runs; null keeps them)"]
+    one_error_line(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "6", "--ckpt_path", "last",
+                                 "--trainer.callbacks+=fault_injection.PoisonWeights", "--trainer.callbacks.at_step=4",
+                                 keep_runs="1"), capsys)  # stops (NaN) before its first save: nothing deleted
+    assert files() == ["version_1/last.ckpt", "version_2/last.ckpt", "version_3/last.ckpt"]
+    fit(4, "last", keep_runs="1")  # version_5 (the failed run logged as version_4)
+    assert [f for f in files() if f != "version_1/last.ckpt"] == ["version_5/last.ckpt"]
+    assert step_and_weights(folder / "version_5/last.ckpt")[0] == 4
+
+
+def test_keep_runs_must_be_positive(tmp_path, fit_env, capsys):
+    line = one_error_line(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1", keep_runs="0"), capsys)
+    assert line == ("ltcx: error: ModelCheckpoint keep_runs (0) must be an integer >= 1 (null: keep every run's "
+                    "checkpoints): fix its init_args.keep_runs")
+
+
+def test_save_last_link_replaces_last_whole_even_when_copying(tmp_path, monkeypatch):
+    """``save_last: link`` where links fail copies the top-k file: a full disk midway keeps the old last.ckpt
+    (Lightning removed it first and left half a copy)."""
+    from types import SimpleNamespace
+
+    from ltcx.callbacks import ModelCheckpoint
+
+    trainer = SimpleNamespace(is_global_zero=True, strategy=SimpleNamespace(barrier=lambda *a: None))
+    top, last = tmp_path / "epoch=0-step=2.ckpt", tmp_path / "last.ckpt"
+    top.write_bytes(b"new" * 1000), last.write_bytes(b"old")
+    ModelCheckpoint._link_checkpoint(trainer, str(top), str(last))
+    assert last.is_symlink() and last.read_bytes() == top.read_bytes()
+    last.unlink(), last.write_bytes(b"old")
+
+    def no_links(*args):
+        raise OSError(errno.EPERM, "links not supported")
+
+    def half_copy(source, target):
+        Path(target).write_bytes(Path(source).read_bytes()[:1000])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "symlink", no_links)
+    monkeypatch.setattr(shutil, "copyfile", half_copy)
+    with pytest.raises(LtcxError, match=r"last.ckpt' \(disk full\); the previous checkpoint there is intact"):
+        ModelCheckpoint._link_checkpoint(trainer, str(top), str(last))
+    assert last.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == [top.name, "last.ckpt"]
+    monkeypatch.undo()
+    monkeypatch.setattr(os, "symlink", no_links)
+    ModelCheckpoint._link_checkpoint(trainer, str(top), str(last))
+    assert not last.is_symlink() and last.read_bytes() == top.read_bytes()
+
+
+def test_file_url_saves_atomically(tmp_path, monkeypatch):
+    """A ``file://`` path is a local file: written through the same temp file and rename (fsspec would stage it in
+    /tmp and copy it over, leaving half a file when the disk fills)."""
+    target = tmp_path / "epoch=0-step=2.ckpt"
+    SafeCheckpointIO().save_checkpoint({"ltcx": {}, "w": torch.ones(3)}, f"file://{target}")
+    assert read_checkpoint(target)["w"].eq(1).all()
+    target.unlink()
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("ltcx.checkpoint.os.fsync", full_disk)
+    with pytest.raises(LtcxError, match=r"\(disk full\); nothing was written"):
+        SafeCheckpointIO().save_checkpoint({"ltcx": {}, "w": torch.ones(3)}, f"file://{target}")
+    assert not list(tmp_path.iterdir())
 
 
 def test_checkpoint_io_refuses_non_finite_weights(tmp_path):
@@ -383,6 +487,103 @@ def test_weights_that_are_no_tensors_are_still_a_damaged_file(tmp_path, capsys):
     assert line.endswith("); the file is damaged")
 
 
+# -- 9a: a checkpoint or export whose bytes changed is named damaged, never loaded -------------------------------
+
+
+def test_digest_covers_every_value_type_lightning_saves(tmp_path):
+    """The digest of what was saved is that of what loads back, for each kind of value in a Lightning checkpoint;
+    any changed value or byte changes it."""
+    from collections import OrderedDict
+
+    from ltcx.checkpoint import DIGEST_KEY, content_digest
+
+    values = {
+        "state_dict": OrderedDict(w=torch.arange(6, dtype=torch.bfloat16).reshape(2, 3).t(), s=torch.tensor(2.5)),
+        "optimizer_states": [{"state": {0: {"step": torch.tensor(3.0)}, 1: {}}, "param_groups": [
+            {"betas": (0.9, 0.95), "lr": 1e-3, "params": [0, 1], "foreach": None, "fused": False}]}],
+        "floats": [float("nan"), -0.0, float("inf"), 1 / 3], "size": torch.Size([2, 3]), "nested": [[1, [2, "x"]], ()],
+        "tags": {"b", "a"}, "dtype": torch.float16, "text": "ünï", "ltcx": {"backbone_class": "ltcx.models.gpt.GPT"},
+    }
+    atomic_save(values, tmp_path / "all.ckpt")
+    stored = torch.load(tmp_path / "all.ckpt", weights_only=True)
+    assert list(stored)[-1] == DIGEST_KEY and stored[DIGEST_KEY]["sha256"] == content_digest(values)
+    loaded = read_checkpoint(tmp_path / "all.ckpt")
+    assert DIGEST_KEY not in loaded and content_digest(loaded) == content_digest(values)
+    for change in (lambda v: v["state_dict"]["w"][1, 0].add_(1),
+                   lambda v: v["optimizer_states"][0]["state"].update({2: {}}),
+                   lambda v: v["floats"].__setitem__(1, 0.0), lambda v: v.update(size=(2, 3))):
+        change(loaded)
+        assert content_digest(loaded) != content_digest(values)
+
+
+def flip_tensor_bytes(path: Path, tensor: torch.Tensor, count: int = 20) -> None:
+    """Flip ``count`` bytes in the middle of ``tensor``'s data inside the file ``path`` (torch stores records
+    uncompressed, so the tensor's bytes are there as they are in memory)."""
+    data, raw = bytearray(path.read_bytes()), tensor.contiguous().view(torch.uint8).numpy().tobytes()
+    at = data.find(raw)
+    assert at >= 0 and data.find(raw, at + 1) < 0
+    middle = at + len(raw) // 2
+    data[middle:middle + count] = bytes(b ^ 0xFF for b in data[middle:middle + count])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("entry", ["read_checkpoint", "load_from_checkpoint", "generate", "export", "fit"])
+def test_checkpoint_with_flipped_bytes_is_named_damaged(tmp_path, fit_env, capsys, trained, entry):
+    saved, data = trained
+    path = tmp_path / "flipped.ckpt"
+    shutil.copy(saved, path)
+    flip_tensor_bytes(path, read_checkpoint(saved)["optimizer_states"][0]["state"][0]["exp_avg"])
+    assert torch.load(path, weights_only=True)["global_step"] == 1  # torch reads it without a word
+    before = {p for p in tmp_path.rglob("*") if p.name != "lean.yaml"}
+    message = (f"checkpoint '{path}' is damaged: its contents do not match the SHA-256 digest saved with it (bytes "
+               "changed on disk or in transfer); use another checkpoint")
+    if entry in ("read_checkpoint", "load_from_checkpoint"):
+        with pytest.raises(LtcxError) as error:
+            (read_checkpoint if entry == "read_checkpoint" else LanguageModel.load_from_checkpoint)(path)
+        assert str(error.value) == message
+    else:
+        args = {
+            "generate": ["generate", "--ckpt_path", str(path), "--prompt", "a", "--max_new_tokens", "2"],
+            "export": ["export", "--ckpt_path", str(path), "--out", str(tmp_path / "exported")],
+            "fit": lean_fit_args(tmp_path, data, "--trainer.max_steps", "2", "--ckpt_path", str(path)),
+        }[entry]
+        assert one_error_line(args, capsys) == f"ltcx: error: {message}"
+    assert_nothing_written(tmp_path, before)
+
+
+def test_export_with_flipped_bytes_is_named_damaged(tmp_path, trained, capsys):
+    out = tmp_path / "exported"
+    main(["export", "--ckpt_path", str(trained[0]), "--out", str(out)])
+    capsys.readouterr()
+    assert len(json.loads((out / "config.json").read_text())["weights_sha256"]) == 64
+    flip_tensor_bytes(out / "model.safetensors", read_checkpoint(trained[0])["state_dict"]["backbone.wpe.weight"])
+    message = (f"exported model '{out}' is damaged: its model.safetensors does not match the SHA-256 in its config.json "
+               "(bytes changed on disk or in transfer); export it again from its checkpoint")
+    with pytest.raises(LtcxError) as error:
+        LanguageModel.from_pretrained(out)
+    assert str(error.value) == message
+    assert one_error_line(["generate", "--ckpt_path", str(out), "--max_new_tokens", "2"], capsys) == \
+        f"ltcx: error: {message}"
+    assert capsys.readouterr().out == ""
+
+
+def test_files_without_a_digest_load_with_one_notice(tmp_path, trained, capsys, checkpoint):
+    load_language_model(checkpoint)  # written by torch.save, as an earlier ltcx did
+    assert capsys.readouterr().err.splitlines() == [
+        f"ltcx: checkpoint '{checkpoint}' has no SHA-256 digest (written by torch.save or an earlier ltcx), so it could "
+        "not be checked for damage"]
+    out = tmp_path / "exported"
+    main(["export", "--ckpt_path", str(trained[0]), "--out", str(out)])
+    config = json.loads((out / "config.json").read_text())
+    del config["weights_sha256"]
+    (out / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    LanguageModel.from_pretrained(out)
+    assert capsys.readouterr().err.splitlines() == [
+        f"ltcx: exported model '{out}' has no weights_sha256 in config.json (exported by an earlier ltcx), so its "
+        "model.safetensors could not be checked for damage"]
+
+
 # -- 9b: a readable checkpoint of another version of ltcx is named as such, not as a damaged file ----------------
 
 OTHER_VERSION = ("it was saved by another version of ltcx or another config: load it with the version that wrote it, "
@@ -405,6 +606,7 @@ def trained(tmp_path_factory):
 def as_an_older_version(trained: Path, path: Path, change) -> Path:
     """The trained checkpoint with ``change(checkpoint)`` applied, as an older ltcx would have written it."""
     checkpoint = torch.load(trained, weights_only=True)
+    del checkpoint["ltcx_digest"]  # which no earlier ltcx wrote
     change(checkpoint)
     torch.save(checkpoint, path)
     return path
@@ -456,6 +658,9 @@ def test_exported_model_of_other_shapes_is_not_called_damaged(tmp_path, trained,
     weights = load_file(out / "model.safetensors")
     weights["blocks.0.mlp.c_fc.weight"] = torch.zeros(96, 32)
     save_file(weights, out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    del config["weights_sha256"]  # as an earlier ltcx exported it
+    (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(LtcxError) as error:
         LanguageModel.from_pretrained(out)
     assert str(error.value) == (f"exported model '{out}' does not fit the model: blocks.0.mlp.c_fc.weight is [96, 32] "
@@ -488,6 +693,61 @@ def test_settings_of_another_version_are_named(tmp_path, fit_env, capsys, traine
     assert line == (f"ltcx: error: checkpoint '{path}' has backbone_config round_to, which this version's GPT does not "
                     f"take: {again}")
     assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
+
+
+WRONG_TYPES = [
+    ("decay_steps", {"steps": 5}, "an integer or null"),
+    ("learning_rate", "abc", "a number"),
+    ("betas", "x", "a list [a number, a number]"),
+    ("backbone.bias", "yes", "true or false"),
+]
+
+
+@pytest.mark.parametrize("setting,value,expected", WRONG_TYPES)
+@pytest.mark.parametrize("entry", ["fit", "generate", "export", "load_from_checkpoint"])
+def test_hyper_parameter_of_the_wrong_type_in_a_checkpoint(tmp_path, fit_env, capsys, trained, entry, setting, value,
+                                                           expected):
+    saved, data = trained
+    where, _, name = setting.rpartition(".")
+
+    def change(checkpoint):
+        (checkpoint["ltcx"]["backbone_config"] if where else checkpoint["hyper_parameters"])[name] = value
+
+    path = as_an_older_version(saved, tmp_path / "typed.ckpt", change)
+    capsys.readouterr()
+    before = {p for p in tmp_path.rglob("*") if p.name != "lean.yaml"}
+    shown = f"model.backbone.init_args.{name}" if where else f"model.{name}"
+    message = f"checkpoint '{path}' has {shown} {value!r}, which is not {expected}: fix it in the file or use another one"
+    if entry == "load_from_checkpoint":
+        with pytest.raises(LtcxError) as error:
+            LanguageModel.load_from_checkpoint(path)
+        assert str(error.value) == message
+    else:
+        args = {
+            "fit": lean_fit_args(tmp_path, data, "--trainer.max_steps", "2", "--ckpt_path", str(path)),
+            "generate": ["generate", "--ckpt_path", str(path), "--prompt", "a", "--max_new_tokens", "2"],
+            "export": ["export", "--ckpt_path", str(path), "--out", str(tmp_path / "exported")],
+        }[entry]
+        assert one_error_line(args, capsys) == f"ltcx: error: {message}"
+    assert_nothing_written(tmp_path, before)
+
+
+@pytest.mark.parametrize("setting,value,expected", WRONG_TYPES)
+def test_hyper_parameter_of_the_wrong_type_in_an_export(tmp_path, trained, capsys, setting, value, expected):
+    out = tmp_path / "exported"
+    main(["export", "--ckpt_path", str(trained[0]), "--out", str(out)])
+    config = json.loads((out / "config.json").read_text())
+    where, _, name = setting.rpartition(".")
+    (config["backbone_config"] if where else config["hyper_parameters"])[name] = value
+    (out / "config.json").write_text(json.dumps(config))
+    shown = f"config.json's backbone_config.{name}" if where else f"config.json's hyper_parameters.{name}"
+    message = (f"exported model '{out}' has {shown} {value!r}, which is not {expected}: fix it in the file or use "
+               "another one")
+    with pytest.raises(LtcxError) as error:
+        LanguageModel.from_pretrained(out)
+    assert str(error.value) == message
+    assert one_error_line(["generate", "--ckpt_path", str(out), "--max_new_tokens", "2"], capsys) == \
+        f"ltcx: error: {message}"
 
 
 def test_checkpoint_from_before_a_new_setting_loads_at_its_default(tmp_path, fit_env, capsys, trained):
