@@ -11,15 +11,17 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import shutil
 import signal
 import sys
 from typing import Optional
 
 import torch
+import yaml
 from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -39,6 +41,55 @@ DESCRIPTION = (
     "ltcx: train and evaluate language models (`ltcx generate --help` samples from a checkpoint, `ltcx export --help` "
     "writes a weights-only copy, `ltcx prepare --help` makes token shards)"
 )
+
+
+class LtcxArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser, whose errors are one ``LtcxError`` line instead of its usage (~75 lines) and message.
+
+    jsonargparse calls ``error`` on the parser that failed, the subcommand's own (``fit``) included: that parser
+    inherits ``exit_on_error`` from the main one. The parsers jsonargparse makes inside for a class's arguments have
+    ``exit_on_error=False``: their errors are caught and reported by the parser above, so they stay as they are."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error:
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "")
+        raise LtcxError(f"{_one_line(message)}; see `{prog} --help`") from ex
+
+    def parse_path(self, path, *args, **kwargs):
+        try:
+            return super().parse_path(path, *args, **kwargs)
+        except UnicodeDecodeError:  # jsonargparse reads it as text: a traceback
+            raise LtcxError(f"--config '{path}' is not a YAML text file (its bytes are not UTF-8 text): pass the "
+                            "path of a YAML config") from None
+        except LtcxError as error:  # from error(): jsonargparse's YAML message does not name the file
+            problem = getattr(error.__cause__, "__cause__", None)
+            if not isinstance(problem, yaml.YAMLError):
+                raise
+            mark = getattr(problem, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            reason = getattr(problem, "problem", None) or str(problem).splitlines()[0]
+            raise LtcxError(f"--config '{path}' is not valid YAML ({reason}{where}): fix the file") from None
+
+
+def _one_line(message: str) -> str:
+    """jsonargparse's message on one line: ``Parser key "k":`` becomes ``--k:``, followed by the first reason, the
+    types a union accepts and the value given; the rest (each union member's own error) is left out."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return "invalid arguments"
+    key = re.match(r'Parser key "([^"]+)":\s*(.*)', lines[0])
+    if key is None:
+        return lines[0]
+    rest = ([key.group(2)] if key.group(2) else []) + lines[1:]
+    text = f"--{key.group(1)}: {rest[0] if rest else 'invalid value'}"
+    for line in rest[1:]:
+        if line.startswith("Subtypes: "):
+            text += f" (accepted: {line[len('Subtypes: '):]})"
+        elif line.startswith("Given value: ") and "Got value" not in text:
+            text += f" (given: {line[len('Given value: '):]})"
+    return re.sub(r"<class '([\w.]+)'>", r"\1", text).replace("typing.", "")
 
 
 class LtcxCLI(LightningCLI):
@@ -395,6 +446,7 @@ def cli_main(args: list[str] | None = None) -> LtcxCLI:
         TextDataModule,
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"description": DESCRIPTION},
+        parser_class=LtcxArgumentParser,
         args=args,
     )
 

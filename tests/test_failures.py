@@ -336,6 +336,54 @@ def test_bad_training_flags(tmp_path, fit_env, capsys, override, message):
     assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--trainer.max_steps", "abc"], "--trainer.max_steps: Expected a int. Got value: abc"),
+    (["--model.learning_rate", "nan"], "--model.learning_rate: Expected a float. Got value: nan"),
+    (["--trainer.precision", "7"], "--trainer.precision: Does not validate against any of the Union subtypes "
+                                   "(accepted: [Literal[64, 32, 16], "),
+    (["--bogus_flag", "1"], "unrecognized arguments: --bogus_flag 1"),
+], ids=["int", "float", "union", "unknown"])
+def test_flags_jsonargparse_refuses_are_one_line_not_its_usage(tmp_path, fit_env, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(fit_args(fit_env, *flags))
+    assert exit_info.value.code == 2
+    [line] = capsys.readouterr().err.splitlines()  # no usage, no traceback, no notice
+    assert line.startswith(f"ltcx: error: {message}") and line.endswith("; see `ltcx fit --help`"), line
+    assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_nan_learning_rate_from_yaml_is_refused(tmp_path, fit_env, capsys):
+    """YAML's .nan is a float that reaches LanguageModel, whose check refuses it (NaN fails 0 < lr < inf)."""
+    line = one_error_line(fit_args(fit_env, "--model.learning_rate", ".nan"), capsys)
+    assert line == "ltcx: error: model.learning_rate (nan) must be a positive number: fix --model.learning_rate"
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "--config: File does not exist: '{path}'; see `ltcx fit --help`"),
+    (bytes(range(128, 256)), "--config '{path}' is not a YAML text file (its bytes are not UTF-8 text): pass the path "
+                             "of a YAML config"),
+    (b"model:\n  learning_rate: [1,\n", "--config '{path}' is not valid YAML (did not find expected node content at "
+                                       "line 3, column 1): fix the file"),
+], ids=["missing", "binary", "not YAML"])
+def test_bad_config_file_is_one_line_naming_it(tmp_path, fit_env, capsys, content, message):
+    path = tmp_path / "config.yaml"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(SystemExit) as exit_info:
+        main(fit_args(fit_env, "--config", str(path)))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"ltcx: error: {message.format(path=path)}"]
+
+
+def test_help_and_print_config_still_work(fit_env, capsys):
+    for flag in ("--help", "--print_config"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["fit", "--config", str(ROOT / "configs/gpt.yaml"), flag])
+        assert exit_info.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert "--trainer.max_steps" in out and "learning_rate: " in out
+
+
 def test_unreadable_file_mid_training_is_named(tmp_path, fit_env, capsys):
     corpus = tmp_path / "jsonl"
     corpus.mkdir()
