@@ -310,11 +310,25 @@ class LtcxCLI(LightningCLI):
         )
 
     def _run_subcommand(self, subcommand: str) -> None:
+        if subcommand == "fit" and self._nothing_to_train():
+            return
         try:
             super()._run_subcommand(subcommand)
         except LtcxError:
             self._remove_empty_log_folders()
             raise
+
+    def _nothing_to_train(self) -> bool:
+        """``fit --ckpt_path`` of a checkpoint at or past ``trainer.max_steps``: Lightning would start and stop at once,
+        exit 0 and leave an empty log folder. A finished run asked to resume is not an error (scripts/compare.py
+        resumes a finished run whose results it has not written yet): one notice, exit 0, nothing written."""
+        step = (self._checkpoint or {}).get("global_step")
+        max_steps = self.trainer.max_steps
+        if not isinstance(step, int) or max_steps is None or max_steps < 0 or step < max_steps:
+            return False
+        _notice(f"checkpoint '{self.config_init.fit.ckpt_path}' is at step {step}, at or past trainer.max_steps "
+                f"{max_steps}: nothing to train; raise --trainer.max_steps to continue")
+        return True
 
     def _remove_empty_log_folders(self) -> None:
         """A run that stopped on a user error before training a step leaves no ``version_N`` log folder holding

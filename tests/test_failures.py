@@ -162,6 +162,19 @@ def test_nan_stops_before_any_non_finite_weights_are_saved(tmp_path, fit_env, ca
         "version_0", "version_0/last.ckpt"]  # --ckpt_path last still finds the good one
 
 
+@pytest.mark.parametrize("max_steps", ["2", "3"])
+def test_resuming_at_or_past_max_steps_says_so_and_writes_nothing(tmp_path, fit_env, capsys, max_steps):
+    """A finished run asked to resume (scripts/compare.py does so) exits 0 with a notice, leaving no new folder."""
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "3"))
+    capsys.readouterr()
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", max_steps, "--ckpt_path", "last"))
+    last = tmp_path / "checkpoints/gpt/version_0/last.ckpt"
+    assert (f"ltcx: checkpoint '{last.relative_to(tmp_path)}' is at step 3, at or past trainer.max_steps {max_steps}: "
+            "nothing to train; raise --trainer.max_steps to continue") in capsys.readouterr().err.splitlines()
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
 # -- 4: the final step is always saved -------------------------------------------------------------------------
 
 
