@@ -175,6 +175,46 @@ def test_resuming_at_or_past_max_steps_says_so_and_writes_nothing(tmp_path, fit_
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
+def test_non_finite_update_stops_before_anything_saves_it(tmp_path, fit_env, capsys):
+    """A finite loss whose update writes NaN into the weights at step 4 (the huge learning rate case): stopped right
+    after that optimizer step (gradient clipping spread the NaN to every weight), before the periodic save of step 4;
+    the good step 2 stays last."""
+    line = one_error_line(lean_fit_args(
+        tmp_path, fit_env, "--trainer.max_steps", "6", "--trainer.callbacks+=fault_injection.PoisonGradient",
+        "--trainer.callbacks.at_step=4", every=2), capsys)
+    assert line == ("ltcx: error: weights became non-finite (backbone.wte.weight and 9 more) at step 4, so training "
+                    "stopped before saving or validating them (the last checkpoint is the last good one); lower "
+                    "model.learning_rate, raise model.warmup_steps or set trainer.gradient_clip_val")
+    folder = tmp_path / "checkpoints/gpt/version_0"
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    for path in folder.iterdir():
+        step, weights = step_and_weights(path)
+        assert step == 2 and all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point())
+
+
+def test_non_finite_validation_loss_stops_before_samples_and_saves(tmp_path, fit_env, capsys):
+    """The validation loss of step 2 is NaN: training stops at the end of that validation, before SampleGeneration
+    (listed before the guard in configs/gpt.yaml) samples from the model; no checkpoint is written."""
+    line = one_error_line(fit_args(
+        fit_env, "--trainer.max_steps", "4", "--trainer.callbacks+=fault_injection.PoisonBeforeValidation",
+        "--trainer.callbacks.at_step=2"), capsys)
+    assert line == ("ltcx: error: validation loss became nan at step 2, so training stopped before sampling from or "
+                    "saving the model (the last checkpoint is the last good one); lower model.learning_rate, raise "
+                    "model.warmup_steps or set trainer.gradient_clip_val")
+    assert not (tmp_path / "checkpoints").exists()
+    assert not list((tmp_path / "lightning_logs").rglob("samples.txt"))
+
+
+def test_huge_learning_rate_ends_in_one_line(tmp_path, fit_env, capsys):
+    """What a user saw as a torch.multinomial traceback: model.learning_rate 1e3 on a tiny GPT."""
+    line = one_error_line(fit_args(fit_env, "--trainer.max_steps", "8", "--model.learning_rate", "1e3",
+                                   "--model.warmup_steps", "0"), capsys)
+    assert " became " in line and "lower model.learning_rate" in line
+    for path in (tmp_path / "checkpoints").rglob("*.ckpt"):
+        weights = step_and_weights(path)[1]
+        assert all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point())
+
+
 # -- 4: the final step is always saved -------------------------------------------------------------------------
 
 
