@@ -26,7 +26,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar
+from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar, _launcher_outlives_workers
 from ltcx.checkpoint import (
     ANOTHER_VERSION, SafeCheckpointIO, check_weights_fit, checkpoint_in_folder, latest_last_checkpoint, read_checkpoint,
     unknown_settings,
@@ -41,6 +41,11 @@ DESCRIPTION = (
     "ltcx: train and evaluate language models (`ltcx generate --help` samples from a checkpoint, `ltcx export --help` "
     "writes a weights-only copy, `ltcx prepare --help` makes token shards)"
 )
+
+
+# How gloo and NCCL report a collective whose peer process is gone (its sockets closed: it exited, crashed or was killed).
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "ncclRemoteError",
+             "remote process exited")
 
 
 class LtcxArgumentParser(LightningArgumentParser):
@@ -317,6 +322,25 @@ class LtcxCLI(LightningCLI):
         except LtcxError:
             self._remove_empty_log_folders()
             raise
+        except RuntimeError as error:  # torch.distributed.DistBackendError is one
+            trainer = getattr(self, "trainer", None)
+            if trainer is None or trainer.world_size < 2 or not any(s in str(error) for s in PEER_LOST):
+                raise
+            raise self._peer_stopped(trainer, subcommand) from None
+
+    @staticmethod
+    def _peer_stopped(trainer, subcommand: str) -> LtcxError:
+        """This rank's collective found a peer process gone (gloo / NCCL name its address, not its rank: with two
+        ranks it is the other one). The launching process waits for the others rather than being killed by
+        Lightning's observer mid-message."""
+        _launcher_outlives_workers(trainer)
+        rank, size, step = trainer.global_rank, trainer.world_size, trainer.global_step
+        then = ", then resume with --ckpt_path last" if subcommand == "fit" else ""
+        if size == 2:
+            return LtcxError(f"rank {1 - rank} of 2 stopped (it exited, crashed or was killed) at step {step}; this "
+                             f"rank ({rank}) stops too: see rank {1 - rank}'s own output{then}")
+        return LtcxError(f"another rank of this {size}-rank run stopped (it exited, crashed or was killed) at step "
+                         f"{step}; this rank ({rank}) stops too: see the other ranks' output{then}")
 
     def _nothing_to_train(self) -> bool:
         """``fit --ckpt_path`` of a checkpoint at or past ``trainer.max_steps``: Lightning would start and stop at once,

@@ -47,6 +47,18 @@ class PoisonBeforeValidation(L.Callback):
                 next(pl_module.parameters()).view(-1)[0] = float("nan")
 
 
+class KillSelf(L.Callback):
+    """After optimizer step ``at_step``, SIGKILL the process of global rank ``rank`` (a crash, the OOM killer)."""
+
+    def __init__(self, at_step: int, rank: int) -> None:
+        self.at_step = at_step
+        self.rank = rank
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.at_step and trainer.global_rank == self.rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 class SignalSelf(L.Callback):
     """After optimizer step ``at_step``, send ``signal_name`` (e.g. SIGTERM) to this process; with ``rank``, only the
     process of that global rank sends it (under DDP, rank 0 is the launching process); with ``group``, to this

@@ -124,3 +124,21 @@ def test_signal_to_every_rank_stops_them_at_the_same_step(tmp_path, signal_name)
     assert stopped.stderr.count(f"ltcx: {signal_name} at step 2: saved") == 1 and "Traceback" not in stopped.stderr
     assert step_and_weights(tmp_path / "checkpoints/gpt/version_0/last.ckpt")[0] == 2
 
+
+@pytest.mark.parametrize("killed", [1, pytest.param(0, marks=pytest.mark.slow)])
+def test_a_killed_rank_stops_the_other_with_one_line(tmp_path, killed):
+    """SIGKILL to one rank after step 3 (a crash, the OOM killer): the other rank's next collective fails; it says which
+    rank stopped in one line, no gloo traceback, and exits 2 (never 0)."""
+    data = write_corpus(tmp_path / "corpus", 60, 10)
+    stopped = run_ddp(lean_fit_args(tmp_path, data, "--trainer.max_steps", "6",
+                                    "--trainer.callbacks+=fault_injection.KillSelf", "--trainer.callbacks.at_step=3",
+                                    f"--trainer.callbacks.rank={killed}"),
+                      tmp_path, tmp_path / "exits")
+    survivor = 1 - killed
+    assert rank_exits(tmp_path / "exits") == {f"rank{survivor}": 2}, stopped.stderr[-3000:]  # the killed one wrote none
+    assert stopped.returncode == (2 if killed == 1 else -signal.SIGKILL)  # the launching process is rank 0
+    errors = [line for line in stopped.stderr.splitlines() if line.startswith("ltcx: error: ")]
+    assert errors == [f"ltcx: error: rank {killed} of 2 stopped (it exited, crashed or was killed) at step 3; this rank "
+                      f"({survivor}) stops too: see rank {killed}'s own output, then resume with --ckpt_path last"], \
+        stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr and "Connection reset" not in stopped.stderr
