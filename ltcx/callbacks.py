@@ -225,8 +225,10 @@ class FiniteLossGuard(L.Callback):
                    "before saving or validating them")
 
     def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or trainer.state.fn != "fit":  # nothing samples or saves after a sanity check
+            return
         loss = trainer.callback_metrics.get("val/loss")
-        if trainer.state.fn == "fit" and loss is not None and not math.isfinite(float(loss)):
+        if loss is not None and not math.isfinite(float(loss)):
             # Averaged over the ranks: every rank has the same value and stops here with the same message.
             where = f" (averaged over the {trainer.world_size} ranks)" if trainer.world_size > 1 else ""
             self._stop(trainer, f"validation loss{where} became {float(loss)}", [], trainer.global_step,

@@ -315,9 +315,9 @@ class LtcxCLI(LightningCLI):
         )
 
     def _run_subcommand(self, subcommand: str) -> None:
-        if subcommand == "fit" and self._nothing_to_train():
-            return
         try:
+            if subcommand == "fit" and self._nothing_to_train():
+                return
             super()._run_subcommand(subcommand)
         except LtcxError:
             self._remove_empty_log_folders()
@@ -350,6 +350,7 @@ class LtcxCLI(LightningCLI):
         max_steps = self.trainer.max_steps
         if not isinstance(step, int) or max_steps is None or max_steps < 0 or step < max_steps:
             return False
+        self._check_ckpt_path()  # before_fit's check, which this skips: a checkpoint of another model is an error
         _notice(f"checkpoint '{self.config_init.fit.ckpt_path}' is at step {step}, at or past trainer.max_steps "
                 f"{max_steps}: nothing to train; raise --trainer.max_steps to continue")
         return True
