@@ -11,20 +11,22 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import shutil
 import signal
 import sys
 from typing import Optional
 
 import torch
+import yaml
 from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar
+from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar, _launcher_outlives_workers
 from ltcx.checkpoint import (
     ANOTHER_VERSION, SafeCheckpointIO, check_weights_fit, checkpoint_in_folder, latest_last_checkpoint, read_checkpoint,
     unknown_settings,
@@ -39,6 +41,60 @@ DESCRIPTION = (
     "ltcx: train and evaluate language models (`ltcx generate --help` samples from a checkpoint, `ltcx export --help` "
     "writes a weights-only copy, `ltcx prepare --help` makes token shards)"
 )
+
+
+# How gloo and NCCL report a collective whose peer process is gone (its sockets closed: it exited, crashed or was killed).
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "ncclRemoteError",
+             "remote process exited")
+
+
+class LtcxArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser, whose errors are one ``LtcxError`` line instead of its usage (~75 lines) and message.
+
+    jsonargparse calls ``error`` on the parser that failed, the subcommand's own (``fit``) included: that parser
+    inherits ``exit_on_error`` from the main one. The parsers jsonargparse makes inside for a class's arguments have
+    ``exit_on_error=False``: their errors are caught and reported by the parser above, so they stay as they are."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error:
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "")
+        raise LtcxError(f"{_one_line(message)}; see `{prog} --help`") from ex
+
+    def parse_path(self, path, *args, **kwargs):
+        try:
+            return super().parse_path(path, *args, **kwargs)
+        except UnicodeDecodeError:  # jsonargparse reads it as text: a traceback
+            raise LtcxError(f"--config '{path}' is not a YAML text file (its bytes are not UTF-8 text): pass the "
+                            "path of a YAML config") from None
+        except LtcxError as error:  # from error(): jsonargparse's YAML message does not name the file
+            problem = getattr(error.__cause__, "__cause__", None)
+            if not isinstance(problem, yaml.YAMLError):
+                raise
+            mark = getattr(problem, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            reason = getattr(problem, "problem", None) or str(problem).splitlines()[0]
+            raise LtcxError(f"--config '{path}' is not valid YAML ({reason}{where}): fix the file") from None
+
+
+def _one_line(message: str) -> str:
+    """jsonargparse's message on one line: ``Parser key "k":`` becomes ``--k:``, followed by the first reason, the
+    types a union accepts and the value given; the rest (each union member's own error) is left out."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return "invalid arguments"
+    key = re.match(r'Parser key "([^"]+)":\s*(.*)', lines[0])
+    if key is None:
+        return lines[0]
+    rest = ([key.group(2)] if key.group(2) else []) + lines[1:]
+    text = f"--{key.group(1)}: {rest[0] if rest else 'invalid value'}"
+    for line in rest[1:]:
+        if line.startswith("Subtypes: "):
+            text += f" (accepted: {line[len('Subtypes: '):]})"
+        elif line.startswith("Given value: ") and "Got value" not in text:
+            text += f" (given: {line[len('Given value: '):]})"
+    return re.sub(r"<class '([\w.]+)'>", r"\1", text).replace("typing.", "")
 
 
 class LtcxCLI(LightningCLI):
@@ -262,10 +318,44 @@ class LtcxCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         try:
+            if subcommand == "fit" and self._nothing_to_train():
+                return
             super()._run_subcommand(subcommand)
         except LtcxError:
             self._remove_empty_log_folders()
             raise
+        except RuntimeError as error:  # torch.distributed.DistBackendError is one
+            trainer = getattr(self, "trainer", None)
+            if trainer is None or trainer.world_size < 2 or not any(s in str(error) for s in PEER_LOST):
+                raise
+            raise self._peer_stopped(trainer, subcommand) from None
+
+    @staticmethod
+    def _peer_stopped(trainer, subcommand: str) -> LtcxError:
+        """This rank's collective found a peer process gone (gloo / NCCL name its address, not its rank: with two
+        ranks it is the other one). The launching process waits for the others rather than being killed by
+        Lightning's observer mid-message."""
+        _launcher_outlives_workers(trainer)
+        rank, size, step = trainer.global_rank, trainer.world_size, trainer.global_step
+        then = ", then resume with --ckpt_path last" if subcommand == "fit" else ""
+        if size == 2:
+            return LtcxError(f"rank {1 - rank} of 2 stopped (it exited, crashed or was killed) at step {step}; this "
+                             f"rank ({rank}) stops too: see rank {1 - rank}'s own output{then}")
+        return LtcxError(f"another rank of this {size}-rank run stopped (it exited, crashed or was killed) at step "
+                         f"{step}; this rank ({rank}) stops too: see the other ranks' output{then}")
+
+    def _nothing_to_train(self) -> bool:
+        """``fit --ckpt_path`` of a checkpoint at or past ``trainer.max_steps``: Lightning would start and stop at once,
+        exit 0 and leave an empty log folder. A finished run asked to resume is not an error (scripts/compare.py
+        resumes a finished run whose results it has not written yet): one notice, exit 0, nothing written."""
+        step = (self._checkpoint or {}).get("global_step")
+        max_steps = self.trainer.max_steps
+        if not isinstance(step, int) or max_steps is None or max_steps < 0 or step < max_steps:
+            return False
+        self._check_ckpt_path()  # before_fit's check, which this skips: a checkpoint of another model is an error
+        _notice(f"checkpoint '{self.config_init.fit.ckpt_path}' is at step {step}, at or past trainer.max_steps "
+                f"{max_steps}: nothing to train; raise --trainer.max_steps to continue")
+        return True
 
     def _remove_empty_log_folders(self) -> None:
         """A run that stopped on a user error before training a step leaves no ``version_N`` log folder holding
@@ -397,6 +487,7 @@ def cli_main(args: list[str] | None = None) -> LtcxCLI:
         TextDataModule,
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"description": DESCRIPTION},
+        parser_class=LtcxArgumentParser,
         args=args,
     )
 

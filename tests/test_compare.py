@@ -82,7 +82,8 @@ def test_tiny_comparison_end_to_end(tmp_path, capsys):
     compare.main(argv)  # finished runs are not redone; the stopped one continues from its checkpoint
     out = capsys.readouterr().out
     assert out.count("done before, skipped") == 3 and "ltc seed 1: training 4 steps (resumed)" in out
-    assert "Restored all states from the checkpoint" in (folder / "runs/ltc/seed1/run.log").read_text()
+    log = (folder / "runs/ltc/seed1/run.log").read_text()
+    assert "is at step 4, at or past trainer.max_steps 4: nothing to train" in log  # finished: the resume trains nothing
     assert json.loads((folder / "summary.json").read_text())["models"]["ltc"]["paired_seeds"] == 2
 
     plot_results = load_script("plot_results")

@@ -67,6 +67,23 @@ def test_nan_on_one_rank_stops_every_rank_at_that_step(tmp_path):
     assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")) == ["version_0", "version_0/last.ckpt"]
 
 
+def test_non_finite_update_on_one_rank_stops_every_rank_after_that_step(tmp_path):
+    """Rank 1's update alone writes NaN at step 4 (its gradient poisoned after the all-reduce): the ranks' weight checks
+    are gathered, so both stop right after step 4, before its save; one line, exit 2 on both; step 2 stays last."""
+    data = write_corpus(tmp_path / "corpus", 60, 10)
+    stopped = run_ddp(lean_fit_args(tmp_path, data, "--trainer.max_steps", "6",
+                                    "--trainer.callbacks+=fault_injection.PoisonGradient",
+                                    "--trainer.callbacks.at_step=4", "--trainer.callbacks.rank=1", every=2),
+                      tmp_path, tmp_path / "exits")
+    assert rank_exits(tmp_path / "exits") == {"rank0": 2, "rank1": 2}, stopped.stderr[-3000:]
+    errors = [line for line in stopped.stderr.splitlines() if line.startswith("ltcx: error: ")]
+    assert errors == ["ltcx: error: weights became non-finite on rank 1 of 2 at step 4, so every rank stopped before "
+                      "saving or validating them (the last checkpoint is the last good one); lower model.learning_rate, "
+                      "raise model.warmup_steps or set trainer.gradient_clip_val"], stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr
+    assert step_and_weights(tmp_path / "checkpoints/gpt/version_0/last.ckpt")[0] == 2
+
+
 def test_sigterm_to_the_launcher_saves_once_every_rank_exits_143_and_resumes(tmp_path):
     """SIGTERM to the launching process (rank 0) only, after step 3 of 6: every rank stops after step 3, last.ckpt of
     step 3 is written once, both ranks exit 143; --ckpt_path last then finishes the run."""
@@ -106,3 +123,22 @@ def test_signal_to_every_rank_stops_them_at_the_same_step(tmp_path, signal_name)
     assert stopped.returncode == code
     assert stopped.stderr.count(f"ltcx: {signal_name} at step 2: saved") == 1 and "Traceback" not in stopped.stderr
     assert step_and_weights(tmp_path / "checkpoints/gpt/version_0/last.ckpt")[0] == 2
+
+
+@pytest.mark.parametrize("killed", [1, pytest.param(0, marks=pytest.mark.slow)])
+def test_a_killed_rank_stops_the_other_with_one_line(tmp_path, killed):
+    """SIGKILL to one rank after step 3 (a crash, the OOM killer): the other rank's next collective fails; it says which
+    rank stopped in one line, no gloo traceback, and exits 2 (never 0)."""
+    data = write_corpus(tmp_path / "corpus", 60, 10)
+    stopped = run_ddp(lean_fit_args(tmp_path, data, "--trainer.max_steps", "6",
+                                    "--trainer.callbacks+=fault_injection.KillSelf", "--trainer.callbacks.at_step=3",
+                                    f"--trainer.callbacks.rank={killed}"),
+                      tmp_path, tmp_path / "exits")
+    survivor = 1 - killed
+    assert rank_exits(tmp_path / "exits") == {f"rank{survivor}": 2}, stopped.stderr[-3000:]  # the killed one wrote none
+    assert stopped.returncode == (2 if killed == 1 else -signal.SIGKILL)  # the launching process is rank 0
+    errors = [line for line in stopped.stderr.splitlines() if line.startswith("ltcx: error: ")]
+    assert errors == [f"ltcx: error: rank {killed} of 2 stopped (it exited, crashed or was killed) at step 3; this rank "
+                      f"({survivor}) stops too: see rank {killed}'s own output, then resume with --ckpt_path last"], \
+        stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr and "Connection reset" not in stopped.stderr

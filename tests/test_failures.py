@@ -165,6 +165,59 @@ def test_nan_stops_before_any_non_finite_weights_are_saved(tmp_path, fit_env, ca
         "version_0", "version_0/last.ckpt"]  # --ckpt_path last still finds the good one
 
 
+@pytest.mark.parametrize("max_steps", ["2", "3"])
+def test_resuming_at_or_past_max_steps_says_so_and_writes_nothing(tmp_path, fit_env, capsys, max_steps):
+    """A finished run asked to resume (scripts/compare.py does so) exits 0 with a notice, leaving no new folder."""
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "3"))
+    capsys.readouterr()
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", max_steps, "--ckpt_path", "last"))
+    last = tmp_path / "checkpoints/gpt/version_0/last.ckpt"
+    assert (f"ltcx: checkpoint '{last.relative_to(tmp_path)}' is at step 3, at or past trainer.max_steps {max_steps}: "
+            "nothing to train; raise --trainer.max_steps to continue") in capsys.readouterr().err.splitlines()
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_non_finite_update_stops_before_anything_saves_it(tmp_path, fit_env, capsys):
+    """A finite loss whose update writes NaN into the weights at step 4 (the huge learning rate case): stopped right
+    after that optimizer step (gradient clipping spread the NaN to every weight), before the periodic save of step 4;
+    the good step 2 stays last."""
+    line = one_error_line(lean_fit_args(
+        tmp_path, fit_env, "--trainer.max_steps", "6", "--trainer.callbacks+=fault_injection.PoisonGradient",
+        "--trainer.callbacks.at_step=4", every=2), capsys)
+    assert line == ("ltcx: error: weights became non-finite (backbone.wte.weight and 9 more) at step 4, so training "
+                    "stopped before saving or validating them (the last checkpoint is the last good one); lower "
+                    "model.learning_rate, raise model.warmup_steps or set trainer.gradient_clip_val")
+    folder = tmp_path / "checkpoints/gpt/version_0"
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    for path in folder.iterdir():
+        step, weights = step_and_weights(path)
+        assert step == 2 and all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point())
+
+
+def test_non_finite_validation_loss_stops_before_samples_and_saves(tmp_path, fit_env, capsys):
+    """The validation loss of step 2 is NaN: training stops at the end of that validation, before SampleGeneration
+    (listed before the guard in configs/gpt.yaml) samples from the model; no checkpoint is written."""
+    line = one_error_line(fit_args(
+        fit_env, "--trainer.max_steps", "4", "--trainer.callbacks+=fault_injection.PoisonBeforeValidation",
+        "--trainer.callbacks.at_step=2"), capsys)
+    assert line == ("ltcx: error: validation loss became nan at step 2, so training stopped before sampling from or "
+                    "saving the model (the last checkpoint is the last good one); lower model.learning_rate, raise "
+                    "model.warmup_steps or set trainer.gradient_clip_val")
+    assert not (tmp_path / "checkpoints").exists()
+    assert not list((tmp_path / "lightning_logs").rglob("samples.txt"))
+
+
+def test_huge_learning_rate_ends_in_one_line(tmp_path, fit_env, capsys):
+    """What a user saw as a torch.multinomial traceback: model.learning_rate 1e3 on a tiny GPT."""
+    line = one_error_line(fit_args(fit_env, "--trainer.max_steps", "8", "--model.learning_rate", "1e3",
+                                   "--model.warmup_steps", "0"), capsys)
+    assert " became " in line and "lower model.learning_rate" in line
+    for path in (tmp_path / "checkpoints").rglob("*.ckpt"):
+        weights = step_and_weights(path)[1]
+        assert all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point())
+
+
 # -- 4: the final step is always saved -------------------------------------------------------------------------
 
 
@@ -438,6 +491,54 @@ def test_bad_training_flags(tmp_path, fit_env, capsys, override, message):
     line = one_error_line(fit_args(fit_env, "--trainer.max_steps", "1", *override), capsys)
     assert message in line
     assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--trainer.max_steps", "abc"], "--trainer.max_steps: Expected a int. Got value: abc"),
+    (["--model.learning_rate", "nan"], "--model.learning_rate: Expected a float. Got value: nan"),
+    (["--trainer.precision", "7"], "--trainer.precision: Does not validate against any of the Union subtypes "
+                                   "(accepted: [Literal[64, 32, 16], "),
+    (["--bogus_flag", "1"], "unrecognized arguments: --bogus_flag 1"),
+], ids=["int", "float", "union", "unknown"])
+def test_flags_jsonargparse_refuses_are_one_line_not_its_usage(tmp_path, fit_env, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(fit_args(fit_env, *flags))
+    assert exit_info.value.code == 2
+    [line] = capsys.readouterr().err.splitlines()  # no usage, no traceback, no notice
+    assert line.startswith(f"ltcx: error: {message}") and line.endswith("; see `ltcx fit --help`"), line
+    assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_nan_learning_rate_from_yaml_is_refused(tmp_path, fit_env, capsys):
+    """YAML's .nan is a float that reaches LanguageModel, whose check refuses it (NaN fails 0 < lr < inf)."""
+    line = one_error_line(fit_args(fit_env, "--model.learning_rate", ".nan"), capsys)
+    assert line == "ltcx: error: model.learning_rate (nan) must be a positive number: fix --model.learning_rate"
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "--config: File does not exist: '{path}'; see `ltcx fit --help`"),
+    (bytes(range(128, 256)), "--config '{path}' is not a YAML text file (its bytes are not UTF-8 text): pass the path "
+                             "of a YAML config"),
+    (b"model:\n  learning_rate: [1,\n", "--config '{path}' is not valid YAML (did not find expected node content at "
+                                       "line 3, column 1): fix the file"),
+], ids=["missing", "binary", "not YAML"])
+def test_bad_config_file_is_one_line_naming_it(tmp_path, fit_env, capsys, content, message):
+    path = tmp_path / "config.yaml"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(SystemExit) as exit_info:
+        main(fit_args(fit_env, "--config", str(path)))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"ltcx: error: {message.format(path=path)}"]
+
+
+def test_help_and_print_config_still_work(fit_env, capsys):
+    for flag in ("--help", "--print_config"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["fit", "--config", str(ROOT / "configs/gpt.yaml"), flag])
+        assert exit_info.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert "--trainer.max_steps" in out and "learning_rate: " in out
 
 
 def test_unreadable_file_mid_training_is_named(tmp_path, fit_env, capsys):
