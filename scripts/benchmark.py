@@ -40,17 +40,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ltcx.generation import generate  # noqa: E402
+from ltcx.models.catalog import CATALOG, config_path  # noqa: E402
 from ltcx.models.state import map_state_tensors  # noqa: E402
 from ltcx.throughput import default_peak_flops, measured_matmul_flops, model_flops_per_token  # noqa: E402
 
 
 def build_backbone(arch: str, vocab_size: int, min_context: int) -> torch.nn.Module:
-    """The backbone of configs/<arch>.yaml; a context (block_size) is raised to ``min_context`` if smaller.
+    """The backbone of a catalogued architecture's YAML (configs/<arch>.yaml); a context (block_size) is raised to
+    ``min_context`` if smaller.
 
     ``arch`` may override init_args after a colon: ``titans_mag:memory_chunk_size=64,window=256``.
     """
     name, _, overrides = arch.partition(":")
-    config = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())["model"]["backbone"]
+    if name not in CATALOG:
+        raise SystemExit(f"benchmark: unknown architecture '{name}' (known: {', '.join(sorted(CATALOG))})")
+    config = yaml.safe_load(config_path(name).read_text())["model"]["backbone"]
     module_name, class_name = config["class_path"].rsplit(".", 1)
     init_args = {**config.get("init_args", {}), "vocab_size": vocab_size}
     for assignment in filter(None, overrides.split(",")):
@@ -281,7 +285,8 @@ def bench_data(args) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--archs", nargs="+", default=["gpt"])
+    parser.add_argument("--archs", nargs="+", default=["gpt"],
+                        help=f"architectures ({', '.join(sorted(CATALOG))}), each optionally with :key=value,... init_args")
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--seq_len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)

@@ -215,7 +215,9 @@ def main(argv: list[str] | None = None) -> None:
         argv, extra = argv[:at], argv[at + 1:]
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--name", required=True, help="results go to <out>/<name>/")
-    parser.add_argument("--configs", nargs="+", required=True, help="model YAMLs; the model is named by the file stem")
+    parser.add_argument("--configs", nargs="+", required=True,
+                        help="model YAMLs or catalogued architecture names (gpt, ltc, ...); a model is named by the "
+                             "file stem")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--baseline", default=None, help="model (file stem) the others are compared to")
     parser.add_argument("--tokens", type=int, required=True, help="training tokens per run")
@@ -225,10 +227,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup_steps", type=int, default=None, help="override every config's warmup")
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args(argv)
-    configs = [Path(c).resolve() for c in args.configs]
+    from ltcx.models.catalog import CATALOG, config_path
+
+    # a catalogued architecture's name stands for its YAML (configs/<name>.yaml)
+    configs = [config_path(c) if c in CATALOG and not Path(c).is_file() else Path(c).resolve() for c in args.configs]
     for config in configs:
         if not config.is_file():
-            fail(f"config '{config}' does not exist: pass --configs model YAML files, e.g. configs/gpt.yaml")
+            fail(f"config '{config}' does not exist: pass --configs model YAML files, e.g. configs/gpt.yaml, or "
+                 f"architecture names ({', '.join(sorted(CATALOG))})")
     names = [c.stem for c in configs]
     if len(set(names)) != len(names):
         fail(f"two configs share a file name ({', '.join(names)}): models are named by it")

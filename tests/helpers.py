@@ -1,7 +1,11 @@
 """Helpers shared by several test modules (imported as ``from helpers import ...``, like ``fault_injection``):
-relative errors of tensors against a reference, and documents of a fixed byte length."""
+relative errors of tensors against a reference, documents of a fixed byte length, feeding a backbone in pieces,
+a small text corpus, TensorBoard events and a generation check for CLI runs."""
 
 from __future__ import annotations
+
+import random
+from pathlib import Path
 
 import torch
 
@@ -42,3 +46,35 @@ def run_in_pieces(model, idx: torch.Tensor, sizes) -> tuple[torch.Tensor, object
         start += size
     assert start == idx.shape[1], (start, idx.shape)
     return torch.cat(outputs, dim=1), state
+
+
+def write_corpus(folder: Path, train_docs: int = 300, val_docs: int = 30) -> Path:
+    """train.txt and validation.txt of 40-word documents from a 19-word vocabulary (seeded) in ``folder``."""
+    rng = random.Random(0)
+    words = "the cat dog ran sat on a mat big small red blue happy sad tree house sun moon".split()
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, count in (("train.txt", train_docs), ("validation.txt", val_docs)):
+        docs = [" ".join(rng.choice(words) for _ in range(40)) + "." for _ in range(count)]
+        (folder / name).write_text("\n\n".join(docs) + "\n")
+    return folder
+
+
+def read_events(log_dir: Path):
+    """The TensorBoard events of a run folder (its one events file)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    [event_file] = list(log_dir.glob("events.out.tfevents.*"))
+    events = EventAccumulator(str(event_file), size_guidance={"tensors": 0, "scalars": 0})
+    events.Reload()
+    return events
+
+
+def assert_generates(checkpoint: Path, capsys) -> None:
+    """``ltcx generate`` continues a prompt from ``checkpoint`` (greedy, 8 new tokens)."""
+    from ltcx.cli import main
+
+    capsys.readouterr()
+    main(["generate", "--ckpt_path", str(checkpoint), "--prompt", "The cat", "--max_new_tokens", "8",
+          "--temperature", "0"])
+    out = capsys.readouterr().out
+    assert out.startswith("The cat") and len(out.strip()) > len("The cat")

@@ -2,7 +2,6 @@
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import assert_generates, read_events, write_corpus  # noqa: F401 (also imported from here)
 from ltcx.cli import main
+from ltcx.models.catalog import CATALOG, config_path
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_SHAPE = [
@@ -19,16 +20,6 @@ TINY_SHAPE = [
     "--model.warmup_steps", "2",
 ]
 TINY_MODEL = [*TINY_SHAPE, "--model.backbone.init_args.n_kv_head", "1"]
-
-
-def write_corpus(folder: Path, train_docs: int = 300, val_docs: int = 30) -> Path:
-    rng = random.Random(0)
-    words = "the cat dog ran sat on a mat big small red blue happy sad tree house sun moon".split()
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, count in (("train.txt", train_docs), ("validation.txt", val_docs)):
-        docs = [" ".join(rng.choice(words) for _ in range(40)) + "." for _ in range(count)]
-        (folder / name).write_text("\n\n".join(docs) + "\n")
-    return folder
 
 
 def fit_args(data: Path, *extra: str) -> list[str]:
@@ -45,15 +36,6 @@ def run_cli(args: list[str], cwd: Path, **env) -> subprocess.CompletedProcess:
     result = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=environment,
                             capture_output=True, text=True, timeout=600)
     return result
-
-
-def read_events(log_dir: Path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    [event_file] = list(log_dir.glob("events.out.tfevents.*"))
-    events = EventAccumulator(str(event_file), size_guidance={"tensors": 0, "scalars": 0})
-    events.Reload()
-    return events
 
 
 def test_fit_resume_and_generate(tmp_path):
@@ -112,32 +94,21 @@ def test_ddp_two_cpu_processes_see_disjoint_blocks(tmp_path):
 
 
 @pytest.mark.slow  # about 10 s an architecture on 2 cores
-@pytest.mark.parametrize("arch", ["ltc", "xlstm", "gta", "titans_mag", "titans_mac", "titans_mal", "titans_lmm"])
+@pytest.mark.parametrize("arch", sorted(CATALOG))
 def test_every_architecture_trains_with_two_ddp_processes(arch, tmp_path):
     """Every parameter of every architecture takes part in its loss: DDP's gradient reduction would fail on one
     that does not (Lightning's ddp does not look for unused parameters)."""
-    from test_titans import TINY_CLI
-
-    overrides = TINY_CLI if arch.startswith("titans") else TINY_OVERRIDES[arch]
     data = write_corpus(tmp_path / "corpus", train_docs=200)
     args = [
-        "fit", "--config", str(ROOT / f"configs/{arch}.yaml"), "--config", str(ROOT / "configs/trainer/smoke.yaml"),
+        "fit", "--config", str(config_path(arch)), "--config", str(ROOT / "configs/trainer/smoke.yaml"),
         "--data.path", str(data), "--data.block_size", "32", "--data.batch_size", "4", "--data.val_batches", "2",
         "--trainer.val_check_interval", "2", "--trainer.max_steps", "3", "--trainer.accelerator", "cpu",
-        "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.enable_progress_bar", "false", *overrides,
+        "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.enable_progress_bar", "false",
+        *CATALOG[arch].tiny_cli(),
     ]
     result = run_cli(args, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "`max_steps=3` reached" in result.stderr
-
-
-def assert_generates(checkpoint: Path, capsys) -> None:
-    """``ltcx generate`` continues a prompt from ``checkpoint`` (greedy, 8 new tokens)."""
-    capsys.readouterr()
-    main(["generate", "--ckpt_path", str(checkpoint), "--prompt", "The cat", "--max_new_tokens", "8",
-          "--temperature", "0"])
-    out = capsys.readouterr().out
-    assert out.startswith("The cat") and len(out.strip()) > len("The cat")
 
 
 def run_main(args, capsys) -> str:
@@ -174,45 +145,6 @@ def test_unreachable_hub_names_the_offline_fix(tmp_path, monkeypatch, capsys):
     err = run_main(fit_args(Path("roneneldan/TinyStories"), "--trainer.max_steps", "1"), capsys)
     assert "cannot load data set 'roneneldan/TinyStories'" in err and "--data.path" in err
     assert not list(tmp_path.glob("lightning_logs/*/*/config.yaml"))
-
-
-TINY_OVERRIDES = {
-    "gpt": TINY_MODEL,
-    "ltc": TINY_MODEL + ["--model.backbone.init_args.num_decay_modes", "4"],
-    "gta": TINY_SHAPE + ["--model.backbone.init_args.key_dim", "16", "--model.backbone.init_args.latent_dim", "8"],
-    "xlstm": [
-        "--model.backbone.init_args.embedding_dim", "32", "--model.backbone.init_args.num_layers", "2",
-        "--model.backbone.init_args.signature", "[1, 1]", "--model.backbone.init_args.num_heads", "2",
-        "--model.backbone.init_args.slstm_num_heads", "2", "--model.backbone.init_args.chunk_size", "16",
-        "--model.warmup_steps", "2",
-    ],
-}
-
-
-@pytest.mark.parametrize("arch", ["ltc", "xlstm", "gta"])
-def test_every_config_trains_and_generates(arch, tmp_path, monkeypatch, capsys):
-    """Each architecture's own YAML fits a few steps in process, checkpoints, writes samples, resumes, and
-    `generate` reads the checkpoint back."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["ltcx"])
-    data = write_corpus(tmp_path / "corpus", 60, 10)
-    args = [
-        "fit", "--config", str(ROOT / f"configs/{arch}.yaml"), "--config", str(ROOT / "configs/trainer/smoke.yaml"),
-        "--data.path", str(data), "--data.block_size", "32", "--data.batch_size", "2", "--data.val_batches", "1",
-        "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.enable_progress_bar", "false",
-        *TINY_OVERRIDES[arch],
-    ]
-    main(args)
-    checkpoint = tmp_path / f"checkpoints/{arch}/version_0/last.ckpt"
-    assert torch.load(checkpoint, weights_only=False)["global_step"] == 2
-    samples = read_events(tmp_path / f"lightning_logs/{arch}/version_0").Tensors("samples/text_summary")
-    assert [e.step for e in samples] == [2] and samples[0].tensor_proto.string_val[0].decode().startswith("Once")
-    main([*args, "--trainer.max_steps", "3", "--ckpt_path", "last"])
-    checkpoint = tmp_path / f"checkpoints/{arch}/version_1/last.ckpt"  # the resumed run saves in its own folder
-    assert torch.load(checkpoint, weights_only=False)["global_step"] == 3
-    for subcommand in ("validate", "test", "predict"):
-        main([subcommand, *args[1:], "--ckpt_path", str(checkpoint)])
-    assert_generates(checkpoint, capsys)
 
 
 def test_smoke_config_trains_on_the_builtin_sample(tmp_path, monkeypatch, capsys):

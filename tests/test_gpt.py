@@ -46,18 +46,6 @@ def test_gqa_attention_equals_naive_softmax(n_head, n_kv_head, past):
     torch.testing.assert_close(causal_gqa_attention(q, k, v), naive_attention(q, k, v), atol=1e-10, rtol=0)
 
 
-def test_causality_future_tokens_do_not_change_past_logits():
-    torch.manual_seed(0)
-    model = tiny().double().eval()
-    idx = torch.randint(0, 97, (2, 20))
-    changed = idx.clone()
-    changed[:, 12:] = torch.randint(0, 97, (2, 8))
-    logits, _ = model(idx)
-    logits_changed, _ = model(changed)
-    torch.testing.assert_close(logits[:, :12], logits_changed[:, :12], atol=1e-12, rtol=0)
-    assert not torch.allclose(logits[:, 12:], logits_changed[:, 12:])
-
-
 @pytest.mark.parametrize("pieces", [[1] * 20, [7, 1, 5, 7], [20]])
 def test_cached_decode_equals_full_forward(pieces):
     torch.manual_seed(0)
@@ -77,17 +65,6 @@ def test_cached_decode_float32_tolerance():
     _, state = model(idx[:, :9])
     step, _ = model(idx[:, 9:], state)
     torch.testing.assert_close(step, full[:, 9:], atol=1e-5, rtol=1e-5)
-
-
-def test_reorder_cache_equals_running_the_reordered_batch():
-    torch.manual_seed(0)
-    model = tiny().double().eval()
-    idx = torch.randint(0, 97, (3, 10))
-    _, state = model(idx[:, :8])
-    index = torch.tensor([2, 0, 0, 1])
-    logits, _ = model(idx[index, 8:], model.reorder_cache(state, index))
-    expected, _ = model(idx[index])
-    torch.testing.assert_close(logits, expected[:, 8:], atol=1e-10, rtol=0)
 
 
 def test_context_overflow_is_a_clear_error():
@@ -122,15 +99,6 @@ def test_init_scales_residual_projections():
     model = GPT(block_size=64, vocab_size=512, n_layer=8, n_head=4, n_embd=256)
     assert abs(model.blocks[0].attn.c_proj.weight.std().item() - 0.02 / math.sqrt(16)) < 1e-3
     assert abs(model.blocks[0].mlp.c_fc.weight.std().item() - 0.02) < 1e-3
-
-
-def test_gradients_reach_every_parameter():
-    torch.manual_seed(0)
-    model = tiny(dropout=0.1)
-    logits, _ = model(torch.randint(0, 97, (2, 16)))
-    logits.square().mean().backward()
-    for name, param in model.named_parameters():
-        assert param.grad is not None and param.grad.abs().sum() > 0, name
 
 
 @pytest.mark.parametrize(

@@ -350,16 +350,6 @@ def test_inference_reuses_the_folded_projections_until_a_parameter_changes():
     assert not any("derived" in name or "folded" in name for name in model.state_dict())
 
 
-def test_reorder_cache_equals_running_the_reordered_batch():
-    model = small_model()
-    idx = torch.randint(0, SMALL["vocab_size"], (3, 20), generator=torch.Generator().manual_seed(0))
-    order = torch.tensor([2, 0, 0, 1])
-    _, state = model(idx[:, :12])
-    state = model.reorder_cache(state, order)
-    logits, _ = model(idx[order, 12:], state)
-    torch.testing.assert_close(logits, model(idx[order])[0][:, 12:], rtol=0, atol=1e-10)
-
-
 def test_attention_refuses_positions_past_block_size():
     config = LTCConfig(**{**SMALL, "num_decay_modes": 2})
     attn = LTCAttention(config)

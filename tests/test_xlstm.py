@@ -306,20 +306,6 @@ def test_model_is_causal_and_batch_independent():
         torch.testing.assert_close(alone, logits[:1], **F64)
 
 
-def test_reorder_cache_equals_running_the_reordered_batch():
-    model = _tiny_model()
-    g = torch.Generator().manual_seed(3)
-    prefix = torch.randint(0, 37, (3, 9), generator=g)
-    index = torch.tensor([2, 0, 0, 1])
-    cont = torch.randint(0, 37, (4, 5), generator=g)
-    with torch.no_grad():
-        _, state = model(prefix)
-        state = model.reorder_cache(state, index)
-        got, _ = model(cont, state)
-        want, _ = model(torch.cat([prefix[index], cont], 1))
-    torch.testing.assert_close(got, want[:, 9:], **F64)
-
-
 def test_training_forward_never_uses_the_token_loop(monkeypatch):
     """mLSTM training (T > 1) runs chunkwise; only one-token calls may use the recurrent step."""
     def forbidden(*args, **kwargs):

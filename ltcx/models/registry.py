@@ -16,20 +16,13 @@ import importlib
 import torch.nn as nn
 
 from ltcx.errors import LtcxError
+from ltcx.models.catalog import builtin_class_paths
 
 __all__ = ["Backbone", "register_backbone", "resolve_backbone"]
 
-# ltcx's own backbones: class path -> (module, class name), imported lazily.
-_BUILTIN = {
-    f"{module}.{name}": (module, name)
-    for module, name in (
-        ("ltcx.models.gpt", "GPT"),
-        ("ltcx.models.ltc", "LTCGPT"),
-        ("ltcx.models.xlstm", "XLSTM"),
-        ("ltcx.models.titans", "Titans"),
-        ("ltcx.models.gta", "GTAGPT"),
-    )
-}
+# ltcx's own backbones: class path -> (module, class name), imported lazily. Derived from the catalogue's own
+# entries (not those a test adds with add_to_catalog), so only ltcx's model modules are ever imported.
+_BUILTIN = builtin_class_paths()
 _REGISTERED: dict[str, type] = {}
 
 

@@ -1,0 +1,117 @@
+"""The catalogue of ltcx's architectures: one entry per architecture name (``gpt``, ``ltc``, ...), naming its
+backbone class, its YAML and a tiny shape for tests.
+
+Everything that holds a list of architectures reads it from here: the registry's allow-list of backbone
+classes (``ltcx/models/registry.py``), the benchmark and comparison scripts, and the contract test suite
+(``tests/test_contract.py``, parametrized over ``CATALOG``, so a new entry gets every contract check).
+
+Importing this module is cheap: a backbone's module is imported only when its class is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+__all__ = ["CATALOG", "Architecture", "add_to_catalog", "build_tiny", "config_path", "get", "names"]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One architecture: ``module.class_name`` is its backbone, ``yaml`` its config (relative to the repository
+    root), ``tiny`` the constructor arguments (less ``vocab_size``) of a shape whose forward takes milliseconds."""
+
+    name: str
+    module: str
+    class_name: str
+    yaml: str
+    tiny: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def class_path(self) -> str:
+        return f"{self.module}.{self.class_name}"
+
+    def backbone_class(self) -> type:
+        """The backbone class (its module imported on first use)."""
+        return getattr(importlib.import_module(self.module), self.class_name)
+
+    def build_tiny(self, vocab_size: int, **overrides) -> Any:
+        """The backbone at its tiny shape (float32, training mode)."""
+        return self.backbone_class()(**{**self.tiny, "vocab_size": vocab_size, **overrides})
+
+    def tiny_cli(self) -> list[str]:
+        """CLI overrides for a tiny fit of ``yaml``: the tiny init_args (the vocabulary is linked from the data,
+        so it is not among them) and a warmup of 2 steps."""
+        args = []
+        for key, value in self.tiny.items():
+            args += [f"--model.backbone.init_args.{key}", value if isinstance(value, str) else json.dumps(value)]
+        return [*args, "--model.warmup_steps", "2"]
+
+
+_GPT_TINY = dict(block_size=64, n_layer=2, n_head=2, n_kv_head=1, n_embd=16, bias=False)
+_TITANS_TINY = dict(n_embd=16, n_layer=2, n_head=2, n_kv_head=1, mlp_hidden=32, window=4, segment=4, n_persistent=2,
+                    mem_heads=2, mem_head_dim=8, mem_hidden=16, memory_chunk_size=4)
+
+_ENTRIES = [
+    Architecture("gpt", "ltcx.models.gpt", "GPT", "configs/gpt.yaml", _GPT_TINY),
+    Architecture("ltc", "ltcx.models.ltc", "LTCGPT", "configs/ltc.yaml", {**_GPT_TINY, "num_decay_modes": 4}),
+    Architecture("xlstm", "ltcx.models.xlstm", "XLSTM", "configs/xlstm.yaml",
+                 dict(embedding_dim=16, num_layers=2, signature=[1, 1], num_heads=2, slstm_num_heads=2, chunk_size=4,
+                      proj_round_to=8)),
+    Architecture("gta", "ltcx.models.gta", "GTAGPT", "configs/gta.yaml",
+                 dict(block_size=64, n_layer=2, n_head=2, n_embd=16, bias=False, key_dim=8, latent_dim=8)),
+    *(Architecture(f"titans_{variant}", "ltcx.models.titans", "Titans", f"configs/titans_{variant}.yaml",
+                   {"variant": variant, **_TITANS_TINY})
+      for variant in ("mag", "mac", "mal", "lmm")),
+]
+
+_CATALOG: dict[str, Architecture] = {entry.name: entry for entry in _ENTRIES}
+CATALOG = MappingProxyType(_CATALOG)  # read-only: add entries with add_to_catalog
+
+
+def add_to_catalog(entry: Architecture) -> Architecture:
+    """Add an architecture (e.g. a test's toy backbone); its class is not thereby one a checkpoint may name:
+    register it with ``ltcx.models.registry.register_backbone`` for that. Returns ``entry``."""
+    if entry.name in _CATALOG:
+        raise ValueError(f"architecture '{entry.name}' is already in the catalogue")
+    _CATALOG[entry.name] = entry
+    return entry
+
+
+def remove_from_catalog(name: str) -> None:
+    """Undo ``add_to_catalog`` (ltcx's own entries stay)."""
+    if name in {entry.name for entry in _ENTRIES}:
+        raise ValueError(f"'{name}' is one of ltcx's own architectures")
+    _CATALOG.pop(name, None)
+
+
+def names() -> list[str]:
+    return sorted(_CATALOG)
+
+
+def get(name: str) -> Architecture:
+    """The entry of ``name``; ``KeyError`` naming the known architectures."""
+    try:
+        return _CATALOG[name]
+    except KeyError:
+        raise KeyError(f"unknown architecture '{name}' (known: {', '.join(names())})") from None
+
+
+def build_tiny(name: str, vocab_size: int, **overrides) -> Any:
+    return get(name).build_tiny(vocab_size, **overrides)
+
+
+def config_path(name: str) -> Path:
+    """The absolute path of the YAML of ``name``."""
+    return ROOT / get(name).yaml
+
+
+def builtin_class_paths() -> dict[str, tuple[str, str]]:
+    """ltcx's own backbone classes: class path -> (module, class name), distinct (Titans serves four entries)."""
+    return {entry.class_path: (entry.module, entry.class_name) for entry in _ENTRIES}
