@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_cli import write_corpus
+from helpers import write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,73 +17,28 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import (
+    ROOT,
+    fit_args,
+    lean_fit_args,
+    one_error_line,
+    run_cli,
+    step_and_weights,
+    write_checkpoint,
+    write_corpus,
+)
 from ltcx.checkpoint import SafeCheckpointIO, atomic_save, read_checkpoint
 from ltcx.cli import main
 from ltcx.errors import LtcxError
-from ltcx.generation import generate
 from ltcx.lm import LanguageModel, load_language_model
 from ltcx.models import registry
 from ltcx.models.gpt import GPT
 from ltcx.models.ltc import LTCGPT
-from test_cli import ROOT, fit_args, run_cli, write_corpus
-
-GPT_CONFIG = dict(block_size=64, vocab_size=320, n_layer=1, n_head=2, n_kv_head=1, n_embd=32)
-
-
-def one_error_line(args, capsys) -> str:
-    """Run ``ltcx args`` in process; it must exit 2 with exactly one line on stderr, which is returned."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(args)
-    assert exit_info.value.code == 2
-    captured = capsys.readouterr()
-    lines = [line for line in captured.err.splitlines() if line.startswith("ltcx: error: ")]
-    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
-    return lines[0]
-
-
-def write_checkpoint(path: Path, tokenizer: str = "bytes", **meta) -> Path:
-    """A small ltcx checkpoint written without training (what `ltcx fit` writes, minus the trainer state)."""
-    torch.manual_seed(0)
-    model = LanguageModel(GPT(**GPT_CONFIG), warmup_steps=2)
-    checkpoint = {
-        "state_dict": model.state_dict(),
-        "hyper_parameters": dict(model.hparams),
-        "global_step": 3,
-        "ltcx": {"backbone_class": "ltcx.models.gpt.GPT", "backbone_config": model.backbone.config_dict(),
-                 "tokenizer": tokenizer, "tokens_seen": 0, **meta},
-    }
-    torch.save(checkpoint, path)
-    return path
 
 
 @pytest.fixture
 def checkpoint(tmp_path) -> Path:
     return write_checkpoint(tmp_path / "good.ckpt")
-
-
-@pytest.fixture
-def fit_env(tmp_path, monkeypatch):
-    """In-process runs in tmp_path (checkpoints/ and lightning_logs/ land there) on a small corpus."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["ltcx"])
-    return write_corpus(tmp_path / "corpus", 60, 10)
-
-
-def lean_fit_args(tmp_path: Path, data: Path, *extra: str, every: int = 100, keep_runs: str = "") -> list[str]:
-    """fit_args without validation or samples; checkpoints every ``every`` steps to checkpoints/gpt."""
-    callbacks = tmp_path / "lean.yaml"
-    callbacks.write_text(
-        "trainer:\n  callbacks:\n    - class_path: ltcx.callbacks.ModelCheckpoint\n      init_args:\n"
-        f"        dirpath: checkpoints/gpt\n        save_last: true\n        every_n_train_steps: {every}\n"
-        + (f"        keep_runs: {keep_runs}\n" if keep_runs else "")
-        + "    - class_path: ltcx.callbacks.FiniteLossGuard\n"
-    )
-    return fit_args(data, "--config", str(callbacks), "--trainer.limit_val_batches", "0", *extra)
-
-
-def step_and_weights(path: Path) -> tuple[int, dict]:
-    state = read_checkpoint(path)
-    return state["global_step"], state["state_dict"]
 
 
 # -- 1, 2: files a user hands us are data, never code ----------------------------------------------------------

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from helpers import one_error_line, write_checkpoint
 from ltcx.errors import LtcxError
 from ltcx.generation import filter_logits, generate, stream_tokens
 from ltcx.models.gpt import GPT
-from test_failures import one_error_line, write_checkpoint
 
 
 @pytest.fixture
