@@ -364,7 +364,8 @@ def test_ctrl_c_saves_the_step_and_exits_130(tmp_path):
     data = write_corpus(tmp_path / "corpus", 60, 10)
     stopped = run_cli(lean_fit_args(tmp_path, data, "--trainer.max_steps", "6",
                                     "--trainer.callbacks+=fault_injection.SignalSelf",
-                                    "--trainer.callbacks.at_step=2", "--trainer.callbacks.signal_name=SIGINT"), tmp_path)
+                                    "--trainer.callbacks.at_step=2", "--trainer.callbacks.signal_name=SIGINT"),
+                      tmp_path)
     assert stopped.returncode == 128 + signal.SIGINT, stopped.stderr[-3000:]
     assert "ltcx: SIGINT at step 2: saved" in stopped.stderr
     assert step_and_weights(tmp_path / "checkpoints/gpt/version_0/last.ckpt")[0] == 2
@@ -398,8 +399,9 @@ def test_ckpt_path_last_refuses_when_runs_share_the_folder(tmp_path, fit_env, ca
     shutil.copy(checkpoint, folder / "last.ckpt")
     shutil.copy(checkpoint, folder / "last-v1.ckpt")
     line = one_error_line(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1", "--ckpt_path", "last"), capsys)
-    assert line == ("ltcx: error: --ckpt_path last is ambiguous: checkpoints/gpt/last-v1.ckpt, checkpoints/gpt/last.ckpt"
-                    " (runs sharing the folder wrote several); pass --ckpt_path the one to resume")
+    assert line == ("ltcx: error: --ckpt_path last is ambiguous: checkpoints/gpt/last-v1.ckpt, "
+                    "checkpoints/gpt/last.ckpt (runs sharing the folder wrote several); pass --ckpt_path the one to "
+                    "resume")
     assert not (tmp_path / "lightning_logs").exists()
 
 
@@ -422,8 +424,9 @@ def damaged(tmp_path: Path, checkpoint: Path, how: str) -> Path:
     ("empty", "is empty (0 bytes): use another checkpoint"),
     ("truncated", "it is truncated or not a checkpoint"),
     ("random", "could not be read"),
-    ("another architecture", "--model.backbone.init_args.n_embd 16 would change the architecture of checkpoint '{path}' "
-                             "(it has n_embd 32), whose weights can not be resumed into it: drop the flag to resume"),
+    ("another architecture", "--model.backbone.init_args.n_embd 16 would change the architecture of checkpoint "
+                             "'{path}' (it has n_embd 32), whose weights can not be resumed into it: drop the flag "
+                             "to resume"),
     ("another vocabulary", "is of another model (vocab_size: 320 in the file, 50304 configured): pass the config that"),
 ])
 def test_fit_ckpt_path_failures(tmp_path, fit_env, capsys, checkpoint, how, message):
@@ -528,8 +531,8 @@ def test_generate_metadata_not_matching_weights(tmp_path, capsys):
     state["ltcx"]["backbone_config"]["n_layer"] = 2
     torch.save(state, path)
     line = one_error_line(["generate", "--ckpt_path", str(path)], capsys)
-    assert line == (f"ltcx: error: checkpoint '{path}' does not fit the model: backbone.blocks.1.ln_1.weight [32] is not "
-                    f"in the file (and 13 more); {OTHER_VERSION}")
+    assert line == (f"ltcx: error: checkpoint '{path}' does not fit the model: backbone.blocks.1.ln_1.weight [32] is "
+                    f"not in the file (and 13 more); {OTHER_VERSION}")
 
 
 def test_weights_that_are_no_tensors_are_still_a_damaged_file(tmp_path, capsys):
@@ -612,8 +615,8 @@ def test_export_with_flipped_bytes_is_named_damaged(tmp_path, trained, capsys):
     capsys.readouterr()
     assert len(json.loads((out / "config.json").read_text())["weights_sha256"]) == 64
     flip_tensor_bytes(out / "model.safetensors", read_checkpoint(trained[0])["state_dict"]["backbone.wpe.weight"])
-    message = (f"exported model '{out}' is damaged: its model.safetensors does not match the SHA-256 in its config.json "
-               "(bytes changed on disk or in transfer); export it again from its checkpoint")
+    message = (f"exported model '{out}' is damaged: its model.safetensors does not match the SHA-256 in its "
+               "config.json (bytes changed on disk or in transfer); export it again from its checkpoint")
     with pytest.raises(LtcxError) as error:
         LanguageModel.from_pretrained(out)
     assert str(error.value) == message
@@ -625,8 +628,8 @@ def test_export_with_flipped_bytes_is_named_damaged(tmp_path, trained, capsys):
 def test_files_without_a_digest_load_with_one_notice(tmp_path, trained, capsys, checkpoint):
     load_language_model(checkpoint)  # written by torch.save, as an earlier ltcx did
     assert capsys.readouterr().err.splitlines() == [
-        f"ltcx: checkpoint '{checkpoint}' has no SHA-256 digest (written by torch.save or an earlier ltcx), so it could "
-        "not be checked for damage"]
+        f"ltcx: checkpoint '{checkpoint}' has no SHA-256 digest (written by torch.save or an earlier ltcx), so it "
+        "could not be checked for damage"]
     out = tmp_path / "exported"
     main(["export", "--ckpt_path", str(trained[0]), "--out", str(out)])
     config = json.loads((out / "config.json").read_text())
@@ -738,8 +741,8 @@ def test_settings_of_another_version_are_named(tmp_path, fit_env, capsys, traine
 
     path = as_an_older_version(saved, tmp_path / "old-hparams.ckpt", old_hyper_parameter)
     line = one_error_line(lean_fit_args(tmp_path, data, "--trainer.max_steps", "2", "--ckpt_path", str(path)), capsys)
-    assert line == (f"ltcx: error: checkpoint '{path}' has hyper-parameter(s) model.label_smoothing, which this version of "
-                    f"ltcx does not have: {again}")
+    assert line == (f"ltcx: error: checkpoint '{path}' has hyper-parameter(s) model.label_smoothing, which this "
+                    f"version of ltcx does not have: {again}")
     path = as_an_older_version(saved, tmp_path / "old-config.ckpt", old_backbone_setting)
     line = one_error_line(["validate", *lean_fit_args(tmp_path, data)[1:], "--ckpt_path", str(path)], capsys)
     assert line == (f"ltcx: error: checkpoint '{path}' is of another model (round_to: 64 in the file, not a setting of "
@@ -772,7 +775,8 @@ def test_hyper_parameter_of_the_wrong_type_in_a_checkpoint(tmp_path, fit_env, ca
     capsys.readouterr()
     before = {p for p in tmp_path.rglob("*") if p.name != "lean.yaml"}
     shown = f"model.backbone.init_args.{name}" if where else f"model.{name}"
-    message = f"checkpoint '{path}' has {shown} {value!r}, which is not {expected}: fix it in the file or use another one"
+    message = (f"checkpoint '{path}' has {shown} {value!r}, which is not {expected}: fix it in the file or use "
+               "another one")
     if entry == "load_from_checkpoint":
         with pytest.raises(LtcxError) as error:
             LanguageModel.load_from_checkpoint(path)
@@ -828,7 +832,8 @@ def test_checkpoint_from_before_a_new_setting_loads_at_its_default(tmp_path, fit
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 def test_generate_device_cuda_without_cuda(capsys, checkpoint):
     line = one_error_line(["generate", "--ckpt_path", str(checkpoint), "--device", "cuda"], capsys)
-    assert line == "ltcx: error: --device cuda: this machine has no usable CUDA device (torch sees none); use --device cpu"
+    assert line == ("ltcx: error: --device cuda: this machine has no usable CUDA device (torch sees none); "
+                    "use --device cpu")
 
 
 def test_generate_reads_a_good_checkpoint(capsys, checkpoint):
@@ -844,11 +849,12 @@ def test_generate_reads_a_good_checkpoint(capsys, checkpoint):
 def test_offline_hub_data_and_tokenizer_fail_at_once(tmp_path, fit_env, capsys):
     start = time.monotonic()
     line = one_error_line(fit_args(Path("roneneldan/TinyStories"), "--trainer.max_steps", "1"), capsys)
-    assert line == ("ltcx: error: cannot load data set 'roneneldan/TinyStories' from the Hugging Face hub (offline mode "
-                    "is set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)); offline? use --data.path sample (a TinyStories "
-                    "sample shipped with ltcx) or point --data.path at local .txt/.jsonl/.parquet files")
+    assert line == ("ltcx: error: cannot load data set 'roneneldan/TinyStories' from the Hugging Face hub (offline "
+                    "mode is set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)); offline? use --data.path sample (a "
+                    "TinyStories sample shipped with ltcx) or point --data.path at local .txt/.jsonl/.parquet files")
     line = one_error_line(fit_args(fit_env, "--data.tokenizer", "some-org/no-such-tokenizer"), capsys)
-    assert "unknown tokenizer 'some-org/no-such-tokenizer'" in line and "not in the local cache and offline mode" in line
+    assert "unknown tokenizer 'some-org/no-such-tokenizer'" in line
+    assert "not in the local cache and offline mode" in line
     assert time.monotonic() - start < 10
 
 
