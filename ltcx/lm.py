@@ -23,7 +23,11 @@ import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
 from ltcx.checkpoint import (
-    ANOTHER_VERSION, check_weights_fit, checkpoint_in_folder, read_checkpoint, unknown_settings,
+    ANOTHER_VERSION,
+    check_weights_fit,
+    checkpoint_in_folder,
+    read_checkpoint,
+    unknown_settings,
 )
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.registry import Backbone, class_path, resolve_backbone
@@ -246,7 +250,8 @@ class LanguageModel(L.LightningModule):
         max_steps = self.trainer.max_steps if self._trainer is not None else -1
         if explicit is not None:
             if stored is not None and stored != explicit:
-                self._notice(f"model.decay_steps {explicit} replaces the checkpoint's learning-rate schedule end ({stored})")
+                self._notice(f"model.decay_steps {explicit} replaces the checkpoint's learning-rate schedule end "
+                             f"({stored})")
             return explicit
         if stored is not None:
             if max_steps != stored:

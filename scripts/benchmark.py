@@ -262,7 +262,8 @@ def bench_data(args) -> list[dict]:
         start = time.perf_counter()
         for _ in range(args.loader_batches):
             next(loader)
-        result = {"mode": mode, "loader_tokens_per_s": args.loader_batches * batch_tokens / (time.perf_counter() - start)}
+        elapsed = time.perf_counter() - start
+        result = {"mode": mode, "loader_tokens_per_s": args.loader_batches * batch_tokens / elapsed}
         if args.resume_tokens:
             consumed = args.resume_tokens // batch_tokens
             dm = data_module(path)
@@ -286,7 +287,8 @@ def bench_data(args) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--archs", nargs="+", default=["gpt"],
-                        help=f"architectures ({', '.join(sorted(CATALOG))}), each optionally with :key=value,... init_args")
+                        help=f"architectures ({', '.join(sorted(CATALOG))}), each optionally with :key=value,... "
+                        "init_args")
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--seq_len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
@@ -351,10 +353,12 @@ def main() -> None:
         columns += ["recurrent_train_tokens_per_s"]
     for r in results:
         r["vs_first"] = r["train_tokens_per_s"] / base
-    print(f"device={device} dtype={args.dtype} batch={args.batch_size} seq_len={args.seq_len} torch={torch.__version__}")
+    print(f"device={device} dtype={args.dtype} batch={args.batch_size} seq_len={args.seq_len} "
+          f"torch={torch.__version__}")
     if matmul_flops is not None:
         print(f"measured float32 matmul rate: {matmul_flops / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
-    print("MFU peak: " + (f"{peak_flops:.4g} FLOP/s ({source})" if peak_flops else f"none ({source}): set --peak_flops"))
+    print("MFU peak: "
+          + (f"{peak_flops:.4g} FLOP/s ({source})" if peak_flops else f"none ({source}): set --peak_flops"))
     print(" | ".join(columns))
     for r in results:
         print(" | ".join(f"{r.get(c):.3g}" if isinstance(r.get(c), float) else str(r.get(c, "-")) for c in columns))

@@ -180,7 +180,8 @@ def run_one(config: Path, model: str, seed: int, run_root: Path, args, extra: li
     if checkpoints:
         command += ["--ckpt_path", str(checkpoints[0])]  # a stopped run continues where it stopped
     run_root.mkdir(parents=True, exist_ok=True)
-    print(f"compare: {model} seed {seed}: training {max_steps} steps ({'resumed' if checkpoints else 'new'})", flush=True)
+    print(f"compare: {model} seed {seed}: training {max_steps} steps ({'resumed' if checkpoints else 'new'})",
+          flush=True)
     with open(run_root / "run.log", "a") as log:
         code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
     if code != 0:

@@ -39,7 +39,8 @@ def curves_by_model(runs: list[dict]) -> dict[str, tuple[list[float], list[float
 def plot(folder: Path) -> list[Path]:
     summary_file = folder / "summary.json"
     if not summary_file.is_file():
-        print(f"plot_results: error: no {summary_file}: run scripts/compare.py --name {folder.name} first", file=sys.stderr)
+        print(f"plot_results: error: no {summary_file}: run scripts/compare.py --name {folder.name} first",
+              file=sys.stderr)
         sys.exit(2)
     summary = json.loads(summary_file.read_text())
     models = summary["models"]
@@ -71,7 +72,8 @@ def plot(folder: Path) -> list[Path]:
     axes.set_ylim(low - 0.5 * (high - low + 1e-3), high + 0.2 * (high - low + 1e-3))
     baseline = summary.get("baseline")
     axes.set(ylabel="final validation loss",
-             title=f"Final validation loss, {summary['tokens']:,} tokens" + (f" (paired gap to {baseline})" if baseline else ""))
+             title=f"Final validation loss, {summary['tokens']:,} tokens"
+             + (f" (paired gap to {baseline})" if baseline else ""))
     axes.grid(axis="y", alpha=0.3)
     written.append(folder / "final_val_loss.png")
     figure.tight_layout()

@@ -1,4 +1,8 @@
+import sys
+
 import pytest
+
+from helpers import write_corpus
 
 
 @pytest.fixture(autouse=True)
@@ -25,3 +29,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def fit_env(tmp_path, monkeypatch):
+    """In-process runs in tmp_path (checkpoints/ and lightning_logs/ land there) on a small corpus."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ltcx"])
+    return write_corpus(tmp_path / "corpus", 60, 10)

@@ -1,14 +1,21 @@
 """Helpers shared by several test modules (imported as ``from helpers import ...``, like ``fault_injection``):
 relative errors of tensors against a reference, documents of a fixed byte length, feeding a backbone in pieces,
-a small text corpus, TensorBoard events and a generation check for CLI runs."""
+a small text corpus, TensorBoard events and a generation check for CLI runs, the arguments of a tiny `ltcx fit`
+run (in process or as a `run.py` subprocess), one-line user errors and a small checkpoint written without
+training. Fixtures live in conftest.py; no test module imports another."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
 REL_TOL = 1e-12  # float64 agreement, relative to the largest magnitude of the compared tensors
 
 
@@ -78,3 +85,84 @@ def assert_generates(checkpoint: Path, capsys) -> None:
           "--temperature", "0"])
     out = capsys.readouterr().out
     assert out.startswith("The cat") and len(out.strip()) > len("The cat")
+
+
+# -- tiny `ltcx fit` runs ---------------------------------------------------------------------------------------
+
+TINY_SHAPE = [
+    "--model.backbone.init_args.n_layer", "1", "--model.backbone.init_args.n_embd", "32",
+    "--model.backbone.init_args.n_head", "2", "--model.backbone.init_args.block_size", "64",
+    "--model.warmup_steps", "2",
+]
+TINY_MODEL = [*TINY_SHAPE, "--model.backbone.init_args.n_kv_head", "1"]
+
+
+def fit_args(data: Path, *extra: str) -> list[str]:
+    return [
+        "fit", "--config", str(ROOT / "configs/gpt.yaml"), "--config", str(ROOT / "configs/trainer/smoke.yaml"),
+        "--data.path", str(data), "--data.block_size", "32", "--data.batch_size", "4", "--data.val_batches", "2",
+        "--trainer.val_check_interval", "2", "--trainer.log_every_n_steps", "1",
+        "--trainer.enable_progress_bar", "false", *TINY_MODEL, *extra,
+    ]
+
+
+def run_cli(args: list[str], cwd: Path, **env) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "HF_HUB_OFFLINE": "1", **env}
+    result = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=environment,
+                            capture_output=True, text=True, timeout=600)
+    return result
+
+
+def lean_fit_args(tmp_path: Path, data: Path, *extra: str, every: int = 100, keep_runs: str = "") -> list[str]:
+    """fit_args without validation or samples; checkpoints every ``every`` steps to checkpoints/gpt."""
+    callbacks = tmp_path / "lean.yaml"
+    callbacks.write_text(
+        "trainer:\n  callbacks:\n    - class_path: ltcx.callbacks.ModelCheckpoint\n      init_args:\n"
+        f"        dirpath: checkpoints/gpt\n        save_last: true\n        every_n_train_steps: {every}\n"
+        + (f"        keep_runs: {keep_runs}\n" if keep_runs else "")
+        + "    - class_path: ltcx.callbacks.FiniteLossGuard\n"
+    )
+    return fit_args(data, "--config", str(callbacks), "--trainer.limit_val_batches", "0", *extra)
+
+
+def one_error_line(args, capsys) -> str:
+    """Run ``ltcx args`` in process; it must exit 2 with exactly one line on stderr, which is returned."""
+    from ltcx.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.startswith("ltcx: error: ")]
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    return lines[0]
+
+
+# -- checkpoints ------------------------------------------------------------------------------------------------
+
+GPT_CONFIG = dict(block_size=64, vocab_size=320, n_layer=1, n_head=2, n_kv_head=1, n_embd=32)
+
+
+def write_checkpoint(path: Path, tokenizer: str = "bytes", **meta) -> Path:
+    """A small ltcx checkpoint written without training (what `ltcx fit` writes, minus the trainer state)."""
+    from ltcx.lm import LanguageModel
+    from ltcx.models.gpt import GPT
+
+    torch.manual_seed(0)
+    model = LanguageModel(GPT(**GPT_CONFIG), warmup_steps=2)
+    checkpoint = {
+        "state_dict": model.state_dict(),
+        "hyper_parameters": dict(model.hparams),
+        "global_step": 3,
+        "ltcx": {"backbone_class": "ltcx.models.gpt.GPT", "backbone_config": model.backbone.config_dict(),
+                 "tokenizer": tokenizer, "tokens_seen": 0, **meta},
+    }
+    torch.save(checkpoint, path)
+    return path
+
+
+def step_and_weights(path: Path) -> tuple[int, dict]:
+    from ltcx.checkpoint import read_checkpoint
+
+    state = read_checkpoint(path)
+    return state["global_step"], state["state_dict"]

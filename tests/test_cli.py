@@ -1,41 +1,15 @@
 """End to end: real `run.py fit` subprocesses on a small fixture, resume, generate, DDP, and user errors."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import assert_generates, read_events, write_corpus  # noqa: F401 (also imported from here)
+from helpers import ROOT, TINY_MODEL, fit_args, read_events, run_cli, write_corpus
 from ltcx.cli import main
 from ltcx.models.catalog import CATALOG, config_path
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY_SHAPE = [
-    "--model.backbone.init_args.n_layer", "1", "--model.backbone.init_args.n_embd", "32",
-    "--model.backbone.init_args.n_head", "2", "--model.backbone.init_args.block_size", "64",
-    "--model.warmup_steps", "2",
-]
-TINY_MODEL = [*TINY_SHAPE, "--model.backbone.init_args.n_kv_head", "1"]
-
-
-def fit_args(data: Path, *extra: str) -> list[str]:
-    return [
-        "fit", "--config", str(ROOT / "configs/gpt.yaml"), "--config", str(ROOT / "configs/trainer/smoke.yaml"),
-        "--data.path", str(data), "--data.block_size", "32", "--data.batch_size", "4", "--data.val_batches", "2",
-        "--trainer.val_check_interval", "2", "--trainer.log_every_n_steps", "1",
-        "--trainer.enable_progress_bar", "false", *TINY_MODEL, *extra,
-    ]
-
-
-def run_cli(args: list[str], cwd: Path, **env) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "HF_HUB_OFFLINE": "1", **env}
-    result = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=environment,
-                            capture_output=True, text=True, timeout=600)
-    return result
 
 
 def test_fit_resume_and_generate(tmp_path):

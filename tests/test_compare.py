@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_cli import write_corpus
+from helpers import write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,14 +65,16 @@ def test_tiny_comparison_end_to_end(tmp_path, capsys):
     tiny = {"n_layer": 1, "n_embd": 32, "n_head": 2, "n_kv_head": 1, "block_size": 64}
     configs = [tiny_config(tmp_path, "gpt", tiny), tiny_config(tmp_path, "ltc", {**tiny, "num_decay_modes": 4})]
     argv = ["--name", "tiny", "--configs", *map(str, configs), "--seeds", "0", "1", "--baseline", "gpt",
-            "--tokens", "512", "--batch_size", "4", "--block_size", "32", "--evals", "2", "--out", str(tmp_path / "results"),
+            "--tokens", "512", "--batch_size", "4", "--block_size", "32", "--evals", "2",
+            "--out", str(tmp_path / "results"),
             "--", "--data.path", str(data), "--data.val_batches", "1"]
     compare.main(argv)
     folder = tmp_path / "results/tiny"
     summary = json.loads((folder / "summary.json").read_text())
     assert [(r["model"], r["seed"]) for r in summary["runs"]] == [("gpt", 0), ("ltc", 0), ("gpt", 1), ("ltc", 1)]
     for run in summary["runs"]:
-        assert run["steps"] == 4 and [t for t, _ in run["curve"]] == [2 * 128, 4 * 128] and math.isfinite(run["val_loss"])
+        assert run["steps"] == 4 and [t for t, _ in run["curve"]] == [2 * 128, 4 * 128]
+        assert math.isfinite(run["val_loss"])
         assert run["params"] > 0 and run["decode_ms_per_token"] > 0 and run["state_bytes_per_token"] > 0
     assert summary["models"]["ltc"]["paired_seeds"] == 2
     assert "| gpt | 2 |" in (folder / "summary.md").read_text()
@@ -83,7 +85,8 @@ def test_tiny_comparison_end_to_end(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("done before, skipped") == 3 and "ltc seed 1: training 4 steps (resumed)" in out
     log = (folder / "runs/ltc/seed1/run.log").read_text()
-    assert "is at step 4, at or past trainer.max_steps 4: nothing to train" in log  # finished: the resume trains nothing
+    # finished: the resume trains nothing
+    assert "is at step 4, at or past trainer.max_steps 4: nothing to train" in log
     assert json.loads((folder / "summary.json").read_text())["models"]["ltc"]["paired_seeds"] == 2
 
     plot_results = load_script("plot_results")

@@ -36,8 +36,8 @@ def test_config_composes(model, piece, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("model,expected", [
-        ("gpt", 28_758_912), ("ltc", 29_104_512), ("xlstm", 28_664_616), ("gta", 29_053_824), ("titans_mag", 28_753_644),
-        ("titans_mac", 28_755_948), ("titans_mal", 28_773_558), ("titans_lmm", 28_763_628),
+        ("gpt", 28_758_912), ("ltc", 29_104_512), ("xlstm", 28_664_616), ("gta", 29_053_824),
+        ("titans_mag", 28_753_644), ("titans_mac", 28_755_948), ("titans_mal", 28_773_558), ("titans_lmm", 28_763_628),
     ])
 def test_config_model_sizes(model, expected):
     import importlib

@@ -188,7 +188,8 @@ def check_bf16_generation(entry: Architecture, mode: str) -> None:
 CORE_CHECKS = [
     check_pieces_equal_whole, check_cached_decode_equals_full_forward, check_reorder_cache, check_causality,
     check_batch_independence, check_gradients_reach_every_parameter, check_config_dict_rebuilds,
-    functools.partial(check_bf16_generation, mode="bf16 weights"), functools.partial(check_bf16_generation, mode="autocast"),
+    functools.partial(check_bf16_generation, mode="bf16 weights"),
+    functools.partial(check_bf16_generation, mode="autocast"),
 ]
 
 

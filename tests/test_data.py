@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from helpers import unit_docs
 from ltcx.data import DataError, TextDataModule, in_holdout, pack_blocks
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.tokenizers import get_tokenizer
-from helpers import unit_docs
 
 B = 16  # block_size in most tests; blocks hold B + 1 tokens
 
@@ -269,7 +269,8 @@ def test_resume_from_stream_positions_tokenizes_only_what_follows(tmp_path, num_
     monkeypatch.setattr(text, "_READ_BATCH", 1)  # tokenize document by document, to count them
     encoded = []
     encode_batch = ByteTokenizer.encode_batch
-    monkeypatch.setattr(ByteTokenizer, "encode_batch", lambda tok, texts: encoded.extend(texts) or encode_batch(tok, texts))
+    monkeypatch.setattr(ByteTokenizer, "encode_batch",
+                        lambda tok, texts: encoded.extend(texts) or encode_batch(tok, texts))
     for n in (1, 4, 17, 25):
         encoded.clear()
         dm = make_dm(path, **kw)
@@ -504,7 +505,8 @@ def test_sample_path_is_the_shipped_tinystories_sample(tmp_path, monkeypatch):
     files = resolve_local_files("sample")
     assert [os.path.basename(f) for f in files.train + files.validation] == ["train.txt", "validation.txt"]
     assert all(os.path.dirname(f) == SAMPLE_DIR for f in files.train + files.validation)
-    assert 250_000 < os.path.getsize(files.train[0]) < 400_000 and 40_000 < os.path.getsize(files.validation[0]) < 60_000
+    assert 250_000 < os.path.getsize(files.train[0]) < 400_000
+    assert 40_000 < os.path.getsize(files.validation[0]) < 60_000
     dm = make_dm("sample", tokenizer="gpt2", block_size=128, batch_size=4, val_batches=2)
     block = next(iter(dm.train_dataset()))["idx"]
     text = dm.tokenizer_obj.decode(block.tolist())

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import ROOT, lean_fit_args, step_and_weights, write_corpus
 from ltcx.checkpoint import read_checkpoint
-from test_cli import ROOT, write_corpus
-from test_failures import lean_fit_args, step_and_weights
 
 DDP = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
 TIMEOUT = 120  # s; a run takes ~10 s, a hang is caught well before pytest's patience ends
@@ -78,8 +77,9 @@ def test_non_finite_update_on_one_rank_stops_every_rank_after_that_step(tmp_path
     assert rank_exits(tmp_path / "exits") == {"rank0": 2, "rank1": 2}, stopped.stderr[-3000:]
     errors = [line for line in stopped.stderr.splitlines() if line.startswith("ltcx: error: ")]
     assert errors == ["ltcx: error: weights became non-finite on rank 1 of 2 at step 4, so every rank stopped before "
-                      "saving or validating them (the last checkpoint is the last good one); lower model.learning_rate, "
-                      "raise model.warmup_steps or set trainer.gradient_clip_val"], stopped.stderr[-3000:]
+                      "saving or validating them (the last checkpoint is the last good one); lower "
+                      "model.learning_rate, raise model.warmup_steps or set trainer.gradient_clip_val"], \
+        stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr
     assert step_and_weights(tmp_path / "checkpoints/gpt/version_0/last.ckpt")[0] == 2
 
@@ -138,7 +138,8 @@ def test_a_killed_rank_stops_the_other_with_one_line(tmp_path, killed):
     assert rank_exits(tmp_path / "exits") == {f"rank{survivor}": 2}, stopped.stderr[-3000:]  # the killed one wrote none
     assert stopped.returncode == (2 if killed == 1 else -signal.SIGKILL)  # the launching process is rank 0
     errors = [line for line in stopped.stderr.splitlines() if line.startswith("ltcx: error: ")]
-    assert errors == [f"ltcx: error: rank {killed} of 2 stopped (it exited, crashed or was killed) at step 3; this rank "
-                      f"({survivor}) stops too: see rank {killed}'s own output, then resume with --ckpt_path last"], \
+    assert errors == [f"ltcx: error: rank {killed} of 2 stopped (it exited, crashed or was killed) at step 3; this "
+                      f"rank ({survivor}) stops too: see rank {killed}'s own output, then resume with --ckpt_path "
+                      "last"], \
         stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr and "Connection reset" not in stopped.stderr

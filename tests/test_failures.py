@@ -17,73 +17,28 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import (
+    ROOT,
+    fit_args,
+    lean_fit_args,
+    one_error_line,
+    run_cli,
+    step_and_weights,
+    write_checkpoint,
+    write_corpus,
+)
 from ltcx.checkpoint import SafeCheckpointIO, atomic_save, read_checkpoint
 from ltcx.cli import main
 from ltcx.errors import LtcxError
-from ltcx.generation import generate
 from ltcx.lm import LanguageModel, load_language_model
 from ltcx.models import registry
 from ltcx.models.gpt import GPT
 from ltcx.models.ltc import LTCGPT
-from test_cli import ROOT, fit_args, run_cli, write_corpus
-
-GPT_CONFIG = dict(block_size=64, vocab_size=320, n_layer=1, n_head=2, n_kv_head=1, n_embd=32)
-
-
-def one_error_line(args, capsys) -> str:
-    """Run ``ltcx args`` in process; it must exit 2 with exactly one line on stderr, which is returned."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(args)
-    assert exit_info.value.code == 2
-    captured = capsys.readouterr()
-    lines = [line for line in captured.err.splitlines() if line.startswith("ltcx: error: ")]
-    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
-    return lines[0]
-
-
-def write_checkpoint(path: Path, tokenizer: str = "bytes", **meta) -> Path:
-    """A small ltcx checkpoint written without training (what `ltcx fit` writes, minus the trainer state)."""
-    torch.manual_seed(0)
-    model = LanguageModel(GPT(**GPT_CONFIG), warmup_steps=2)
-    checkpoint = {
-        "state_dict": model.state_dict(),
-        "hyper_parameters": dict(model.hparams),
-        "global_step": 3,
-        "ltcx": {"backbone_class": "ltcx.models.gpt.GPT", "backbone_config": model.backbone.config_dict(),
-                 "tokenizer": tokenizer, "tokens_seen": 0, **meta},
-    }
-    torch.save(checkpoint, path)
-    return path
 
 
 @pytest.fixture
 def checkpoint(tmp_path) -> Path:
     return write_checkpoint(tmp_path / "good.ckpt")
-
-
-@pytest.fixture
-def fit_env(tmp_path, monkeypatch):
-    """In-process runs in tmp_path (checkpoints/ and lightning_logs/ land there) on a small corpus."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["ltcx"])
-    return write_corpus(tmp_path / "corpus", 60, 10)
-
-
-def lean_fit_args(tmp_path: Path, data: Path, *extra: str, every: int = 100, keep_runs: str = "") -> list[str]:
-    """fit_args without validation or samples; checkpoints every ``every`` steps to checkpoints/gpt."""
-    callbacks = tmp_path / "lean.yaml"
-    callbacks.write_text(
-        "trainer:\n  callbacks:\n    - class_path: ltcx.callbacks.ModelCheckpoint\n      init_args:\n"
-        f"        dirpath: checkpoints/gpt\n        save_last: true\n        every_n_train_steps: {every}\n"
-        + (f"        keep_runs: {keep_runs}\n" if keep_runs else "")
-        + "    - class_path: ltcx.callbacks.FiniteLossGuard\n"
-    )
-    return fit_args(data, "--config", str(callbacks), "--trainer.limit_val_batches", "0", *extra)
-
-
-def step_and_weights(path: Path) -> tuple[int, dict]:
-    state = read_checkpoint(path)
-    return state["global_step"], state["state_dict"]
 
 
 # -- 1, 2: files a user hands us are data, never code ----------------------------------------------------------
@@ -409,7 +364,8 @@ def test_ctrl_c_saves_the_step_and_exits_130(tmp_path):
     data = write_corpus(tmp_path / "corpus", 60, 10)
     stopped = run_cli(lean_fit_args(tmp_path, data, "--trainer.max_steps", "6",
                                     "--trainer.callbacks+=fault_injection.SignalSelf",
-                                    "--trainer.callbacks.at_step=2", "--trainer.callbacks.signal_name=SIGINT"), tmp_path)
+                                    "--trainer.callbacks.at_step=2", "--trainer.callbacks.signal_name=SIGINT"),
+                      tmp_path)
     assert stopped.returncode == 128 + signal.SIGINT, stopped.stderr[-3000:]
     assert "ltcx: SIGINT at step 2: saved" in stopped.stderr
     assert step_and_weights(tmp_path / "checkpoints/gpt/version_0/last.ckpt")[0] == 2
@@ -443,8 +399,9 @@ def test_ckpt_path_last_refuses_when_runs_share_the_folder(tmp_path, fit_env, ca
     shutil.copy(checkpoint, folder / "last.ckpt")
     shutil.copy(checkpoint, folder / "last-v1.ckpt")
     line = one_error_line(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1", "--ckpt_path", "last"), capsys)
-    assert line == ("ltcx: error: --ckpt_path last is ambiguous: checkpoints/gpt/last-v1.ckpt, checkpoints/gpt/last.ckpt"
-                    " (runs sharing the folder wrote several); pass --ckpt_path the one to resume")
+    assert line == ("ltcx: error: --ckpt_path last is ambiguous: checkpoints/gpt/last-v1.ckpt, "
+                    "checkpoints/gpt/last.ckpt (runs sharing the folder wrote several); pass --ckpt_path the one to "
+                    "resume")
     assert not (tmp_path / "lightning_logs").exists()
 
 
@@ -467,8 +424,9 @@ def damaged(tmp_path: Path, checkpoint: Path, how: str) -> Path:
     ("empty", "is empty (0 bytes): use another checkpoint"),
     ("truncated", "it is truncated or not a checkpoint"),
     ("random", "could not be read"),
-    ("another architecture", "--model.backbone.init_args.n_embd 16 would change the architecture of checkpoint '{path}' "
-                             "(it has n_embd 32), whose weights can not be resumed into it: drop the flag to resume"),
+    ("another architecture", "--model.backbone.init_args.n_embd 16 would change the architecture of checkpoint "
+                             "'{path}' (it has n_embd 32), whose weights can not be resumed into it: drop the flag "
+                             "to resume"),
     ("another vocabulary", "is of another model (vocab_size: 320 in the file, 50304 configured): pass the config that"),
 ])
 def test_fit_ckpt_path_failures(tmp_path, fit_env, capsys, checkpoint, how, message):
@@ -573,8 +531,8 @@ def test_generate_metadata_not_matching_weights(tmp_path, capsys):
     state["ltcx"]["backbone_config"]["n_layer"] = 2
     torch.save(state, path)
     line = one_error_line(["generate", "--ckpt_path", str(path)], capsys)
-    assert line == (f"ltcx: error: checkpoint '{path}' does not fit the model: backbone.blocks.1.ln_1.weight [32] is not "
-                    f"in the file (and 13 more); {OTHER_VERSION}")
+    assert line == (f"ltcx: error: checkpoint '{path}' does not fit the model: backbone.blocks.1.ln_1.weight [32] is "
+                    f"not in the file (and 13 more); {OTHER_VERSION}")
 
 
 def test_weights_that_are_no_tensors_are_still_a_damaged_file(tmp_path, capsys):
@@ -657,8 +615,8 @@ def test_export_with_flipped_bytes_is_named_damaged(tmp_path, trained, capsys):
     capsys.readouterr()
     assert len(json.loads((out / "config.json").read_text())["weights_sha256"]) == 64
     flip_tensor_bytes(out / "model.safetensors", read_checkpoint(trained[0])["state_dict"]["backbone.wpe.weight"])
-    message = (f"exported model '{out}' is damaged: its model.safetensors does not match the SHA-256 in its config.json "
-               "(bytes changed on disk or in transfer); export it again from its checkpoint")
+    message = (f"exported model '{out}' is damaged: its model.safetensors does not match the SHA-256 in its "
+               "config.json (bytes changed on disk or in transfer); export it again from its checkpoint")
     with pytest.raises(LtcxError) as error:
         LanguageModel.from_pretrained(out)
     assert str(error.value) == message
@@ -670,8 +628,8 @@ def test_export_with_flipped_bytes_is_named_damaged(tmp_path, trained, capsys):
 def test_files_without_a_digest_load_with_one_notice(tmp_path, trained, capsys, checkpoint):
     load_language_model(checkpoint)  # written by torch.save, as an earlier ltcx did
     assert capsys.readouterr().err.splitlines() == [
-        f"ltcx: checkpoint '{checkpoint}' has no SHA-256 digest (written by torch.save or an earlier ltcx), so it could "
-        "not be checked for damage"]
+        f"ltcx: checkpoint '{checkpoint}' has no SHA-256 digest (written by torch.save or an earlier ltcx), so it "
+        "could not be checked for damage"]
     out = tmp_path / "exported"
     main(["export", "--ckpt_path", str(trained[0]), "--out", str(out)])
     config = json.loads((out / "config.json").read_text())
@@ -783,8 +741,8 @@ def test_settings_of_another_version_are_named(tmp_path, fit_env, capsys, traine
 
     path = as_an_older_version(saved, tmp_path / "old-hparams.ckpt", old_hyper_parameter)
     line = one_error_line(lean_fit_args(tmp_path, data, "--trainer.max_steps", "2", "--ckpt_path", str(path)), capsys)
-    assert line == (f"ltcx: error: checkpoint '{path}' has hyper-parameter(s) model.label_smoothing, which this version of "
-                    f"ltcx does not have: {again}")
+    assert line == (f"ltcx: error: checkpoint '{path}' has hyper-parameter(s) model.label_smoothing, which this "
+                    f"version of ltcx does not have: {again}")
     path = as_an_older_version(saved, tmp_path / "old-config.ckpt", old_backbone_setting)
     line = one_error_line(["validate", *lean_fit_args(tmp_path, data)[1:], "--ckpt_path", str(path)], capsys)
     assert line == (f"ltcx: error: checkpoint '{path}' is of another model (round_to: 64 in the file, not a setting of "
@@ -817,7 +775,8 @@ def test_hyper_parameter_of_the_wrong_type_in_a_checkpoint(tmp_path, fit_env, ca
     capsys.readouterr()
     before = {p for p in tmp_path.rglob("*") if p.name != "lean.yaml"}
     shown = f"model.backbone.init_args.{name}" if where else f"model.{name}"
-    message = f"checkpoint '{path}' has {shown} {value!r}, which is not {expected}: fix it in the file or use another one"
+    message = (f"checkpoint '{path}' has {shown} {value!r}, which is not {expected}: fix it in the file or use "
+               "another one")
     if entry == "load_from_checkpoint":
         with pytest.raises(LtcxError) as error:
             LanguageModel.load_from_checkpoint(path)
@@ -873,7 +832,8 @@ def test_checkpoint_from_before_a_new_setting_loads_at_its_default(tmp_path, fit
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 def test_generate_device_cuda_without_cuda(capsys, checkpoint):
     line = one_error_line(["generate", "--ckpt_path", str(checkpoint), "--device", "cuda"], capsys)
-    assert line == "ltcx: error: --device cuda: this machine has no usable CUDA device (torch sees none); use --device cpu"
+    assert line == ("ltcx: error: --device cuda: this machine has no usable CUDA device (torch sees none); "
+                    "use --device cpu")
 
 
 def test_generate_reads_a_good_checkpoint(capsys, checkpoint):
@@ -889,11 +849,12 @@ def test_generate_reads_a_good_checkpoint(capsys, checkpoint):
 def test_offline_hub_data_and_tokenizer_fail_at_once(tmp_path, fit_env, capsys):
     start = time.monotonic()
     line = one_error_line(fit_args(Path("roneneldan/TinyStories"), "--trainer.max_steps", "1"), capsys)
-    assert line == ("ltcx: error: cannot load data set 'roneneldan/TinyStories' from the Hugging Face hub (offline mode "
-                    "is set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)); offline? use --data.path sample (a TinyStories "
-                    "sample shipped with ltcx) or point --data.path at local .txt/.jsonl/.parquet files")
+    assert line == ("ltcx: error: cannot load data set 'roneneldan/TinyStories' from the Hugging Face hub (offline "
+                    "mode is set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)); offline? use --data.path sample (a "
+                    "TinyStories sample shipped with ltcx) or point --data.path at local .txt/.jsonl/.parquet files")
     line = one_error_line(fit_args(fit_env, "--data.tokenizer", "some-org/no-such-tokenizer"), capsys)
-    assert "unknown tokenizer 'some-org/no-such-tokenizer'" in line and "not in the local cache and offline mode" in line
+    assert "unknown tokenizer 'some-org/no-such-tokenizer'" in line
+    assert "not in the local cache and offline mode" in line
     assert time.monotonic() - start < 10
 
 

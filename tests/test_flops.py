@@ -36,7 +36,8 @@ CPU_SDPA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _visible
 
 def counted_forward_flops_per_token(model, batch: int, length: int) -> float:
     idx = torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
-    with FlopCounterMode(display=False, custom_mapping=CPU_SDPA) as counter:  # with grad: its module tracker hooks outputs
+    # with grad: its module tracker hooks outputs
+    with FlopCounterMode(display=False, custom_mapping=CPU_SDPA) as counter:
         model(idx)
     return counter.get_total_flops() / (batch * length)
 
@@ -53,7 +54,8 @@ def test_gpt_counts_exactly(length, mlp_hidden):
     assert model.flops_per_token(length) == 3 * model.forward_flops_per_token(length)
 
 
-@pytest.mark.parametrize("controller", [{}, {"controller_hidden_size": 16}, {"num_decay_modes": 1, "controller_rank": 4}])
+@pytest.mark.parametrize("controller",
+                         [{}, {"controller_hidden_size": 16}, {"num_decay_modes": 1, "controller_rank": 4}])
 def test_ltc_counts_within_the_per_call_fold(controller):
     """The fold of the basis into the q/k weights, 2 (H + G) D^2 (C + 1) per layer per call, is not per token:
     the formula leaves it out, so the count may exceed it by that over B T tokens (here under 1%)."""

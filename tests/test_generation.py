@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from helpers import one_error_line, write_checkpoint
 from ltcx.errors import LtcxError
 from ltcx.generation import filter_logits, generate, stream_tokens
 from ltcx.models.gpt import GPT
-from test_failures import one_error_line, write_checkpoint
 
 
 @pytest.fixture
@@ -53,7 +53,8 @@ def test_vocab_limit_and_stop_token(model):
 
 
 def test_prompt_longer_than_context_is_a_clear_error(model):
-    with pytest.raises(LtcxError, match=r"prompt \(30 tokens\) plus max_new_tokens \(5\) is 35 tokens, more than the model's context of 32"):
+    with pytest.raises(LtcxError, match=r"prompt \(30 tokens\) plus max_new_tokens \(5\) is 35 tokens, "
+                       r"more than the model's context of 32"):
         next(stream_tokens(model, torch.zeros(1, 30, dtype=torch.long), 5))
     with pytest.raises(LtcxError, match="prompt is empty"):
         next(stream_tokens(model, torch.zeros(1, 0, dtype=torch.long), 5))

@@ -5,12 +5,13 @@ import math
 import pytest
 import torch
 
+from helpers import run_in_pieces
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.gpt import GPT, GPTConfig
 from ltcx.ops.attention import causal_gqa_attention
-from helpers import run_in_pieces
 
-REFERENCE = dict(block_size=512, vocab_size=50304, n_layer=6, n_head=6, n_kv_head=2, n_embd=384, dropout=0.0, bias=False)
+REFERENCE = dict(block_size=512, vocab_size=50304, n_layer=6, n_head=6, n_kv_head=2, n_embd=384, dropout=0.0,
+                 bias=False)
 
 
 def naive_attention(q, k, v):

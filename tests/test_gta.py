@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import run_in_pieces
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.gpt import GPT, GQAAttention
-from ltcx.models.gta import GTAAttention, GTAConfig, GTAGPT
-from helpers import run_in_pieces
+from ltcx.models.gta import GTAGPT, GTAAttention, GTAConfig
 
 F64 = torch.float64
 REFERENCE = dict(
@@ -388,7 +388,8 @@ def test_init_matches_the_gpt():
     "overrides,message",
     [
         (dict(n_query_group=4), r"n_head \(6\) must be divisible by n_query_group \(4\)"),
-        (dict(n_key_head=2, n_query_group=3, latent_dim=64), r"n_query_group \(3\) must be divisible by n_key_head \(2\)"),
+        (dict(n_key_head=2, n_query_group=3, latent_dim=64),
+         r"n_query_group \(3\) must be divisible by n_key_head \(2\)"),
         (dict(n_latent_head=4), r"n_query_group \(2\) must be divisible by n_latent_head \(4\)"),
         (dict(latent_dim=100), r"latent_dim \(100\) must divide n_embd / n_query_group \(192\)"),
         (dict(key_dim=0), r"key_dim \(0\) must be a positive integer"),

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from ltcx.lm import LanguageModel, load_language_model, lr_at_step, weight_decay_groups
 from ltcx.errors import LtcxError
+from ltcx.lm import LanguageModel, load_language_model, lr_at_step, weight_decay_groups
 from ltcx.models.gpt import GPT
 
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import relative_error, run_in_pieces
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.gpt import GPT
-from ltcx.models.ltc import LTCAttention, LTCCache, LTCConfig, LTCGPT
+from ltcx.models.ltc import LTCGPT, LTCAttention, LTCCache, LTCConfig
 from ltcx.ops import ltc as ltc_ops
-from helpers import relative_error, run_in_pieces
 
 F64 = torch.float64
 REFERENCE = dict(block_size=512, vocab_size=50304, n_layer=6, n_head=6, n_kv_head=2, n_embd=384, bias=False)

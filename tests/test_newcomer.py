@@ -9,12 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers import ROOT, TINY_MODEL, fit_args, lean_fit_args, one_error_line, write_checkpoint, write_corpus
 from ltcx.cli import LtcxCLI, main
 from ltcx.data import TextDataModule
 from ltcx.lm import LanguageModel, load_language_model, lr_at_step
 from ltcx.models.gpt import GPT
-from test_cli import ROOT, TINY_MODEL, write_corpus
-from test_failures import fit_env, lean_fit_args  # noqa: F401 (fit_env is a fixture)
 
 
 def parsed(args: list[str]) -> LtcxCLI:
@@ -97,7 +96,6 @@ def test_generate_streams_every_sample(tmp_path, monkeypatch):
     import io
 
     import ltcx.generation
-    from test_failures import write_checkpoint
 
     checkpoint = write_checkpoint(tmp_path / "model.ckpt")
     stdout, seen = io.StringIO(), []
@@ -121,8 +119,6 @@ def test_generate_streams_every_sample(tmp_path, monkeypatch):
 
 
 def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path, monkeypatch, capsys):
-    from test_cli import fit_args
-
     monkeypatch.setattr(sys, "argv", ["ltcx"])
     monkeypatch.chdir(tmp_path)
     data = write_corpus(tmp_path / "corpus", 60, 10)
@@ -138,8 +134,6 @@ def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path, monkeypatch, cap
 
 
 def test_lightning_load_from_checkpoint(tmp_path):
-    from test_failures import write_checkpoint
-
     path = write_checkpoint(tmp_path / "model.ckpt")
     model = LanguageModel.load_from_checkpoint(path)
     reference, _ = load_language_model(path)
@@ -160,8 +154,6 @@ def test_fit_help_lists_ltcx_backbones(capsys):
 
 
 def test_export_is_weights_only_and_reloads_in_one_call(tmp_path, capsys):
-    from test_failures import one_error_line, write_checkpoint
-
     path = write_checkpoint(tmp_path / "model.ckpt")
     out = tmp_path / "shared/gpt-bytes"
     main(["export", "--ckpt_path", str(path), "--out", str(out)])
@@ -242,8 +234,6 @@ def test_what_looks_like_a_local_path(tmp_path, monkeypatch, path, local):
     (["--config", str(ROOT / "configs/data/local.yaml")], "data/local/"),
 ])
 def test_missing_local_path_is_the_local_files_error(tmp_path, fit_env, capsys, extra, shown):
-    from test_failures import one_error_line
-
     args = lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1")
     at = args.index("--data.path")
     del args[at:at + 2]
@@ -257,8 +247,6 @@ def test_missing_local_path_is_the_local_files_error(tmp_path, fit_env, capsys, 
 
 
 def test_num_threads_sets_torch_threads_and_omp_for_ddp_processes(tmp_path, monkeypatch, capsys):
-    from test_failures import one_error_line
-
     monkeypatch.setattr(sys, "argv", ["ltcx"])
     monkeypatch.setenv("OMP_NUM_THREADS", "")  # restored after the test
     before = torch.get_num_threads()
@@ -273,8 +261,6 @@ def test_num_threads_sets_torch_threads_and_omp_for_ddp_processes(tmp_path, monk
 
 
 def test_a_checkpoint_folder_means_its_latest_runs_last_ckpt(tmp_path, capsys):
-    from test_failures import one_error_line, write_checkpoint
-
     folder = tmp_path / "checkpoints/gpt"
     for version, tokenizer in ((0, "bytes"), (2, "bytes"), (10, "gpt2")):
         (folder / f"version_{version}").mkdir(parents=True)

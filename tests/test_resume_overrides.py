@@ -5,10 +5,10 @@ value, a YAML's included, is the checkpoint's; a typed flag that changes the arc
 import pytest
 import torch
 
+from helpers import lean_fit_args, one_error_line
 from ltcx.checkpoint import read_checkpoint
 from ltcx.cli import main
 from ltcx.lm import LanguageModel, lr_at_step
-from test_failures import fit_env, lean_fit_args, one_error_line  # noqa: F401 (fit_env is a fixture)
 
 FIRST = ("--trainer.max_steps", "3", "--model.decay_steps", "10")  # warmup 2 (TINY_MODEL), cosine to step 10
 

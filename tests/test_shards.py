@@ -15,12 +15,12 @@ import torch
 from torch.utils.data import DataLoader
 
 import ltcx.data.prepare as prepare_module
+from helpers import lean_fit_args, one_error_line, unit_docs
 from ltcx.cli import main
 from ltcx.data import TextDataModule, in_holdout
 from ltcx.data.prepare import prepare
 from ltcx.data.shards import HEADER_BYTES, token_dtype, verify_shards, write_shard
 from ltcx.errors import LtcxError
-from helpers import unit_docs
 
 B = 16  # block_size; blocks hold B + 1 tokens
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,8 +185,6 @@ def test_ids_outside_the_vocabulary_are_named(tmp_path, corpus):
 
 def test_ids_outside_the_vocabulary_stop_fit_before_training(tmp_path, monkeypatch, capsys):
     """Not `IndexError: index out of range in self` mid-run (exit 1, no shard named): one line, nothing written."""
-    from test_failures import lean_fit_args, one_error_line
-
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["ltcx"])
     corpus = write_jsonl(tmp_path / "corpus.jsonl", [f"{d} {d}" for d in unit_docs(80)])
@@ -205,8 +203,6 @@ def test_ids_outside_the_vocabulary_stop_fit_before_training(tmp_path, monkeypat
 
 
 def test_folder_without_meta_json_is_named(tmp_path, corpus, capsys):
-    from test_failures import one_error_line
-
     out, _ = prepared(tmp_path, corpus)
     (out / "meta.json").unlink()
     with pytest.raises(LtcxError) as info:
@@ -225,8 +221,6 @@ def test_folder_without_meta_json_is_named(tmp_path, corpus, capsys):
 
 @pytest.mark.parametrize("flag,value", [("--num_proc", "0"), ("--shard_tokens", "0"), ("--max_tokens", "-5")])
 def test_prepare_refuses_counts_below_one(tmp_path, corpus, capsys, flag, value):
-    from test_failures import one_error_line
-
     out = tmp_path / "out"
     line = one_error_line(["prepare", "--source", str(corpus[0]), "--out", str(out), flag, value], capsys)
     assert line == f"ltcx: error: {flag} must be >= 1, not {value}"
@@ -234,8 +228,6 @@ def test_prepare_refuses_counts_below_one(tmp_path, corpus, capsys, flag, value)
 
 
 def test_no_data_files_names_the_callers_flag(tmp_path, capsys):
-    from test_failures import one_error_line
-
     missing = tmp_path / "nope"
     with pytest.raises(LtcxError) as info:
         TextDataModule(path=str(missing), tokenizer="bytes").setup("fit")
@@ -382,8 +374,6 @@ def test_prepare_offline_hub_names_the_fix(tmp_path):
 
 @pytest.mark.parametrize("damage", ["meta_not_json", "meta_a_list", "out_a_file"])
 def test_prepare_names_a_damaged_out(tmp_path, corpus, capsys, damage):
-    from test_failures import one_error_line
-
     out = tmp_path / "out"
     if damage == "out_a_file":
         out.write_text("not a folder")

@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from helpers import relative_error, run_in_pieces, write_corpus
 from ltcx.errors import ConfigError
 from ltcx.models.state import map_state_tensors
 from ltcx.models.titans import MACBlock, MemoryCache, Titans, TitansConfig
 from ltcx.ops.titans import memory_apply
-from helpers import relative_error, run_in_pieces, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ["mag", "mac", "mal", "lmm"]
@@ -205,7 +205,7 @@ def test_state_size_is_constant_in_length(variant):
     model = tiny(variant, segment=40, memory_chunk_size=20).eval()  # longer segments: fewer Python steps
     state, sizes = None, {}
     with torch.no_grad():
-        for piece in range(6):
+        for _ in range(6):
             _, state = model(torch.randint(0, VOCAB, (1, 200)), state)
             sizes[state.position] = state_bytes(state)
     assert sizes[600] == sizes[1200] == sizes[800]
@@ -273,7 +273,8 @@ def test_cli_diverging_memory_stops_with_one_line(tmp_path, monkeypatch, capsys)
     data = write_corpus(tmp_path / "corpus", 30, 5)
     with pytest.raises(SystemExit) as exit_info:
         main([
-            "fit", "--config", str(ROOT / "configs/titans_lmm.yaml"), "--config", str(ROOT / "configs/trainer/smoke.yaml"),
+            "fit", "--config", str(ROOT / "configs/titans_lmm.yaml"),
+            "--config", str(ROOT / "configs/trainer/smoke.yaml"),
             "--data.path", str(data), "--data.block_size", "24", "--data.batch_size", "2", "--data.val_batches", "1",
             "--trainer.max_steps", "3", "--trainer.enable_progress_bar", "false", *TINY_CLI,
             "--model.backbone.init_args.theta_mode", "free", "--model.backbone.init_args.normalize_step", "false",

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from ltcx.ops.attention import apply_rope, attention_with_persistent, sliding_window_mask
 from helpers import assert_rel
+from ltcx.ops.attention import apply_rope, attention_with_persistent, sliding_window_mask
 
 B, H, H_KV, D, N_P = 2, 4, 2, 8, 3
 

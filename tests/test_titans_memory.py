@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import REL_TOL, assert_rel
 from ltcx.ops.titans import (
     MemoryState,
     initial_memory_state,
@@ -24,7 +25,6 @@ from ltcx.ops.titans import (
     neural_memory_recurrent,
     step_curvature,
 )
-from helpers import REL_TOL, assert_rel
 
 KAPPA_EPS = 1e-6  # the epsilon in κ = ‖h‖² + ‖k‖²‖δ1‖² / (‖δ2‖² + ε), spec §A.2
 B, H, T, DK, DM = 2, 2, 37, 8, 16  # T = 37 is a multiple of no chunk size used below
@@ -51,7 +51,8 @@ def _read(w1, w2, x):
 
 
 def _random_weights_and_keys(g: torch.Generator, n: int):
-    """float64 memory weights W1 [B, H, dm, dk], W2 [B, H, dk, dm] and n keys [B, H, n, dk], scaled by 1 / sqrt(fan-in)."""
+    """float64 memory weights W1 [B, H, dm, dk], W2 [B, H, dk, dm] and n keys [B, H, n, dk], scaled by
+    1 / sqrt(fan-in)."""
     w1 = torch.randn(B, H, DM, DK, generator=g, dtype=torch.float64) / math.sqrt(DK)
     w2 = torch.randn(B, H, DK, DM, generator=g, dtype=torch.float64) / math.sqrt(DM)
     k = torch.randn(B, H, n, DK, generator=g, dtype=torch.float64) / math.sqrt(DK)
@@ -310,7 +311,7 @@ def test_curvature_is_rayleigh_quotient_of_the_jacobian():
             for t in range(n):
                 kt = k[b, h, t]
                 jac1, jac2 = torch.autograd.functional.jacobian(
-                    lambda a, c: _read(a, c, kt[None])[0][0], (w1[b, h], w2[b, h]))
+                    lambda a, c, kt=kt: _read(a, c, kt[None])[0][0], (w1[b, h], w2[b, h]))
                 jac = torch.cat([jac1.reshape(DK, -1), jac2.reshape(DK, -1)], dim=1)  # [dk, |W1| + |W2|]
                 e = _read(w1[b, h], w2[b, h], kt[None])[0][0] - v[b, h, t]
                 rayleigh = (jac.T @ e).pow(2).sum() / e.pow(2).sum()

@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import GPT_CONFIG, ROOT, one_error_line, write_checkpoint
 from ltcx.cli import main
 from ltcx.errors import LtcxError
 from ltcx.lm import LanguageModel, export_model
 from ltcx.models.gpt import GPT
 from ltcx.tokenizers import get_tokenizer, stored_tokenizer_name
-from test_cli import ROOT
-from test_failures import GPT_CONFIG, one_error_line, write_checkpoint
 
 
 def custom_code_tokenizer(folder: Path, marker: Path) -> Path:

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import run_in_pieces
 from ltcx.errors import ConfigError
 from ltcx.models import xlstm as xlstm_module
 from ltcx.models.xlstm import XLSTM, CausalConv1d, XLSTMConfig
@@ -27,7 +28,6 @@ from ltcx.ops.mlstm import (
     mlstm_step,
 )
 from ltcx.ops.slstm import slstm_scan, slstm_step
-from helpers import run_in_pieces
 
 F64 = dict(rtol=1e-9, atol=1e-9)
 F32_REL_TOL = 5e-4  # float32 forms vs the float64 recurrence: max |err| <= 5e-4 * max |h|
@@ -357,7 +357,8 @@ def test_loss_falls_on_a_copy_task():
 def test_config_validation_messages():
     cases = [
         (dict(embedding_dim=32, num_heads=3), r"num_heads \(3\) must divide the mLSTM inner dimension \(64"),
-        (dict(embedding_dim=30, slstm_num_heads=4, num_heads=4), r"slstm_num_heads \(4\) must divide embedding_dim \(30\)"),
+        (dict(embedding_dim=30, slstm_num_heads=4, num_heads=4),
+         r"slstm_num_heads \(4\) must divide embedding_dim \(30\)"),
         (dict(signature=(0, 0)), r"signature \(\[0, 0\]\) must be two non-negative integers"),
         (dict(num_layers=3, slstm_at=[3]), r"slstm_at \(\[3\]\) must hold block positions in \[0, num_layers=3\)"),
         (dict(slstm_at=[1, 1]), r"slstm_at \(\[1, 1\]\) must not repeat"),

@@ -168,7 +168,8 @@ def _existing(out: str, settings: dict) -> dict[str, Any] | None:
             raise LtcxError(f"'{path}' is not an ltcx token-shard {META}: pass --out a new or empty folder")
         if meta.get("format") != FORMAT or meta.get("settings") != settings:
             theirs = meta.get("settings", {})
-            diff = ", ".join(f"{k}: {theirs.get(k)!r} there, {v!r} now" for k, v in settings.items() if theirs.get(k) != v)
+            diff = ", ".join(f"{k}: {theirs.get(k)!r} there, {v!r} now"
+                             for k, v in settings.items() if theirs.get(k) != v)
             raise LtcxError(f"'{out}' holds a preparation with other settings ({diff}): use another --out")
         return meta
     if holds_shards(out):

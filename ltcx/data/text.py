@@ -191,7 +191,8 @@ class TrainBlocks(IterableDataset):
         for epoch in itertools.count(first_epoch):
             produced, whole_pass = 0, doc == tok == 0
             stream = self.source.token_lists(epoch=epoch, parts=parts, first_doc=doc)
-            for block, doc, tok in pack_positions(stream, self.block_len, first_doc=doc, offset=tok):
+            # doc, tok: the start position for this epoch, then the position of each block yielded
+            for block, doc, tok in pack_positions(stream, self.block_len, first_doc=doc, offset=tok):  # noqa: B020
                 produced += 1
                 if skip:
                     skip -= 1

@@ -43,7 +43,12 @@ from ltcx.ops.attention import apply_rope, attention_with_persistent, sliding_wi
 from ltcx.ops.conv import causal_depthwise_conv
 from ltcx.ops.precision import compute_dtype, without_autocast
 from ltcx.ops.titans import (
-    MemoryState, chunk_sizes, initial_memory_state, memory_apply, neural_memory, neural_memory_recurrent,
+    MemoryState,
+    chunk_sizes,
+    initial_memory_state,
+    memory_apply,
+    neural_memory,
+    neural_memory_recurrent,
 )
 
 VARIANTS = ("mag", "mac", "mal", "lmm")
@@ -103,7 +108,8 @@ class TitansConfig:
                     f"{name} ({value!r}) must be a positive integer")
         chunk = self.memory_chunk_size
         require(chunk is None or (isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0),
-                f"memory_chunk_size ({chunk!r}) must be a positive integer or null (gradients always at the initial memory)")
+                f"memory_chunk_size ({chunk!r}) must be a positive integer or null (gradients always at the initial "
+                "memory)")
         require(isinstance(self.n_persistent, int) and self.n_persistent >= 0,
                 f"n_persistent ({self.n_persistent!r}) must be a non-negative integer")
         require(self.variant in VARIANTS, f"variant ({self.variant!r}) must be one of {list(VARIANTS)}")

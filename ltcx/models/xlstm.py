@@ -50,8 +50,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from ltcx.models.state import reorder_state
 from ltcx.errors import ConfigError
+from ltcx.models.state import reorder_state
 from ltcx.ops.conv import causal_depthwise_conv
 from ltcx.ops.mlstm import FORGET_GATES, mlstm_chunkwise, mlstm_parallel, mlstm_step
 from ltcx.ops.slstm import slstm_scan
@@ -224,7 +224,8 @@ def _wang_init_std(dim: int, num_blocks: int) -> float:
 
 
 def slstm_forget_bias(head_dim: int, block_index: int, num_blocks: int) -> Tensor:
-    """The reference's "powerlaw_blockdependent" sLSTM forget-gate bias of one head: [head_dim], see the module docstring."""
+    """The reference's "powerlaw_blockdependent" sLSTM forget-gate bias of one head: [head_dim], see the module
+    docstring."""
     depth = block_index / (num_blocks - 1) if num_blocks > 1 else 0.0
     return 5.0 - 12.0 * torch.linspace(0.0, 1.0, head_dim) ** (0.3 + 1.3 * depth)
 
@@ -234,7 +235,7 @@ class MLSTMBlock(nn.Module):
 
     def __init__(self, cfg: XLSTMConfig) -> None:
         super().__init__()
-        E, I, H = cfg.embedding_dim, cfg.mlstm_inner_dim, cfg.num_heads
+        E, I, H = cfg.embedding_dim, cfg.mlstm_inner_dim, cfg.num_heads  # noqa: E741 (I: the inner dimension)
         self.num_heads, self.head_dim = H, I // H
         self.chunk_size, self.backend, self.forget_gate = cfg.chunk_size, cfg.mlstm_backend, cfg.forget_gate
         self.norm = nn.LayerNorm(E, bias=cfg.bias)
@@ -250,7 +251,8 @@ class MLSTMBlock(nn.Module):
         self.proj_down = nn.Linear(I, E, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
-        # initialisation (module docstring): small init with E for the up-projection and q/k/v (not the q/k/v block size)
+        # initialisation (module docstring): small init with E for the up-projection and q/k/v (not the q/k/v block
+        # size)
         for weight in (self.proj_up.weight, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight):
             nn.init.normal_(weight, std=_small_init_std(E))
         nn.init.normal_(self.proj_down.weight, std=_wang_init_std(E, cfg.num_layers))
@@ -310,8 +312,8 @@ class SLSTMBlock(nn.Module):
         self.ffn_down = nn.Linear(cfg.ffn_dim, E, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
-        # initialisation (module docstring): input weights small init with E; R = 0, so the recurrence starts as a gated accumulator
-        # (the seed drew std-1 noise); forget-gate biases from +5 to -7 across each head's units
+        # initialisation (module docstring): input weights small init with E; R = 0, so the recurrence starts as a
+        # gated accumulator (the seed drew std-1 noise); forget-gate biases from +5 to -7 across each head's units
         nn.init.normal_(self.w_in, std=_small_init_std(E))
         nn.init.zeros_(self.R)
         with torch.no_grad():

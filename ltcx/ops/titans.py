@@ -132,7 +132,8 @@ def _memory_chunk(
     a, d = retain.unsqueeze(-1), carried.unsqueeze(-1)
 
     # y_t = M(q_t; W_t) without forming W_t: W1_t q_t and W2_t GELU(W1_t q_t) expanded by the closed form.
-    hidden = a * (q @ w1.transpose(-1, -2)) + d * (q @ s1.transpose(-1, -2)) - (coeff * (q @ k.transpose(-1, -2))) @ delta1
+    hidden = (a * (q @ w1.transpose(-1, -2)) + d * (q @ s1.transpose(-1, -2))
+              - (coeff * (q @ k.transpose(-1, -2))) @ delta1)
     hidden = F.gelu(hidden)
     y = q + a * (hidden @ w2.transpose(-1, -2)) + d * (hidden @ s2.transpose(-1, -2)) \
         - (coeff * (hidden @ h.transpose(-1, -2))) @ delta2
@@ -169,7 +170,8 @@ def neural_memory(
     sizes = chunk_sizes(position, length, chunk_size)
     # torch.split, not slicing in the loop: the backward of a split is one concatenation, where each
     # slice's backward would fill a zero tensor of the whole sequence (quadratic in the number of chunks).
-    pieces = zip(*(x.split(sizes, dim=2) for x in (q, k, v)), *(x.split(sizes, dim=-1) for x in (log_retain, log_momentum, step)))
+    pieces = zip(*(x.split(sizes, dim=2) for x in (q, k, v)),
+                 *(x.split(sizes, dim=-1) for x in (log_retain, log_momentum, step)))
     outputs = []
     for n, (q_c, k_c, v_c, retain_c, momentum_c, step_c) in zip(sizes, pieces):
         y, (w1, w2, s1, s2) = _memory_chunk(
