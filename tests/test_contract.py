@@ -18,7 +18,9 @@ tests/test_contract.py`` runs the other entries, generation for every entry and 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import shutil
 import sys
 
@@ -196,6 +198,18 @@ CORE_CHECKS = [
 # -- every catalogue entry ----------------------------------------------------------------------------------
 
 ALL = sorted(CATALOG)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_constructor_is_the_config_declared_once(name):
+    """The backbone's signature (what the CLI and checkpoints read) is its config dataclass's init fields, with the
+    same defaults, and its docstring documents each field."""
+    cls = CATALOG[name].backbone_class()
+    fields = {f.name: f for f in dataclasses.fields(cls.config_class) if f.init}
+    parameters = inspect.signature(cls).parameters
+    assert list(parameters) == list(fields)
+    assert all(p.kind is p.KEYWORD_ONLY and p.default == fields[n].default for n, p in parameters.items())
+    assert all(f"    {n}: " in inspect.getdoc(cls.__init__) for n in fields)
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -6,7 +6,6 @@ optional biases, init N(0, 0.02) with residual projections scaled by 1/sqrt(2 n_
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -15,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ltcx.errors import ConfigError, LtcxError
+from ltcx.models.config import ConfiguredModule
 from ltcx.models.state import reorder_state
 from ltcx.ops.attention import causal_gqa_attention
 
@@ -26,17 +26,26 @@ def _require(condition: bool, message: str) -> None:
 
 @dataclass
 class GPTConfig:
-    """Shape of a GPT. Field names follow nanoGPT and the LTC seed."""
+    """Shape of a GPT, the constructor arguments of ``GPT``. Field names follow nanoGPT and the LTC seed."""
 
-    block_size: int = 1024  # context length: the longest sequence (prompt + generated) the model accepts
+    block_size: int = 1024
+    """context length (prompt plus generated tokens can not exceed it)."""
     vocab_size: int = 50304
+    """output vocabulary; set by the CLI from the data's tokenizer."""
     n_layer: int = 12
-    n_head: int = 12  # query heads
-    n_kv_head: int | None = None  # key/value heads (grouped-query attention); None = n_head
+    """number of transformer blocks."""
+    n_head: int = 12
+    """number of query heads."""
+    n_kv_head: int | None = None
+    """number of key/value heads (grouped-query attention); None means n_head."""
     n_embd: int = 768
+    """residual stream width."""
     dropout: float = 0.0
-    bias: bool = True  # biases in Linear and LayerNorm layers
-    mlp_hidden: int | None = None  # hidden width of each block's MLP; None = 4 n_embd (kept None: older files lack it)
+    """dropout on attention weights, residual branches and embeddings."""
+    bias: bool = True
+    """use biases in Linear and LayerNorm layers."""
+    mlp_hidden: int | None = None  # kept None, not 4 n_embd, in config_dict: older files lack it
+    """hidden width of each block's MLP; None means 4 n_embd."""
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -137,51 +146,20 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x)), cache
 
 
-class GPT(nn.Module):
+class GPT(ConfiguredModule):
     """GPT language model with grouped-query attention.
 
     Keeps the backbone contract: ``logits [B, T, V], state = model(idx [B, T], state=None)``, where the
-    state is a tuple with one append-only cache per layer.
-
-    Args:
-        block_size: context length (prompt plus generated tokens can not exceed it).
-        vocab_size: output vocabulary; set by the CLI from the data's tokenizer.
-        n_layer: number of transformer blocks.
-        n_head: number of query heads.
-        n_kv_head: number of key/value heads (grouped-query attention); None means n_head.
-        n_embd: residual stream width.
-        dropout: dropout on attention weights, residual branches and embeddings.
-        bias: use biases in Linear and LayerNorm layers.
-        mlp_hidden: hidden width of each block's MLP; None means 4 n_embd.
+    state is a tuple with one append-only cache per layer. Constructor: the fields of ``config_class``
+    (``GPT(block_size=..., n_layer=...)``); a subclass extends the config and swaps the attention
+    through ``make_attention``.
     """
 
     config_class = GPTConfig
 
-    def __init__(
-        self,
-        block_size: int = 1024,
-        vocab_size: int = 50304,
-        n_layer: int = 12,
-        n_head: int = 12,
-        n_kv_head: int | None = None,
-        n_embd: int = 768,
-        dropout: float = 0.0,
-        bias: bool = True,
-        mlp_hidden: int | None = None,
-    ) -> None:
+    def __init__(self, **fields) -> None:
         super().__init__()
-        self._build(GPTConfig(block_size, vocab_size, n_layer, n_head, n_kv_head, n_embd, dropout, bias, mlp_hidden))
-
-    @classmethod
-    def from_config(cls, config: GPTConfig) -> "GPT":
-        return cls(**dataclasses.asdict(config))
-
-    def make_attention(self, config: GPTConfig) -> nn.Module:
-        """The attention of one block; subclasses swap in another kind."""
-        return GQAAttention(config)
-
-    def _build(self, config: GPTConfig) -> None:
-        self.config = config
+        config = self.config = self.config_class(**fields)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
@@ -195,6 +173,10 @@ class GPT(nn.Module):
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(param, mean=0.0, std=residual_std)
 
+    def make_attention(self, config: GPTConfig) -> nn.Module:
+        """The attention of one block; subclasses swap in another kind."""
+        return GQAAttention(config)
+
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -207,10 +189,6 @@ class GPT(nn.Module):
     @property
     def max_seq_len(self) -> int:
         return self.config.block_size
-
-    def config_dict(self) -> dict:
-        """Constructor arguments that rebuild this model: ``type(model)(**model.config_dict())``."""
-        return dataclasses.asdict(self.config)
 
     def parameter_count(self, exclude_position_embeddings: bool = True) -> int:
         """Number of distinct parameters; nanoGPT's convention leaves out the position embeddings."""

@@ -9,7 +9,6 @@ and the latents. Everything outside attention is the GPT's. Equations in ``ltcx.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -29,17 +28,33 @@ def _require(condition: bool, message: str) -> None:
 
 @dataclass
 class GTAConfig(GPTConfig):
-    """Shape of a GTA GPT: the GPT fields (less n_kv_head) plus the GTA attention's."""
+    """Shape of a GTA GPT, the constructor arguments of ``GTAGPT``: the GPT fields (less n_kv_head) plus the GTA
+    attention's."""
 
     # GTA has no KV heads (keys: n_key_head, values: n_latent_head), so this GPT field is not an argument.
     n_kv_head: int | None = field(default=None, init=False, repr=False)
-    n_query_group: int = 2  # G: attention maps per layer, each shared by n_head / G output heads
-    n_key_head: int = 1  # n_k: key heads, shared by G / n_k groups each
-    key_dim: int | None = None  # d_k: query/key width; None = head_dim
-    n_latent_head: int = 1  # n_c: latent value heads, shared by G / n_c groups each
-    latent_dim: int | None = None  # d_l: latent width; None = n_embd / (2 G), an expand factor of 2
-    gate: bool = True  # sigmoid gate from the current token on the decoded heads
-    rope: bool = False  # rotary embedding on queries and keys (the official model's), besides wpe
+    # GPT fields whose meaning GTA refines: re-documented here, their defaults (and places) the GPT's
+    n_head: int = GPTConfig.n_head
+    """number of output heads (head_dim = n_embd / n_head); a multiple of n_query_group."""
+    dropout: float = GPTConfig.dropout
+    """dropout on attention weights (one mask per shared map), residual branches and embeddings."""
+    mlp_hidden: int | None = GPTConfig.mlp_hidden
+    """hidden width of each block's MLP; None means 4 n_embd (1,472 in the reference shape gives exactly the GPT's
+    parameter count)."""
+    n_query_group: int = 2
+    """G, query heads; each map is shared by n_head / G output heads."""
+    n_key_head: int = 1
+    """n_k, key heads; divides n_query_group."""
+    key_dim: int | None = None
+    """d_k, query and key width; None means head_dim."""
+    n_latent_head: int = 1
+    """n_c, latent value heads; divides n_query_group."""
+    latent_dim: int | None = None
+    """d_l, latent width; must divide n_embd / n_query_group; None means n_embd / (2 G)."""
+    gate: bool = True
+    """multiply the decoded heads by sigmoid(W_g x) of the current token."""
+    rope: bool = False
+    """rotary embedding on queries and keys (in addition to the learned position embeddings)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -71,10 +86,6 @@ class GTAConfig(GPTConfig):
             value = getattr(self, name)
             _require(isinstance(value, bool), f"{name} ({value!r}) must be true or false")
         _require(not self.rope or self.key_dim % 2 == 0, f"key_dim ({self.key_dim}) must be even with rope")
-
-    def init_dict(self) -> dict:
-        """The constructor arguments (every field but n_kv_head)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
 
 
 @dataclass
@@ -149,67 +160,14 @@ class GTAGPT(GPT):
     """GPT with grouped-head latent attention (GTA).
 
     Keeps the backbone contract ``logits [B, T, V], state = model(idx [B, T], state=None)``; the state
-    holds one ``GTACache`` (keys and latents) per layer.
-
-    Args:
-        block_size: context length (prompt plus generated tokens can not exceed it).
-        vocab_size: output vocabulary; set by the CLI from the data's tokenizer.
-        n_layer: number of transformer blocks.
-        n_head: number of output heads (head_dim = n_embd / n_head); a multiple of n_query_group.
-        n_embd: residual stream width.
-        dropout: dropout on attention weights (one mask per shared map), residual branches and embeddings.
-        bias: use biases in Linear and LayerNorm layers.
-        mlp_hidden: hidden width of each block's MLP; None means 4 n_embd (1,472 in the reference shape gives
-            exactly the GPT's parameter count).
-        n_query_group: G, query heads; each map is shared by n_head / G output heads.
-        n_key_head: n_k, key heads; divides n_query_group.
-        key_dim: d_k, query and key width; None means head_dim.
-        n_latent_head: n_c, latent value heads; divides n_query_group.
-        latent_dim: d_l, latent width; must divide n_embd / n_query_group; None means n_embd / (2 G).
-        gate: multiply the decoded heads by sigmoid(W_g x) of the current token.
-        rope: rotary embedding on queries and keys (in addition to the learned position embeddings).
+    holds one ``GTACache`` (keys and latents) per layer. Constructor: the fields of ``GTAConfig`` (the GPT's less
+    n_kv_head, plus GTA's).
     """
 
     config_class = GTAConfig
 
-    def __init__(
-        self,
-        block_size: int = 1024,
-        vocab_size: int = 50304,
-        n_layer: int = 12,
-        n_head: int = 12,
-        n_embd: int = 768,
-        dropout: float = 0.0,
-        bias: bool = True,
-        mlp_hidden: int | None = None,
-        n_query_group: int = 2,
-        n_key_head: int = 1,
-        key_dim: int | None = None,
-        n_latent_head: int = 1,
-        latent_dim: int | None = None,
-        gate: bool = True,
-        rope: bool = False,
-    ) -> None:
-        nn.Module.__init__(self)  # GPT.__init__ would build a plain GPTConfig
-        self._build(
-            GTAConfig(
-                block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                dropout=dropout, bias=bias, mlp_hidden=mlp_hidden, n_query_group=n_query_group,
-                n_key_head=n_key_head, key_dim=key_dim, n_latent_head=n_latent_head, latent_dim=latent_dim, gate=gate,
-                rope=rope,
-            )
-        )
-
-    @classmethod
-    def from_config(cls, config: GTAConfig) -> "GTAGPT":
-        return cls(**config.init_dict())
-
     def make_attention(self, config: GTAConfig) -> nn.Module:
         return GTAAttention(config)
-
-    def config_dict(self) -> dict:
-        """Constructor arguments that rebuild this model: ``type(model)(**model.config_dict())``."""
-        return self.config.init_dict()
 
     def forward_flops_per_token(self, seq_len: int) -> float:
         """FLOPs of the forward pass per token, counted as the GPT's (matrix products, 2 per multiply-add) with

@@ -35,12 +35,19 @@ MAX_EXPONENT = 40.0
 
 @dataclass
 class LTCConfig(GPTConfig):
-    """Shape of an LTC GPT: the GPT fields plus the decay modes and their controller."""
+    """Shape of an LTC GPT, the constructor arguments of ``LTCGPT``: the GPT fields plus the decay modes and their
+    controller."""
 
-    num_decay_modes: int = 64  # decay modes per KV head, 1..head_dim
-    controller_rank: int = 0  # >0: low-rank controller W = A B through this rank (one decay mode only)
-    controller_hidden_size: int = 0  # >0: MLP controller with this hidden width instead of one linear map
-    tau_min: float | None = None  # lower bound of every time constant, in tokens; None = block_size / 12
+    bias: bool = GPTConfig.bias  # re-documented here, its default (and place) the GPT's
+    """use biases in Linear and LayerNorm layers (the LTC controller always has one)."""
+    num_decay_modes: int = 64
+    """orthonormal decay modes per KV head, from 1 to head_dim (n_embd / n_head)."""
+    controller_rank: int = 0
+    """>0 makes the time-constant controller low rank (W = A B); only with one decay mode."""
+    controller_hidden_size: int = 0
+    """>0 makes the time-constant controller an MLP with this hidden width."""
+    tau_min: float | None = None
+    """smallest time constant in tokens; None means block_size / 12."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -203,49 +210,10 @@ class LTCGPT(GPT):
 
     Keeps the backbone contract ``logits [B, T, V], state = model(idx [B, T], state=None)``; the state
     holds one ``LTCCache`` per layer, and the time constants are set by the first token of the sequence.
-
-    Args:
-        block_size: context length (prompt plus generated tokens can not exceed it).
-        vocab_size: output vocabulary; set by the CLI from the data's tokenizer.
-        n_layer: number of transformer blocks.
-        n_head: number of query heads.
-        n_kv_head: number of key/value heads (grouped-query attention); None means n_head.
-        n_embd: residual stream width.
-        dropout: dropout on attention weights, residual branches and embeddings.
-        bias: use biases in Linear and LayerNorm layers (the LTC controller always has one).
-        mlp_hidden: hidden width of each block's MLP; None means 4 n_embd.
-        num_decay_modes: orthonormal decay modes per KV head, from 1 to head_dim (n_embd / n_head).
-        controller_rank: >0 makes the time-constant controller low rank (W = A B); only with one decay mode.
-        controller_hidden_size: >0 makes the time-constant controller an MLP with this hidden width.
-        tau_min: smallest time constant in tokens; None means block_size / 12.
+    Constructor: the fields of ``LTCConfig`` (the GPT's and the decay modes').
     """
 
     config_class = LTCConfig
-
-    def __init__(
-        self,
-        block_size: int = 1024,
-        vocab_size: int = 50304,
-        n_layer: int = 12,
-        n_head: int = 12,
-        n_kv_head: int | None = None,
-        n_embd: int = 768,
-        dropout: float = 0.0,
-        bias: bool = True,
-        mlp_hidden: int | None = None,
-        num_decay_modes: int = 64,
-        controller_rank: int = 0,
-        controller_hidden_size: int = 0,
-        tau_min: float | None = None,
-    ) -> None:
-        nn.Module.__init__(self)  # GPT.__init__ would build a plain GPTConfig
-        self._build(
-            LTCConfig(
-                block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head,
-                n_embd=n_embd, dropout=dropout, bias=bias, mlp_hidden=mlp_hidden, num_decay_modes=num_decay_modes,
-                controller_rank=controller_rank, controller_hidden_size=controller_hidden_size, tau_min=tau_min,
-            )
-        )
 
     def make_attention(self, config: LTCConfig) -> nn.Module:
         return LTCAttention(config)

@@ -26,7 +26,6 @@ segment's keys/values, the segment-start memory weights and the x-stream query c
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -37,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ltcx.errors import ConfigError
+from ltcx.models.config import ConfiguredModule
 from ltcx.models.gpt import MLP
 from ltcx.models.state import reorder_state
 from ltcx.ops.attention import apply_rope, attention_with_persistent, sliding_window_mask
@@ -57,31 +57,57 @@ THETA_MODES = ("chunk", "free")
 
 @dataclass
 class TitansConfig:
-    """Hyper-parameters of :class:`Titans`; checks itself on construction (``ConfigError`` naming the field)."""
+    """Hyper-parameters of :class:`Titans`, its constructor arguments; checks itself on construction
+    (``ConfigError`` naming the field)."""
 
     vocab_size: int = 50304
+    """output vocabulary; set by the CLI from the data's tokenizer."""
     n_embd: int = 384
+    """residual stream width."""
     n_layer: int = 6
+    """number of blocks (mal: memory and attention blocks alternate, memory first)."""
     variant: str = "mag"
-    n_head: int = 6  # attention query heads
-    n_kv_head: int = 2  # attention key/value heads (GQA)
-    mlp_hidden: int | None = None  # hidden width of each block's MLP; None = 4 n_embd
-    window: int = 128  # sliding-window attention (mag, mal): query i sees tokens i-window < j <= i
-    segment: int = 128  # MAC's attention segment
-    n_persistent: int = 16  # persistent key/value slots per attention layer
+    """how memory and attention combine: mag (memory as gate), mac (as context), mal (as layer) or lmm (memory
+    only)."""
+    n_head: int = 6
+    """attention query heads; head_dim = n_embd / n_head must be even (RoPE)."""
+    n_kv_head: int = 2
+    """attention key/value heads (grouped-query attention); divides n_head."""
+    mlp_hidden: int | None = None
+    """hidden width of each block's MLP; None means 4 n_embd."""
+    window: int = 128
+    """sliding-window attention (mag, mal): query i sees tokens i - window < j <= i."""
+    segment: int = 128
+    """MAC's attention segment; a multiple of memory_chunk_size."""
+    n_persistent: int = 16
+    """persistent key/value slots per attention layer, seen by every query."""
     mem_heads: int = 6
+    """memory heads; mem_heads x mem_head_dim must equal n_embd for mag and mac."""
     mem_head_dim: int = 64
-    mem_hidden: int = 128  # hidden width of each head's memory MLP
-    memory_chunk_size: int | None = 16  # b: gradients at the chunk-start weights; None = never moves
-    conv_kernel: int = 4  # short causal conv after the memory's q, k, v projections
-    theta_mode: str = "chunk"  # chunk: theta = rho (1 - eta) / b; free: theta = theta_max sigmoid(.)
+    """width of each memory head's keys, values and queries."""
+    mem_hidden: int = 128
+    """hidden width of each head's memory MLP."""
+    memory_chunk_size: int | None = 16
+    """b: the memory's gradients are taken at the weights of the chunk start; None means never moved (always at
+    the learned initial memory)."""
+    conv_kernel: int = 4
+    """kernel of the short causal conv after the memory's q, k, v projections."""
+    theta_mode: str = "chunk"
+    """the memory's step size: chunk, theta = rho (1 - eta) / b; free, theta = theta_max sigmoid(.)."""
     rho_max: float = 1.0
+    """largest rho (chunk mode), in (0, 1]: a chunk of aligned tokens moves the memory by at most 2 rho."""
     theta_max: float = 0.1
-    normalize_step: bool = True  # divide theta by the curvature kappa of the token's loss
+    """largest theta (free mode)."""
+    normalize_step: bool = True
+    """divide theta by the curvature kappa of the token's loss."""
     rope_base: float = 10000.0
+    """base of the rotary position embedding."""
     dropout: float = 0.0
-    bias: bool = False  # biases in attention/MLP Linear layers and LayerNorms
+    """dropout on embeddings and residual branches."""
+    bias: bool = False
+    """biases in attention/MLP Linear layers and LayerNorms."""
     tie_embeddings: bool = True
+    """share the token embedding with the output head."""
 
     def __post_init__(self) -> None:
         if self.mlp_hidden is None:
@@ -438,46 +464,20 @@ def _make_blocks(config: TitansConfig) -> list[nn.Module]:
     return [MemoryBlock(config) for _ in range(config.n_layer)]
 
 
-class Titans(nn.Module):
+class Titans(ConfiguredModule):
     """Titans language model: token embedding, ``n_layer`` blocks of the chosen variant, LayerNorm, tied head.
 
     Keeps the backbone contract ``logits [B, T, V], state = model(idx [B, T], state=None)``; the state
     (:class:`TitansState`) has a constant size, so there is no context limit (``max_seq_len`` is None).
 
-    Args: the fields of :class:`TitansConfig` (see there and the README for their meaning and defaults).
+    Constructor: the fields of :class:`TitansConfig`.
     """
 
     config_class = TitansConfig
 
-    def __init__(
-        self,
-        vocab_size: int = 50304,
-        n_embd: int = 384,
-        n_layer: int = 6,
-        variant: str = "mag",
-        n_head: int = 6,
-        n_kv_head: int = 2,
-        mlp_hidden: int | None = None,
-        window: int = 128,
-        segment: int = 128,
-        n_persistent: int = 16,
-        mem_heads: int = 6,
-        mem_head_dim: int = 64,
-        mem_hidden: int = 128,
-        memory_chunk_size: int | None = 16,
-        conv_kernel: int = 4,
-        theta_mode: str = "chunk",
-        rho_max: float = 1.0,
-        theta_max: float = 0.1,
-        normalize_step: bool = True,
-        rope_base: float = 10000.0,
-        dropout: float = 0.0,
-        bias: bool = False,
-        tie_embeddings: bool = True,
-    ) -> None:
+    def __init__(self, **fields) -> None:
         super().__init__()
-        arguments = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
-        config = self.config = TitansConfig(**arguments)
+        config = self.config = self.config_class(**fields)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(_make_blocks(config))
@@ -504,10 +504,6 @@ class Titans(nn.Module):
     @property
     def max_seq_len(self) -> None:
         return None
-
-    def config_dict(self) -> dict:
-        """Constructor arguments that rebuild this model: ``type(model)(**model.config_dict())``."""
-        return dataclasses.asdict(self.config)
 
     def parameter_count(self, exclude_position_embeddings: bool = True) -> int:
         """Number of distinct parameters (there are no position embeddings to exclude)."""

@@ -40,7 +40,6 @@ Training (T > 1) uses the chunkwise (or parallel) mLSTM; one token uses the recu
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -51,6 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ltcx.errors import ConfigError
+from ltcx.models.config import ConfiguredModule
 from ltcx.models.state import reorder_state
 from ltcx.ops.conv import causal_depthwise_conv
 from ltcx.ops.mlstm import FORGET_GATES, mlstm_chunkwise, mlstm_parallel, mlstm_step
@@ -61,26 +61,46 @@ MLSTM_BACKENDS = ("chunkwise", "parallel")
 
 @dataclass
 class XLSTMConfig:
-    """Hyper-parameters of :class:`XLSTM`; checks itself on construction (``ConfigError``)."""
+    """Hyper-parameters of :class:`XLSTM`, its constructor arguments; checks itself on construction
+    (``ConfigError``)."""
 
     vocab_size: int = 50304
+    """Number of token ids (the CLI sets it from the tokenizer)."""
     embedding_dim: int = 384
+    """Residual stream width E."""
     num_layers: int = 8
+    """Total number of blocks (mLSTM + sLSTM)."""
     signature: tuple[int, int] = (7, 1)
+    """Ratio (mLSTM, sLSTM) of blocks, tiled over the layers, e.g. (7, 1); ignored if slstm_at is set."""
     slstm_at: list[int] | None = None
+    """Explicit 0-based positions of the sLSTM blocks (overrides signature); the rest are mLSTM."""
     num_heads: int = 4
+    """Heads of each mLSTM cell (must divide mlstm_proj_factor * embedding_dim)."""
     slstm_num_heads: int = 4
+    """Heads of each sLSTM cell (must divide embedding_dim); recurrence mixes within heads only."""
     mlstm_proj_factor: float = 2.0
+    """Up-projection factor of the mLSTM block (the paper uses 2)."""
     slstm_ffn_factor: float = 4.0 / 3.0
+    """Feed-forward factor after the sLSTM cell (the paper uses 4/3)."""
     proj_round_to: int = 64
+    """The mLSTM up-projection and the feed-forward widths are rounded up to a multiple of this (64 in the
+    reference implementation)."""
     qkv_proj_blocksize: int = 4
+    """Block size of the block-diagonal q, k, v projections of the mLSTM block."""
     conv_kernel_size: int = 4
+    """Kernel of the causal depthwise convolution over time."""
     chunk_size: int = 64
+    """Chunk length of the chunkwise mLSTM used for training (T > 1)."""
     mlstm_backend: Literal["chunkwise", "parallel"] = "chunkwise"
+    """mLSTM form for T > 1: 'chunkwise' (O(T chunk) memory) or 'parallel' (O(T^2))."""
     forget_gate: Literal["sigmoid", "exp"] = "sigmoid"
+    """Forget-gate activation: 'sigmoid' (bounded, default) or 'exp'."""
     tie_embeddings: bool = True
+    """Share the token embedding with the output head."""
     bias: bool = False
+    """Biases in the linear layers and norms (the gate biases always exist)."""
     dropout: float = 0.0
+    """Dropout on the embedding and on each block's output."""
 
     def __post_init__(self) -> None:
         self.signature = tuple(self.signature)
@@ -341,65 +361,18 @@ class SLSTMBlock(nn.Module):
 # ----------------------------------------------------------------------------- model
 
 
-class XLSTM(nn.Module):
-    """xLSTM language model: ``logits, state = model(idx, state=None)``."""
+class XLSTM(ConfiguredModule):
+    """xLSTM language model: ``logits, state = model(idx, state=None)``.
 
+    Constructor: the fields of ``XLSTMConfig``.
+    """
+
+    config_class = XLSTMConfig
     max_seq_len = None  # recurrent: no context limit
 
-    def __init__(
-        self,
-        vocab_size: int = 50304,
-        embedding_dim: int = 384,
-        num_layers: int = 8,
-        signature: tuple[int, int] = (7, 1),
-        slstm_at: list[int] | None = None,
-        num_heads: int = 4,
-        slstm_num_heads: int = 4,
-        mlstm_proj_factor: float = 2.0,
-        slstm_ffn_factor: float = 4.0 / 3.0,
-        proj_round_to: int = 64,
-        qkv_proj_blocksize: int = 4,
-        conv_kernel_size: int = 4,
-        chunk_size: int = 64,
-        mlstm_backend: Literal["chunkwise", "parallel"] = "chunkwise",
-        forget_gate: Literal["sigmoid", "exp"] = "sigmoid",
-        tie_embeddings: bool = True,
-        bias: bool = False,
-        dropout: float = 0.0,
-    ) -> None:
-        """Build the model.
-
-        Args:
-            vocab_size: Number of token ids (the CLI sets it from the tokenizer).
-            embedding_dim: Residual stream width E.
-            num_layers: Total number of blocks (mLSTM + sLSTM).
-            signature: Ratio (mLSTM, sLSTM) of blocks, tiled over the layers, e.g. (7, 1); ignored if slstm_at is set.
-            slstm_at: Explicit 0-based positions of the sLSTM blocks (overrides signature); the rest are mLSTM.
-            num_heads: Heads of each mLSTM cell (must divide mlstm_proj_factor * embedding_dim).
-            slstm_num_heads: Heads of each sLSTM cell (must divide embedding_dim); recurrence mixes within heads only.
-            mlstm_proj_factor: Up-projection factor of the mLSTM block (the paper uses 2).
-            slstm_ffn_factor: Feed-forward factor after the sLSTM cell (the paper uses 4/3).
-            proj_round_to: The mLSTM up-projection and the feed-forward widths are rounded up to a multiple of
-                this (64 in the reference implementation).
-            qkv_proj_blocksize: Block size of the block-diagonal q, k, v projections of the mLSTM block.
-            conv_kernel_size: Kernel of the causal depthwise convolution over time.
-            chunk_size: Chunk length of the chunkwise mLSTM used for training (T > 1).
-            mlstm_backend: mLSTM form for T > 1: 'chunkwise' (O(T chunk) memory) or 'parallel' (O(T^2)).
-            forget_gate: Forget-gate activation: 'sigmoid' (bounded, default) or 'exp'.
-            tie_embeddings: Share the token embedding with the output head.
-            bias: Biases in the linear layers and norms (the gate biases always exist).
-            dropout: Dropout on the embedding and on each block's output.
-        """
+    def __init__(self, **fields) -> None:
         super().__init__()
-        self.config = XLSTMConfig(
-            vocab_size=vocab_size, embedding_dim=embedding_dim, num_layers=num_layers, signature=signature,
-            slstm_at=slstm_at, num_heads=num_heads, slstm_num_heads=slstm_num_heads,
-            mlstm_proj_factor=mlstm_proj_factor, slstm_ffn_factor=slstm_ffn_factor, proj_round_to=proj_round_to,
-            qkv_proj_blocksize=qkv_proj_blocksize, conv_kernel_size=conv_kernel_size, chunk_size=chunk_size,
-            mlstm_backend=mlstm_backend, forget_gate=forget_gate, tie_embeddings=tie_embeddings, bias=bias,
-            dropout=dropout,
-        )
-        cfg = self.config
+        cfg = self.config = self.config_class(**fields)
         E = cfg.embedding_dim
         self.embedding = nn.Embedding(cfg.vocab_size, E)
         self.dropout = nn.Dropout(cfg.dropout)
@@ -435,12 +408,6 @@ class XLSTM(nn.Module):
             out, state = self(idx[:, t : t + 1], state)
             logits.append(out)
         return torch.cat(logits, dim=1), state
-
-    def config_dict(self) -> dict[str, Any]:
-        """The constructor arguments: ``XLSTM(**model.config_dict())`` rebuilds the model."""
-        d = dataclasses.asdict(self.config)
-        d["signature"] = list(d["signature"])
-        return d
 
     def parameter_count(self, exclude_position_embeddings: bool = True) -> int:
         """Number of distinct parameters (tied weights once). xLSTM has no position embeddings."""
