@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar, _launcher_outlives_workers
+from ltcx.callbacks.preemption import Preemption
 from ltcx.checkpoint import (
     ANOTHER_VERSION,
     SafeCheckpointIO,
@@ -258,6 +259,8 @@ class LtcxCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         config = self._get(self.config_init, "trainer", default={})
         callbacks = config.get("callbacks") or []
+        if not any(isinstance(c, Preemption) for c in callbacks):  # SIGTERM / Ctrl-C save the step in every run
+            kwargs["callbacks"] = callbacks = [*callbacks, Preemption()]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             # Lightning would add its own bar, whose total is wrong after a resume; output to a file or a pipe gets
             # plain lines every log_every_n_steps instead of a bar that shows nothing there until the end.

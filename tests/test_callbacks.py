@@ -143,10 +143,10 @@ def test_measured_matmul_flops_is_the_best_trial_of_a_bounded_probe(monkeypatch)
 def _mfu_steps(monitor: MFUMonitor, times: list[float], monkeypatch) -> list[dict]:
     """``monitor`` through training batch ends at the clock ``times`` (4 blocks of 16 + 1 tokens each); the
     values it logged per step."""
-    import ltcx.callbacks
+    import ltcx.callbacks.throughput
 
     clock = FakeClock(*times)
-    monkeypatch.setattr(ltcx.callbacks.time, "perf_counter", clock)
+    monkeypatch.setattr(ltcx.callbacks.throughput.time, "perf_counter", clock)
     backbone = SimpleNamespace(flops_per_token=lambda length: 1e6)  # 64 tokens: 6.4e7 FLOP a step
     logged: list[dict] = []
     module = SimpleNamespace(backbone=backbone, device=torch.device("cpu"), log=lambda k, v: logged[-1].update({k: v}))
