@@ -264,9 +264,9 @@ def test_resume_from_stream_positions_tokenizes_only_what_follows(tmp_path, num_
         reference.append(dm.on_before_batch_transfer(batch, 0).tolist())
         dm.trainer = SimpleNamespace(global_step=step, accumulate_grad_batches=1, global_rank=0, world_size=1)
         saved.append(dm.state_dict())
-    import ltcx.data.text as text
+    import ltcx.data.stream_blocks as stream_blocks
 
-    monkeypatch.setattr(text, "_READ_BATCH", 1)  # tokenize document by document, to count them
+    monkeypatch.setattr(stream_blocks, "_READ_BATCH", 1)  # tokenize document by document, to count them
     encoded = []
     encode_batch = ByteTokenizer.encode_batch
     monkeypatch.setattr(ByteTokenizer, "encode_batch",

@@ -9,6 +9,9 @@ batches of documents; the main process appends them, each followed by end-of-tex
 A shard is committed when it holds ``shard_tokens``: shard files first, then the hashes seen, then ``meta.json``
 with the stream position. A killed run resumes from the last commit: the source stream is restored with
 ``datasets``' ``load_state_dict``, the hash file is cut back to its committed length, later files are overwritten.
+
+One module because it is one resumable pipeline: a commit ties the stream position, the hashes and the shards
+together, and the command-line front-end (``prepare_main``) only parses its arguments.
 """
 
 from __future__ import annotations

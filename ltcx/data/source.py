@@ -1,0 +1,88 @@
+"""The interface ``TextDataModule`` serves its data through: a block source, picked once from ``--data.path``.
+
+Two sources keep it: ``StreamSource`` (text streamed through ``datasets``, ``stream_source.py``) and ``ShardSource``
+(token shards made by ``ltcx prepare``, ``shard_source.py``). The data module holds the arguments, the tokenizer and
+the trainer; a source holds its own data and resume state and never asks which kind it is. (``sources.py`` is
+something else: opening text, shared by ``StreamSource`` and ``ltcx prepare``.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from ltcx.errors import LtcxError
+
+__all__ = ["BlockSource", "DataError", "Gather", "make_loader"]
+
+# Gathers a tensor from every rank: ``Tensor[*shape]`` -> ``Tensor[world_size, *shape]`` (rank order).
+Gather = Callable[[torch.Tensor], torch.Tensor]
+
+
+class DataError(LtcxError):
+    """A data problem found while iterating (possibly inside a dataloader worker).
+
+    torch re-raises a worker's exception in the main process as ``type(exc)(traceback_text)``; this class turns
+    that text back into the original one-line message so the CLI can still print one clear line.
+    """
+
+    def __init__(self, message: str) -> None:
+        if message.startswith("Caught ") and "Original Traceback" in message:
+            tag = f"{type(self).__name__}: "
+            for line in reversed(message.strip().splitlines()):
+                if tag in line:
+                    message = line.split(tag, 1)[1].strip()
+                    break
+        super().__init__(message)
+
+
+class BlockSource(Protocol):
+    """Blocks of ``block_len = block_size + 1`` tokens for one data module, opened and checked on construction
+    (every problem a one-line ``LtcxError``). Every loader's batches reach the model as ``LongTensor[B, block_len]``
+    (``B = batch_size``), after ``on_before_batch_transfer``.
+    """
+
+    def train_dataset(
+        self, rank: int, world_size: int, *, infinite: bool = True, skip_batches: int | None = None
+    ) -> IterableDataset:
+        """Training blocks of ``rank`` of ``world_size``, endless unless ``infinite=False`` (a single pass, where the
+        source has passes). ``skip_batches`` None: the trainer's loader, continuing where the loaded state says;
+        else start after that many batches of this rank."""
+        ...
+
+    def val_dataset(self, rank: int, world_size: int) -> IterableDataset:
+        """Exactly ``val_batches * batch_size`` validation blocks of ``rank``, the same in every run."""
+        ...
+
+    def dataloader(self, dataset: IterableDataset) -> DataLoader:
+        """The loader of one of this source's data sets (it knows whether they yield blocks or whole batches)."""
+        ...
+
+    def on_before_batch_transfer(self, batch: Any) -> Any:
+        """A training or validation batch as the loader made it -> ``LongTensor[B, block_len]`` (a source may
+        take what it needs to resume from the batch first)."""
+        ...
+
+    def state_dict(self, gather: Gather) -> dict[str, Any]:
+        """What a resume needs beyond ``train_batches_consumed`` (which the data module adds): ``{}`` or the
+        source's own keys, gathered from every rank with ``gather`` (called on every rank, rank 0's is saved)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The data module's whole saved entry (``train_batches_consumed`` and the source's keys, if any): the next
+        ``train_dataset(skip_batches=None)`` continues after it."""
+        ...
+
+
+def make_loader(dataset: IterableDataset, *, batch_size: int | None, num_workers: int) -> DataLoader:
+    """A DataLoader of ``dataset``; ``batch_size`` None when the data set yields whole batches."""
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=False,
+    )

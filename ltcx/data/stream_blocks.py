@@ -1,0 +1,238 @@
+"""Streaming text, the dataloader-worker side: documents -> tokens -> fixed-size blocks, split over ranks and workers.
+
+One code path for the Hugging Face hub and for local files: both become ``datasets`` streaming
+``IterableDataset`` s (``sources.open_text``). Per split and pass: (shuffle) -> split by DDP rank -> split by
+dataloader worker -> tokenize -> append end-of-text -> cut blocks of ``block_size + 1`` tokens. Training blocks carry
+the stream position after them (``StreamSource`` in ``stream_source.py`` keeps them for the checkpoint); a resume
+reads the documents before it without tokenizing them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ltcx.data.packing import in_holdout, pack_blocks, pack_positions
+from ltcx.data.source import DataError
+from ltcx.tokenizers import _short_reason, get_tokenizer
+
+__all__ = ["Documents", "TrainBlocks", "ValBlocks"]
+
+# ValBlocks defines __len__ and is exact with any number of workers (each serves its own batches).
+warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined", category=UserWarning)
+_READ_BATCH = 128  # documents read and tokenized together
+
+
+def _worker() -> tuple[int, int]:
+    info = get_worker_info()
+    if info is None:
+        return 0, 1
+    # datasets does this before streaming in a forked worker (fsspec locks copied mid-use can hang).
+    try:
+        import fsspec.asyn
+
+        fsspec.asyn.reset_lock()
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+    return info.id, info.num_workers
+
+
+def _file_being_read(exc: BaseException) -> str | None:
+    """The file a `datasets` builder was reading when ``exc`` was raised: its json, text and parquet builders
+    all loop ``for file in files``, and the error itself does not name it."""
+    file, tb = None, exc.__traceback__
+    while tb is not None:
+        if "packaged_modules" in tb.tb_frame.f_code.co_filename and isinstance(tb.tb_frame.f_locals.get("file"), str):
+            file = tb.tb_frame.f_locals["file"]
+        tb = tb.tb_next
+    return file
+
+
+def _where(rank: int, world_size: int, worker: int, num_workers: int) -> str:
+    text = f"rank {rank} of {world_size}"
+    if num_workers > 1:
+        text += f" (dataloader worker {worker} of {num_workers})"
+    return text
+
+
+class Documents:
+    """Everything a dataloader worker needs to produce token lists of one split (picklable)."""
+
+    def __init__(
+        self,
+        ds: Any,
+        *,
+        text_column: str,
+        tokenizer: str,
+        holdout: str | None,
+        holdout_fraction: float,
+        seed: int,
+        shuffle_buffer: int,
+    ) -> None:
+        self.ds = ds  # datasets.IterableDataset of the split
+        self.text_column = text_column
+        self.tokenizer = tokenizer
+        self.holdout = holdout  # None: all documents; "train": outside the hold-out; "val": inside it
+        self.holdout_fraction = holdout_fraction
+        self.seed = seed
+        self.shuffle_buffer = shuffle_buffer
+
+    def token_lists(
+        self, *, epoch: int | None, parts: list[tuple[int, int]], first_doc: int = 0
+    ) -> Iterator[list[int]]:
+        """Token ids (end-of-text appended) of each document of one pass, from document ``first_doc`` on (the
+        documents before it are read but not tokenized).
+
+        ``epoch`` None reads in file order; otherwise the stream is shuffled with ``seed + epoch``. ``parts`` are
+        successive ``(index, count)`` splits (rank of world size, then worker of workers) via
+        ``split_dataset_by_node``, so the parts of one level are disjoint and together cover everything.
+        """
+        from datasets.distributed import split_dataset_by_node
+
+        ds = self.ds
+        if epoch is not None and self.shuffle_buffer > 0:
+            ds = ds.shuffle(seed=self.seed + epoch, buffer_size=self.shuffle_buffer)
+        for index, count in parts:
+            if count > 1:
+                ds = split_dataset_by_node(ds, rank=index, world_size=count)
+        tok = get_tokenizer(self.tokenizer)
+        eot = tok.eot_id
+        col = self.text_column
+        keep_val = self.holdout == "val"
+        # .iter() reads this process's part as set up above; plain iteration inside a torch worker would let
+        # `datasets` re-split by worker on its own (by shards only, leaving workers idle on single-file sets).
+        try:
+            for batch in ds.iter(batch_size=_READ_BATCH):
+                texts = [t for t in batch[col] if isinstance(t, str) and t.strip()]
+                if self.holdout is not None:
+                    texts = [t for t in texts if in_holdout(t, self.holdout_fraction) == keep_val]
+                if first_doc:
+                    texts, first_doc = texts[first_doc:], max(0, first_doc - len(texts))
+                if not texts:
+                    continue
+                for ids in tok.encode_batch(texts):
+                    ids.append(eot)
+                    yield ids
+        except Exception as exc:  # noqa: BLE001 - a bad file found mid-stream: one line naming it
+            file = _file_being_read(exc)
+            what = f"data file '{file}'" if file else "the data"
+            raise DataError(f"cannot read {what} ({_short_reason(exc)}): fix or remove it") from None
+
+
+class TrainBlocks(IterableDataset):
+    """Training blocks of one rank, endless by default: ``{"idx": LongTensor[block_size + 1], "position":
+    LongTensor[4]}``, the position being ``(part, pass, doc, tok)`` right after the block (``pack_positions``).
+
+    Each pass reshuffles with ``seed + pass``; inside a dataloader each worker reads its own part of the rank's part.
+    A resume continues after ``skip_batches`` batches of the rank (as a DataLoader with ``batch_size`` assembles them,
+    batch ``i`` from worker ``i % num_workers``): from ``starts[part]``, the position the saving run reached in each
+    part, reading the documents before it without tokenizing them; without ``starts`` (a checkpoint from before
+    positions were saved) by re-tokenizing and dropping the blocks already served.
+    """
+
+    def __init__(
+        self,
+        source: Documents,
+        *,
+        block_len: int,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        skip_batches: int = 0,
+        starts: list[list[int]] | None = None,
+        infinite: bool = True,
+    ) -> None:
+        self.source = source
+        self.block_len = block_len
+        self.rank = rank
+        self.world_size = world_size
+        self.batch_size = batch_size
+        self.skip_batches = skip_batches
+        self.starts = starts  # per part: (pass, doc, tok), or (-1, -1, -1) for a part not read yet
+        self.infinite = infinite
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        worker, num_workers = _worker()
+        # The DataLoader takes batch i from worker i % num_workers, starting again at worker 0 after a resume:
+        # after `skip_batches` batches, worker w continues the stream of the worker that would have served
+        # batch skip_batches + w.
+        part = (worker + self.skip_batches) % num_workers
+        parts = [(self.rank, self.world_size), (part, num_workers)]
+        first_epoch, doc, tok = max(self.starts[part], [0, 0, 0]) if self.starts else (0, 0, 0)
+        skip = 0 if self.starts else len(range(part, self.skip_batches, num_workers)) * self.batch_size
+        for epoch in itertools.count(first_epoch):
+            produced, whole_pass = 0, doc == tok == 0
+            stream = self.source.token_lists(epoch=epoch, parts=parts, first_doc=doc)
+            # doc, tok: the start position for this epoch, then the position of each block yielded
+            for block, doc, tok in pack_positions(stream, self.block_len, first_doc=doc, offset=tok):  # noqa: B020
+                produced += 1
+                if skip:
+                    skip -= 1
+                    continue
+                yield {"idx": torch.tensor(block, dtype=torch.long), "position": torch.tensor([part, epoch, doc, tok])}
+            if not self.infinite:
+                return
+            if produced == 0 and whole_pass:
+                raise DataError(
+                    f"data set too small: {_where(self.rank, self.world_size, part, num_workers)} got no block of "
+                    f"{self.block_len} tokens; use more data, a smaller block_size or fewer devices/workers"
+                )
+            doc = tok = 0
+
+
+class ValBlocks(IterableDataset):
+    """Exactly ``num_batches * batch_size`` validation blocks for one rank, the same for any number of workers.
+
+    The rank's part is read in file order, cycled if it is shorter than needed; in a dataloader with W workers,
+    worker w yields the blocks of batches w, w + W, ..., so the loader's round-robin restores the order.
+    """
+
+    def __init__(
+        self, source: Documents, *, block_len: int, rank: int, world_size: int, batch_size: int, num_batches: int
+    ) -> None:
+        self.source = source
+        self.block_len = block_len
+        self.rank = rank
+        self.world_size = world_size
+        self.batch_size = batch_size
+        self.num_batches = num_batches
+        self._blocks: list[torch.Tensor] | None = None  # the full sequence, once computed in this process
+
+    def __len__(self) -> int:
+        return self.num_batches * self.batch_size
+
+    def _sequence(self, worker: int, num_workers: int) -> Iterator[torch.Tensor]:
+        if self._blocks is not None:
+            yield from self._blocks
+            return
+        total = len(self)
+        blocks: list[torch.Tensor] = []
+        stream = self.source.token_lists(epoch=None, parts=[(self.rank, self.world_size)])
+        for block in pack_blocks(stream, self.block_len):
+            blocks.append(torch.tensor(block, dtype=torch.long))
+            yield blocks[-1]
+            if len(blocks) == total:
+                break
+        if not blocks:
+            raise DataError(
+                f"validation data too small: {_where(self.rank, self.world_size, worker, num_workers)} got no block "
+                f"of {self.block_len} tokens; use more validation data, a larger holdout_fraction, a smaller "
+                "block_size or fewer devices"
+            )
+        full = list(itertools.islice(itertools.cycle(blocks), total))
+        yield from full[len(blocks) :]
+        self._blocks = full
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        worker, num_workers = _worker()
+        total = len(self)
+        for j, block in enumerate(self._sequence(worker, num_workers)):
+            if j >= total:
+                return
+            if (j // self.batch_size) % num_workers == worker:
+                yield block
