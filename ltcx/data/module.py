@@ -15,11 +15,11 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from ltcx.data.block_source import BlockSource
 from ltcx.data.files import local_path
 from ltcx.data.shard_data import SAMPLING
 from ltcx.data.shard_source import ShardSource
 from ltcx.data.shards import META, VERIFY_MODES, holds_shards, is_prepared
-from ltcx.data.source import BlockSource
 from ltcx.data.stream_source import SAMPLE_BY, StreamSource
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.tokenizers import Tokenizer, get_tokenizer

@@ -11,9 +11,9 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from ltcx.data.block_source import Gather, make_loader
 from ltcx.data.shard_data import ShardBlocks
 from ltcx.data.shards import load_meta, verify_shards
-from ltcx.data.source import Gather, make_loader
 from ltcx.errors import ConfigError
 
 __all__ = ["ShardSource"]

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from ltcx.data.block_source import DataError
 from ltcx.data.packing import in_holdout, pack_blocks, pack_positions
-from ltcx.data.source import DataError
 from ltcx.tokenizers import _short_reason, get_tokenizer
 
 __all__ = ["Documents", "TrainBlocks", "ValBlocks"]

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from ltcx.data.source import Gather, make_loader
+from ltcx.data.block_source import Gather, make_loader
 from ltcx.data.sources import open_text
 from ltcx.data.stream_blocks import Documents, TrainBlocks, ValBlocks
 from ltcx.errors import ConfigError
