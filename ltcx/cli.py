@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 import yaml
+from jsonargparse import Namespace
 from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -40,6 +41,7 @@ from ltcx.checkpoint import (
 from ltcx.data import TextDataModule
 from ltcx.errors import ConfigError, LtcxError, StoppedOnAllRanks
 from ltcx.lm import LanguageModel, check_same_backbone, check_setting_types, resumable_fields
+from ltcx.models.catalog import architecture_name
 from ltcx.models.registry import resolve_backbone
 
 DESCRIPTION = (
@@ -117,6 +119,25 @@ class LtcxCLI(LightningCLI):
         # The command line as given, to tell a flag the user typed from a value a YAML file set.
         self._command_line = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
         super().parse_arguments(parser, args)
+        self._name_after_architecture()
+
+    def _name_after_architecture(self) -> None:
+        """A null logger ``name`` becomes the architecture's catalogue name (else its class name, lower case) and a
+        null ``ModelCheckpoint`` ``dirpath`` ``checkpoints/<that name>``: configs/recipe.yaml leaves both null."""
+        subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else self.config
+        backbone = config.get("model", {}).get("backbone")
+        if not isinstance(backbone, Namespace) or not isinstance(backbone.get("class_path"), str):
+            return
+        init_args = backbone.get("init_args")
+        init_args = init_args.as_dict() if isinstance(init_args, Namespace) else {}
+        arch = architecture_name(backbone.class_path, init_args) or backbone.class_path.rsplit(".", 1)[-1].lower()
+        for item, key, value in (("logger", "name", arch), ("callbacks", "dirpath", f"checkpoints/{arch}")):
+            specs = config.trainer.get(item)
+            for spec in specs if isinstance(specs, list) else [specs]:
+                init_args = spec.get("init_args") if isinstance(spec, Namespace) else None
+                if isinstance(init_args, Namespace) and key in init_args and init_args[key] is None:
+                    init_args[key] = value
 
     def _on_command_line(self, key: str) -> bool:
         """Whether ``--key`` (``--key value`` or ``--key=value``) was typed on the command line."""

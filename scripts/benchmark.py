@@ -54,7 +54,7 @@ def build_backbone(arch: str, vocab_size: int, min_context: int) -> torch.nn.Mod
     name, _, overrides = arch.partition(":")
     if name not in CATALOG:
         raise SystemExit(f"benchmark: unknown architecture '{name}' (known: {', '.join(sorted(CATALOG))})")
-    config = yaml.safe_load(config_path(name).read_text())["model"]["backbone"]
+    config = yaml.safe_load(config_path(name).read_text())["model.backbone"]
     module_name, class_name = config["class_path"].rsplit(".", 1)
     init_args = {**config.get("init_args", {}), "vocab_size": vocab_size}
     for assignment in filter(None, overrides.split(",")):

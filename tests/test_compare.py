@@ -53,10 +53,11 @@ def test_paired_difference_uses_only_shared_seeds_and_one_seed_has_no_sd():
 
 def tiny_config(folder: Path, arch: str, init_args: dict) -> Path:
     config = yaml.safe_load((ROOT / f"configs/{arch}.yaml").read_text())
-    config["model"]["backbone"]["init_args"].update(init_args)
-    config["model"]["warmup_steps"] = 2
+    config["config"] = str(ROOT / "configs" / config["config"])  # the recipe, relative to the copied YAML's folder
+    config["model.backbone"]["init_args"].update(init_args)
+    config["model.warmup_steps"] = 2  # a dotted key: a nested model: after the recipe would replace its model:
     path = folder / f"{arch}.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
 

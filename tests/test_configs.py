@@ -1,4 +1,5 @@
-"""Every YAML in configs/ parses, alone or composed, and keeps the documented model sizes."""
+"""Every YAML in configs/ parses, alone or composed, and keeps the documented model sizes; an architecture's YAML
+holds only its backbone and pulls in configs/recipe.yaml."""
 
 import sys
 from pathlib import Path
@@ -6,10 +7,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ltcx.cli import main
+from ltcx.cli import LtcxCLI, main
+from ltcx.data import TextDataModule
+from ltcx.lm import LanguageModel
+from ltcx.models.catalog import CATALOG, architecture_name
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+RECIPE = ROOT / "configs/recipe.yaml"
+MODELS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml") if p != RECIPE)
 PIECES = [None] + sorted(str(p.relative_to(ROOT / "configs")) for p in (ROOT / "configs").glob("*/*.yaml"))
 
 
@@ -33,6 +38,49 @@ def test_config_composes(model, piece, monkeypatch, capsys):
     resolved = yaml.safe_load(capsys.readouterr().out)
     assert resolved["model"]["backbone"]["class_path"].startswith("ltcx.models.")
     assert "vocab_size" not in resolved["model"]["backbone"]["init_args"]  # linked from the tokenizer
+    # the recipe's values reach every architecture; a piece given after it overrides them
+    smoke = piece == "trainer/smoke.yaml"
+    assert resolved["seed_everything"] == 1337 and resolved["model"]["learning_rate"] == 6e-4
+    assert resolved["model"]["warmup_steps"] == (10 if smoke else 1170)
+    assert resolved["trainer"]["max_steps"] == (40 if smoke else 23404)
+    assert resolved["data"]["block_size"] == (128 if smoke else 512)
+    assert len(resolved["trainer"]["callbacks"]) == 4
+
+
+def test_an_architecture_yaml_holds_only_its_backbone():
+    """The trainer, callbacks, optimizer and data are written once, in configs/recipe.yaml: an architecture's YAML
+    pulls it in (``config:``, relative to the YAML's folder) and adds ``model.backbone`` (a dotted key: a nested
+    ``model:`` after ``config:`` would replace the recipe's whole ``model:`` section, its learning rate included)."""
+    for model in MODELS:
+        config = yaml.safe_load((ROOT / "configs" / model).read_text())
+        assert list(config) == ["config", "model.backbone"], model
+        assert config["config"] == "recipe.yaml"
+    recipe = yaml.safe_load(RECIPE.read_text())
+    assert "backbone" not in recipe["model"]
+    assert recipe["trainer"]["logger"]["init_args"]["name"] is None  # named after the architecture by the CLI
+    assert recipe["trainer"]["callbacks"][0]["init_args"]["dirpath"] is None
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_architecture_names_its_logs_and_checkpoints(name):
+    """A null logger name and checkpoint dirpath become the architecture's catalogue name: lightning_logs/<arch>/,
+    checkpoints/<arch>/ (Titans' four variants share one class: the variant tells them apart)."""
+    backbone = yaml.safe_load((ROOT / CATALOG[name].yaml).read_text())["model.backbone"]
+    assert architecture_name(backbone["class_path"], backbone["init_args"]) == name
+
+
+@pytest.mark.parametrize("flags,logs,checkpoints", [
+    ([], "lightning_logs/titans_mal", "checkpoints/titans_mal"),
+    (["--trainer.logger.init_args.name", "mine"], "lightning_logs/mine", "checkpoints/titans_mal"),
+])
+def test_cli_names_logs_and_checkpoints_after_the_architecture(flags, logs, checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["ltcx"])
+    monkeypatch.chdir(tmp_path)
+    cli = LtcxCLI(LanguageModel, TextDataModule, run=False, args=[
+        "--config", str(ROOT / "configs/titans_mal.yaml"), *CATALOG["titans_mal"].tiny_cli(),
+        "--trainer.accelerator", "cpu", *flags])
+    assert cli.trainer.logger.log_dir == f"{logs}/version_0"
+    assert [Path(c.dirpath) for c in cli.trainer.callbacks if hasattr(c, "dirpath")] == [tmp_path / checkpoints]
 
 
 @pytest.mark.parametrize("model,expected", [
@@ -42,7 +90,7 @@ def test_config_composes(model, piece, monkeypatch, capsys):
 def test_config_model_sizes(model, expected):
     import importlib
 
-    backbone = yaml.safe_load((ROOT / "configs" / f"{model}.yaml").read_text())["model"]["backbone"]
+    backbone = yaml.safe_load((ROOT / "configs" / f"{model}.yaml").read_text())["model.backbone"]
     module, name = backbone["class_path"].rsplit(".", 1)
     instance = getattr(importlib.import_module(module), name)(vocab_size=50304, **backbone["init_args"])
     assert instance.parameter_count() == expected

@@ -161,7 +161,7 @@ def parameter_formula(c: TitansConfig) -> int:
     "variant,expected", [("mag", 28_753_644), ("mac", 28_755_948), ("mal", 28_773_558), ("lmm", 28_763_628)]
 )
 def test_reference_configs_have_the_exact_parameter_counts(variant, expected):
-    backbone = yaml.safe_load((ROOT / f"configs/titans_{variant}.yaml").read_text())["model"]["backbone"]
+    backbone = yaml.safe_load((ROOT / f"configs/titans_{variant}.yaml").read_text())["model.backbone"]
     model = Titans(vocab_size=50304, **backbone["init_args"])
     assert model.parameter_count() == parameter_formula(model.config) == expected
     assert abs(expected / 28_758_912 - 1) < 0.001  # within 0.1% of the GQA GPT baseline

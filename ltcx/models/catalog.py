@@ -115,3 +115,14 @@ def config_path(name: str) -> Path:
 def builtin_class_paths() -> dict[str, tuple[str, str]]:
     """ltcx's own backbone classes: class path -> (module, class name), distinct (Titans serves four entries)."""
     return {entry.class_path: (entry.module, entry.class_name) for entry in _ENTRIES}
+
+
+def architecture_name(class_path: str, init_args: dict | None = None) -> str | None:
+    """The catalogue name of a backbone given as ``class_path`` + ``init_args`` (``ltcx.models.titans.Titans`` with
+    ``variant: mal`` is ``titans_mal``): among the entries of that class, the one whose tiny values of the keys that
+    tell them apart (Titans' ``variant``) match ``init_args``; None when none or several match."""
+    entries = [entry for entry in _CATALOG.values() if entry.class_path == class_path]
+    keys = {key for entry in entries for key in entry.tiny if len({repr(e.tiny.get(key)) for e in entries}) > 1}
+    init_args = init_args or {}
+    found = [entry for entry in entries if all(entry.tiny.get(key) == init_args.get(key) for key in keys)]
+    return found[0].name if len(found) == 1 else None
