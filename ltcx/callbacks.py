@@ -20,9 +20,9 @@ from lightning.pytorch import callbacks as pl_callbacks
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from ltcx.checkpoint import atomic_copy, remove_stale_temps, run_versions
 from ltcx.errors import ConfigError, LtcxError, StoppedOnAllRanks
 from ltcx.generation import generate_texts
+from ltcx.persist import atomic_copy, remove_stale_temps, run_versions
 from ltcx.throughput import default_peak_flops, model_flops_per_token
 
 
