@@ -284,3 +284,13 @@ class LanguageModel(L.LightningModule):
         if self.decay_steps is not None and self._trainer is not None:  # optimizers already configured
             self.decay_steps = self._schedule_end()
 
+
+
+def __getattr__(name: str):
+    """``from ltcx.lm import load_language_model`` (as the README shows) still works: the loaders live in
+    ``ltcx.persist``, which imports this module, so they are looked up there when asked for, not imported above."""
+    if name in ("load_language_model", "load_exported", "export_model"):
+        import ltcx.persist
+
+        return getattr(ltcx.persist, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
