@@ -11,3 +11,7 @@ class ConfigError(LtcxError, ValueError):
 
 class StoppedOnAllRanks(LtcxError):
     """An error every process of a distributed run raised at the same step; only global rank 0 prints it."""
+
+
+# The fix named by every message about a file written by another version of ltcx.
+ANOTHER_VERSION = "load it with the version that wrote it, or start a new run"

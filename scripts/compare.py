@@ -125,8 +125,8 @@ def measure_checkpoint(checkpoint: Path, block_size: int, decode_steps: int = 16
     block_size tokens, from the trained checkpoint."""
     import torch
 
-    from ltcx.lm import load_language_model
     from ltcx.models.state import map_state_tensors
+    from ltcx.persist import load_language_model
 
     model, _ = load_language_model(checkpoint)
     backbone = model.backbone
@@ -153,7 +153,7 @@ def measure_checkpoint(checkpoint: Path, block_size: int, decode_steps: int = 16
 
 def latest_checkpoint(run_root: Path) -> list[str]:
     """The last.ckpt of the latest run (its own checkpoints/<model>/version_N/) under ``run_root``."""
-    from ltcx.checkpoint import latest_last_checkpoint
+    from ltcx.persist import latest_last_checkpoint
 
     folders = sorted((run_root / "checkpoints").glob("*/")) if (run_root / "checkpoints").is_dir() else []
     return [path for folder in folders for path in latest_last_checkpoint(folder)]

@@ -162,7 +162,7 @@ def write_checkpoint(path: Path, tokenizer: str = "bytes", **meta) -> Path:
 
 
 def step_and_weights(path: Path) -> tuple[int, dict]:
-    from ltcx.checkpoint import read_checkpoint
+    from ltcx.persist import read_checkpoint
 
     state = read_checkpoint(path)
     return state["global_step"], state["state_dict"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import ROOT, lean_fit_args, step_and_weights, write_corpus
-from ltcx.checkpoint import read_checkpoint
+from ltcx.persist import read_checkpoint
 
 DDP = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
 TIMEOUT = 120  # s; a run takes ~10 s, a hang is caught well before pytest's patience ends

@@ -27,13 +27,13 @@ from helpers import (
     write_checkpoint,
     write_corpus,
 )
-from ltcx.checkpoint import SafeCheckpointIO, atomic_save, read_checkpoint
 from ltcx.cli import main
 from ltcx.errors import LtcxError
-from ltcx.lm import LanguageModel, load_language_model
+from ltcx.lm import LanguageModel
 from ltcx.models import registry
 from ltcx.models.gpt import GPT
 from ltcx.models.ltc import LTCGPT
+from ltcx.persist import SafeCheckpointIO, atomic_save, load_language_model, read_checkpoint
 
 
 @pytest.fixture
@@ -198,7 +198,7 @@ def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, fit_e
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real_fsync(fd)
 
-    monkeypatch.setattr("ltcx.checkpoint.os.fsync", full_disk)
+    monkeypatch.setattr("ltcx.persist.files.os.fsync", full_disk)
     line = one_error_line(lean_fit_args(tmp_path, data, "--trainer.max_steps", "3", every=1), capsys)
     assert line == (f"ltcx: error: cannot write checkpoint '{folder / 'epoch=0-step=2.ckpt'}' (disk full); nothing was "
                     "written: free space or point the checkpoint dirpath at another disk")
@@ -211,7 +211,7 @@ def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, fit_e
 
 KILLED_MID_SAVE = """
 import os, signal, sys, torch
-import ltcx.checkpoint as c
+import ltcx.persist.files as c
 def die(*args):  # the new file is written and synced, the rename not done
     os.kill(os.getpid(), signal.SIGKILL)
 c.os.replace = die
@@ -321,7 +321,7 @@ def test_file_url_saves_atomically(tmp_path, monkeypatch):
     def full_disk(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr("ltcx.checkpoint.os.fsync", full_disk)
+    monkeypatch.setattr("ltcx.persist.files.os.fsync", full_disk)
     with pytest.raises(LtcxError, match=r"\(disk full\); nothing was written"):
         SafeCheckpointIO().save_checkpoint({"ltcx": {}, "w": torch.ones(3)}, f"file://{target}")
     assert not list(tmp_path.iterdir())
@@ -553,7 +553,7 @@ def test_digest_covers_every_value_type_lightning_saves(tmp_path):
     any changed value or byte changes it."""
     from collections import OrderedDict
 
-    from ltcx.checkpoint import DIGEST_KEY, content_digest
+    from ltcx.persist import DIGEST_KEY, content_digest
 
     values = {
         "state_dict": OrderedDict(w=torch.arange(6, dtype=torch.bfloat16).reshape(2, 3).t(), s=torch.tensor(2.5)),

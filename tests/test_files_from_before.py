@@ -6,7 +6,8 @@ import torch
 
 from helpers import ROOT, fit_args, run_cli, write_corpus
 from ltcx.generation import generate
-from ltcx.lm import LanguageModel, load_language_model
+from ltcx.lm import LanguageModel
+from ltcx.persist import load_language_model
 from ltcx.tokenizers import get_tokenizer
 
 FOLDER = ROOT / "tests/data/made_before_issue_18"

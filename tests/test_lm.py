@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from ltcx.errors import LtcxError
-from ltcx.lm import LanguageModel, load_language_model, lr_at_step, weight_decay_groups
+from ltcx.lm import LanguageModel, lr_at_step, weight_decay_groups
 from ltcx.models.gpt import GPT
+from ltcx.persist import load_language_model
 
 
 def test_lr_schedule_values():

@@ -12,8 +12,9 @@ import torch
 from helpers import ROOT, TINY_MODEL, fit_args, lean_fit_args, one_error_line, write_checkpoint, write_corpus
 from ltcx.cli import LtcxCLI, main
 from ltcx.data import TextDataModule
-from ltcx.lm import LanguageModel, load_language_model, lr_at_step
+from ltcx.lm import LanguageModel, lr_at_step
 from ltcx.models.gpt import GPT
+from ltcx.persist import load_language_model
 
 
 def parsed(args: list[str]) -> LtcxCLI:
@@ -276,11 +277,11 @@ def test_a_checkpoint_folder_means_its_latest_runs_last_ckpt(tmp_path, capsys):
 @pytest.mark.parametrize("cores,devices,threads", [(1, "1", 1), (4, "2", 2), (64, "1", None)])
 def test_threads_fit_the_usable_cores(tmp_path, monkeypatch, capsys, cores, devices, threads):
     """A CPU quota torch does not see (cores=1 of 2) or DDP processes sharing the cores cap torch's threads."""
-    import ltcx.cli
+    import ltcx.cli.threads
 
     monkeypatch.setattr(sys, "argv", ["ltcx"])
     monkeypatch.setenv("OMP_NUM_THREADS", "")
-    monkeypatch.setattr(ltcx.cli, "_usable_cores", lambda: cores)
+    monkeypatch.setattr(ltcx.cli.threads, "usable_cores", lambda: cores)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 64 if cores == 4 else 2)
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from helpers import lean_fit_args, one_error_line
-from ltcx.checkpoint import read_checkpoint
 from ltcx.cli import main
 from ltcx.lm import LanguageModel, lr_at_step
+from ltcx.persist import read_checkpoint
 
 FIRST = ("--trainer.max_steps", "3", "--model.decay_steps", "10")  # warmup 2 (TINY_MODEL), cosine to step 10
 

@@ -13,8 +13,9 @@ import torch
 from helpers import GPT_CONFIG, ROOT, one_error_line, write_checkpoint
 from ltcx.cli import main
 from ltcx.errors import LtcxError
-from ltcx.lm import LanguageModel, export_model
+from ltcx.lm import LanguageModel
 from ltcx.models.gpt import GPT
+from ltcx.persist import export_model
 from ltcx.tokenizers import get_tokenizer, stored_tokenizer_name
 
 

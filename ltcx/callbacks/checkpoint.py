@@ -12,8 +12,8 @@ import sys
 import lightning as L
 from lightning.pytorch import callbacks as pl_callbacks
 
-from ltcx.checkpoint import atomic_copy, remove_stale_temps, run_versions
 from ltcx.errors import ConfigError
+from ltcx.persist import atomic_copy, remove_stale_temps, run_versions
 
 
 def _run_folder(trainer: L.Trainer, root: str) -> str:

@@ -1,0 +1,25 @@
+"""``ltcx export``: a checkpoint's model as a weights-only folder."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["export_main"]
+
+
+def export_main(argv: list[str]) -> None:
+    """``ltcx export``: a checkpoint's model as a weights-only folder (model.safetensors + config.json) to share
+    without pickles; ``LanguageModel.from_pretrained(folder)`` and ``ltcx generate --ckpt_path folder`` read it."""
+    parser = argparse.ArgumentParser(prog="ltcx export", description=export_main.__doc__)
+    parser.add_argument("--ckpt_path", required=True, help="checkpoint written by `ltcx fit`, or its checkpoint folder")
+    parser.add_argument("--out", required=True, help="a new folder to write")
+    parser.add_argument(
+        "--tokenizer", default=None,
+        help="the tokenizer name to record instead of the checkpoint's: gpt2, bytes or a Hugging Face hub id (the "
+        "folder holds no tokenizer, and a folder name is never recorded)",
+    )
+    args = parser.parse_args(argv)
+    from ltcx.persist.export import export_model  # after parsing: --help and a mistyped flag answer at once
+
+    out = export_model(args.ckpt_path, args.out, tokenizer=args.tokenizer)
+    print(f"ltcx: exported to {out}/ ({', '.join(sorted(p.name for p in out.iterdir()))})")

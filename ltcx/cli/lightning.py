@@ -1,0 +1,288 @@
+"""``ltcx fit / validate / test / predict``: LightningCLI with ltcx's hooks.
+
+The parser's errors are one line; bf16 falls back to float32 on a CPU; torch's threads fit the usable cores
+(``threads``); ``--ckpt_path`` (a file, a checkpoint folder or ``last``: ``run_folders``) is read and checked once
+before anything is written, its model configuration replacing the YAML's as ``ltcx.persist.resume`` says;
+checkpoints are written through ``SafeCheckpointIO``; ``predict`` writes its losses (``predict``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from typing import Optional
+
+import torch
+import yaml
+from lightning.pytorch.callbacks.progress import ProgressBar
+from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar, _launcher_outlives_workers
+from ltcx.callbacks.preemption import Preemption
+from ltcx.cli.predict import write_predictions
+from ltcx.cli.run_folders import find_last_checkpoint, name_after_architecture, resolve_under_root
+from ltcx.cli.threads import set_cpu_threads
+from ltcx.data import TextDataModule
+from ltcx.errors import ConfigError, LtcxError
+from ltcx.lm import LanguageModel
+from ltcx.persist.checkpoint import SafeCheckpointIO, read_checkpoint
+from ltcx.persist.fit import check_same_backbone, check_weights_fit
+from ltcx.persist.resume import checkpoint_model_config, typed_model_keys
+from ltcx.persist.runs import checkpoint_in_folder
+
+DESCRIPTION = (
+    "ltcx: train and evaluate language models (`ltcx generate --help` samples from a checkpoint, `ltcx export --help` "
+    "writes a weights-only copy, `ltcx prepare --help` makes token shards)"
+)
+
+
+# How gloo and NCCL report a collective whose peer process is gone (its sockets closed: it exited, crashed or was
+# killed).
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "ncclRemoteError",
+             "remote process exited")
+
+
+class LtcxArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser, whose errors are one ``LtcxError`` line instead of its usage (~75 lines) and message.
+
+    jsonargparse calls ``error`` on the parser that failed, the subcommand's own (``fit``) included: that parser
+    inherits ``exit_on_error`` from the main one. The parsers jsonargparse makes inside for a class's arguments have
+    ``exit_on_error=False``: their errors are caught and reported by the parser above, so they stay as they are."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error:
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "")
+        raise LtcxError(f"{_one_line(message)}; see `{prog} --help`") from ex
+
+    def parse_path(self, path, *args, **kwargs):
+        try:
+            return super().parse_path(path, *args, **kwargs)
+        except UnicodeDecodeError:  # jsonargparse reads it as text: a traceback
+            raise LtcxError(f"--config '{path}' is not a YAML text file (its bytes are not UTF-8 text): pass the "
+                            "path of a YAML config") from None
+        except LtcxError as error:  # from error(): jsonargparse's YAML message does not name the file
+            problem = getattr(error.__cause__, "__cause__", None)
+            if not isinstance(problem, yaml.YAMLError):
+                raise
+            mark = getattr(problem, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            reason = getattr(problem, "problem", None) or str(problem).splitlines()[0]
+            raise LtcxError(f"--config '{path}' is not valid YAML ({reason}{where}): fix the file") from None
+
+
+def _one_line(message: str) -> str:
+    """jsonargparse's message on one line: ``Parser key "k":`` becomes ``--k:``, followed by the first reason, the
+    types a union accepts and the value given; the rest (each union member's own error) is left out."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return "invalid arguments"
+    key = re.match(r'Parser key "([^"]+)":\s*(.*)', lines[0])
+    if key is None:
+        return lines[0]
+    rest = ([key.group(2)] if key.group(2) else []) + lines[1:]
+    text = f"--{key.group(1)}: {rest[0] if rest else 'invalid value'}"
+    for line in rest[1:]:
+        if line.startswith("Subtypes: "):
+            text += f" (accepted: {line[len('Subtypes: '):]})"
+        elif line.startswith("Given value: ") and "Got value" not in text:
+            text += f" (given: {line[len('Given value: '):]})"
+    return re.sub(r"<class '([\w.]+)'>", r"\1", text).replace("typing.", "")
+
+
+class LtcxCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        # The model's vocabulary always matches the data's tokenizer: nobody keeps vocab_size by hand.
+        parser.link_arguments("data.padded_vocab_size", "model.backbone.init_args.vocab_size", apply_on="instantiate")
+        parser.add_argument(
+            "--num_threads", type=Optional[int], default=None,
+            help="torch threads per process (null: OMP_NUM_THREADS if set, else one per usable core, divided among "
+            "the processes of DDP on a CPU)",
+        )
+
+    def parse_arguments(self, parser, args) -> None:
+        # The command line as given, to tell a flag the user typed from a value a YAML file set.
+        self._command_line = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        name_after_architecture(self.config[subcommand] if subcommand else self.config)
+
+    def _on_command_line(self, key: str) -> bool:
+        """Whether ``--key`` (``--key value`` or ``--key=value``) was typed on the command line."""
+        flag = f"--{key}"
+        return any(arg == flag or arg.startswith(flag + "=") for arg in getattr(self, "_command_line", []))
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        precision = str(config.trainer.precision)
+        accelerator = str(config.trainer.accelerator)
+        on_cpu = accelerator == "cpu" or (accelerator in ("auto", "cuda", "gpu") and not torch.cuda.is_available())
+        if "bf16" in precision and on_cpu and not self._on_command_line("trainer.precision"):
+            # The same YAML trains in bf16 on a GPU and in float32 on a CPU, where bf16 is emulated and many
+            # times slower on most processors; a bf16 typed on the command line is kept.
+            reason = "training on the CPU" if accelerator == "cpu" else "no CUDA device"
+            print(
+                f"ltcx: {reason}, so trainer.precision {precision} -> 32-true "
+                f"(pass --trainer.precision {precision} to keep it)",
+                file=sys.stderr,
+            )
+            config.trainer.precision = "32-true"
+        set_cpu_threads(config.get("num_threads"), config.trainer, on_cpu)
+        max_steps = config.trainer.max_steps
+        if max_steps is not None and max_steps < -1:
+            raise ConfigError(f"trainer.max_steps ({max_steps}) must be >= -1 (-1: no limit): fix --trainer.max_steps")
+
+    def _parse_ckpt_path(self) -> None:
+        """Where Lightning reads the ``--ckpt_path`` hyperparameters into the config, ltcx first resolves folders and
+        ``last`` and reads the file once through ``read_checkpoint``: a bad file is one line before anything is built
+        or written, and the trainer is later handed this same copy. Then the checkpoint's model configuration
+        (``hyper_parameters`` and its backbone's config) replaces the YAML's, except the ``--model.*`` flags typed on
+        the command line, which win (``ltcx.persist.resume``)."""
+        self._checkpoint = None
+        subcommand = self.config.get("subcommand")
+        if not subcommand:
+            return
+        config = self.config[subcommand]
+        resolve_under_root(config.trainer)
+        if config.get("ckpt_path") == "last":
+            config.ckpt_path = find_last_checkpoint(config.trainer)
+        elif isinstance(config.get("ckpt_path"), str) and os.path.isdir(config.ckpt_path):
+            config.ckpt_path = checkpoint_in_folder(config.ckpt_path)  # a checkpoint folder: its latest run's
+        if config.get("ckpt_path") in (None, "last"):
+            return
+        self._checkpoint = read_checkpoint(config.ckpt_path)
+        model = checkpoint_model_config(
+            self._checkpoint, config.model, typed_model_keys(getattr(self, "_command_line", [])), config.ckpt_path,
+            self.model_class, notice=_notice if subcommand == "fit" else None,
+        )
+        if model:
+            self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
+
+    def instantiate_trainer(self, **kwargs):
+        config = self._get(self.config_init, "trainer", default={})
+        callbacks = config.get("callbacks") or []
+        if not any(isinstance(c, Preemption) for c in callbacks):  # SIGTERM / Ctrl-C save the step in every run
+            kwargs["callbacks"] = callbacks = [*callbacks, Preemption()]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            # Lightning would add its own bar, whose total is wrong after a resume; output to a file or a pipe gets
+            # plain lines every log_every_n_steps instead of a bar that shows nothing there until the end.
+            if not sys.stdout.isatty():
+                bar = LineProgress()
+            else:
+                bar = StepRichProgressBar() if _RICH_AVAILABLE else StepTQDMProgressBar()
+            kwargs["callbacks"] = [*callbacks, bar]
+        trainer = super().instantiate_trainer(**kwargs)
+        # Log folders this run creates (a folder named by an explicit logger version may hold an earlier run's logs).
+        folders = (getattr(logger, "log_dir", None) for logger in trainer.loggers)
+        self._new_log_folders = [f for f in folders if isinstance(f, str) and not os.path.exists(f)]
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default; keep a user's own
+            trainer.strategy.checkpoint_io = SafeCheckpointIO()
+        return trainer
+
+    def _check_ckpt_path(self) -> None:
+        """``--ckpt_path`` must hold the configured model, its weights of the names and shapes this version of
+        ltcx builds from that config; checked before anything is written."""
+        if self._checkpoint is None:
+            return
+        ckpt_path = self.config_init[self.subcommand].ckpt_path
+        check_same_backbone(self._checkpoint["ltcx"], self.model.backbone, ckpt_path)
+        if getattr(self.model, "strict_loading", True):  # the same config, yet weights of other names or shapes
+            stored = self._checkpoint.get("state_dict")
+            check_weights_fit(f"checkpoint '{ckpt_path}'", stored if isinstance(stored, dict) else {},
+                              self.model.state_dict())
+        checkpoint_io = self.trainer.strategy.checkpoint_io
+        if isinstance(checkpoint_io, SafeCheckpointIO):
+            checkpoint_io.hand_over(ckpt_path, self._checkpoint)
+        self._checkpoint = None  # the trainer holds it now (or reads it again through its own CheckpointIO)
+
+    before_fit = before_validate = before_test = before_predict = _check_ckpt_path
+
+    def after_predict(self) -> None:
+        """``predict`` from the command line: each block's mean loss to ``predictions.csv`` in the run's log folder
+        and a one-line summary on stdout."""
+        write_predictions(self.trainer)
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            if subcommand == "fit" and self._nothing_to_train():
+                return
+            super()._run_subcommand(subcommand)
+        except LtcxError:
+            self._remove_empty_log_folders()
+            raise
+        except RuntimeError as error:  # torch.distributed.DistBackendError is one
+            trainer = getattr(self, "trainer", None)
+            if trainer is None or trainer.world_size < 2 or not any(s in str(error) for s in PEER_LOST):
+                raise
+            raise self._peer_stopped(trainer, subcommand) from None
+
+    @staticmethod
+    def _peer_stopped(trainer, subcommand: str) -> LtcxError:
+        """This rank's collective found a peer process gone (gloo / NCCL name its address, not its rank: with two
+        ranks it is the other one). The launching process waits for the others rather than being killed by
+        Lightning's observer mid-message."""
+        _launcher_outlives_workers(trainer)
+        rank, size, step = trainer.global_rank, trainer.world_size, trainer.global_step
+        then = ", then resume with --ckpt_path last" if subcommand == "fit" else ""
+        if size == 2:
+            return LtcxError(f"rank {1 - rank} of 2 stopped (it exited, crashed or was killed) at step {step}; this "
+                             f"rank ({rank}) stops too: see rank {1 - rank}'s own output{then}")
+        return LtcxError(f"another rank of this {size}-rank run stopped (it exited, crashed or was killed) at step "
+                         f"{step}; this rank ({rank}) stops too: see the other ranks' output{then}")
+
+    def _nothing_to_train(self) -> bool:
+        """``fit --ckpt_path`` of a checkpoint at or past ``trainer.max_steps``: Lightning would start and stop at once,
+        exit 0 and leave an empty log folder. A finished run asked to resume is not an error (scripts/compare.py
+        resumes a finished run whose results it has not written yet): one notice, exit 0, nothing written."""
+        step = (self._checkpoint or {}).get("global_step")
+        max_steps = self.trainer.max_steps
+        if not isinstance(step, int) or max_steps is None or max_steps < 0 or step < max_steps:
+            return False
+        self._check_ckpt_path()  # before_fit's check, which this skips: a checkpoint of another model is an error
+        _notice(f"checkpoint '{self.config_init.fit.ckpt_path}' is at step {step}, at or past trainer.max_steps "
+                f"{max_steps}: nothing to train; raise --trainer.max_steps to continue")
+        return True
+
+    def _remove_empty_log_folders(self) -> None:
+        """A run that stopped on a user error before training a step leaves no ``version_N`` log folder holding
+        only its config and an empty event file (its checkpoint folder is only made by a save)."""
+        trainer = getattr(self, "trainer", None)
+        start = getattr(getattr(self, "model", None), "start_step", None)
+        if trainer is None or not trainer.is_global_zero or (start is not None and trainer.global_step > start):
+            return
+        for folder in getattr(self, "_new_log_folders", []):
+            if not os.path.isdir(folder):
+                continue
+            names = os.listdir(folder)
+            if all(n in ("config.yaml", "hparams.yaml") or n.startswith("events.out.tfevents.") for n in names):
+                shutil.rmtree(folder, ignore_errors=True)
+                for parent in (os.path.dirname(folder), os.path.dirname(os.path.dirname(folder))):
+                    try:  # <save_dir>/<name>, then <save_dir>, if this run made them and left them empty
+                        os.rmdir(parent)
+                    except OSError:
+                        break
+
+
+def _notice(text: str) -> None:
+    """One ``ltcx:`` line on stderr, from the first process only (DDP's launcher runs the CLI in each)."""
+    if getattr(rank_zero_only, "rank", 0) == 0:
+        print(f"ltcx: {text}", file=sys.stderr)
+
+
+def cli_main(args: list[str] | None = None) -> LtcxCLI:
+    return LtcxCLI(
+        LanguageModel,
+        TextDataModule,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"description": DESCRIPTION},
+        parser_class=LtcxArgumentParser,
+        args=args,
+    )
+
+

@@ -1,0 +1,19 @@
+"""Files that hold a model: checkpoints and weights-only exports.
+
+``files`` writes any file whole or not at all; ``digest`` is the SHA-256 a checkpoint carries and an export records;
+``checkpoint`` reads checkpoints as data only (``read_checkpoint``) and is the Lightning ``SafeCheckpointIO``;
+``runs`` finds a run's ``last.ckpt`` in a checkpoint folder; ``fit`` says whether a file fits a model; ``resume``
+is the policy for a ``--ckpt_path`` run's model configuration; ``build`` makes a LanguageModel from a file's
+settings; ``load`` loads any of these files; ``export`` writes and reads weights-only exports.
+"""
+
+from ltcx.persist.checkpoint import SafeCheckpointIO, read_checkpoint
+from ltcx.persist.digest import DIGEST_KEY, content_digest
+from ltcx.persist.export import EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_WEIGHTS, export_model, load_exported
+from ltcx.persist.files import atomic_copy, atomic_save, remove_stale_temps
+from ltcx.persist.load import load_language_model
+from ltcx.persist.runs import checkpoint_in_folder, latest_last_checkpoint, run_versions
+
+__all__ = ["SafeCheckpointIO", "read_checkpoint", "DIGEST_KEY", "content_digest", "EXPORT_CONFIG", "EXPORT_FORMAT",
+           "EXPORT_WEIGHTS", "export_model", "load_exported", "atomic_copy", "atomic_save", "remove_stale_temps",
+           "load_language_model", "checkpoint_in_folder", "latest_last_checkpoint", "run_versions"]

@@ -1,0 +1,119 @@
+"""Files written whole or not at all: a temp file beside the target, fsync, ``os.replace``, fsync of the folder.
+
+A file on disk is either the previous complete one or the new complete one, whatever kills the process; temp files
+of processes killed mid-save are removed by the next save in that folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import os
+import re
+import shutil
+from typing import Any
+
+import torch
+
+from ltcx.errors import LtcxError
+from ltcx.persist.digest import with_digest
+
+__all__ = ["atomic_save", "atomic_copy", "remove_stale_temps"]
+
+
+def _temp_name(path: str) -> str:
+    """``<dir>/.<name>.tmp-<pid>``: in the target's own folder (so ``os.replace`` is atomic), hidden, so no
+    ``*.ckpt`` glob ever matches it."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f".{name}.tmp-{os.getpid()}")
+
+
+_TEMP = re.compile(r"\..+\.tmp-(\d+)")
+
+
+def remove_stale_temps(folder: str | os.PathLike) -> None:
+    """Remove the temp files in ``folder`` of processes that no longer run (killed mid-save)."""
+    folder = os.fspath(folder)
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    for name in names:
+        found, temp = _TEMP.fullmatch(name), os.path.join(folder, name)
+        if not found or (os.path.isdir(temp) and not os.path.islink(temp)):  # an export's temp folder: its own business
+            continue
+        try:
+            os.kill(int(found.group(1)), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(temp)
+        except PermissionError:  # alive, another user's
+            pass
+
+
+def _write_error(path: str, error: OSError, written: bool = False) -> LtcxError:
+    """The one line for a checkpoint write that failed with ``error``."""
+    reason = "disk full" if error.errno == errno.ENOSPC else (error.strerror or type(error).__name__)
+    kept = "the previous checkpoint there is intact" if os.path.exists(path) else "nothing was written"
+    if written:  # only making the rename durable failed
+        kept = "the new checkpoint there may not survive a power loss"
+    return LtcxError(f"cannot write checkpoint '{path}' ({reason}); {kept}: free space or point the checkpoint dirpath "
+                     "at another disk")
+
+
+def _replace_durably(write, path: str) -> None:
+    """``write(temp)`` a temp file beside ``path``, fsync it and ``os.replace`` it over ``path``, then fsync the folder.
+    On any failure the temp file is removed and ``path`` keeps its previous content (``_write_error`` for an
+    OSError)."""
+    folder = os.path.dirname(path) or "."
+    temp = _temp_name(path)
+    replaced = False
+    try:
+        os.makedirs(folder, exist_ok=True)
+        remove_stale_temps(folder)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temp)  # this process's own leftover (a link would redirect the write)
+        write(temp)
+        os.replace(temp, path)
+        replaced = True
+        if hasattr(os, "O_DIRECTORY"):  # make the rename itself durable
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    except BaseException as error:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temp)
+        if isinstance(error, OSError):
+            raise _write_error(path, error, written=replaced) from None
+        raise
+
+
+def atomic_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save(obj)`` to ``path`` through ``<dir>/.<name>.tmp-<pid>``, fsync and ``os.replace``; a dict gets
+    its digest (``content_digest``) under ``DIGEST_KEY``, so file and digest are written in one step.
+
+    On any failure the temp file is removed and ``path`` keeps its previous content; an ``OSError`` (disk
+    full, no permission) becomes one ``LtcxError`` line.
+    """
+    path = os.fspath(path)
+    buffer = io.BytesIO()  # serialise first: a failing write is then a plain OSError, not torch's zip error
+    torch.save(with_digest(obj) if isinstance(obj, dict) else obj, buffer)
+
+    def write(temp: str) -> None:
+        with open(temp, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+
+    _replace_durably(write, path)
+
+
+def atomic_copy(source: str, path: str) -> None:
+    """Copy the file ``source`` to ``path`` as ``atomic_save`` writes: whole or not at all."""
+
+    def write(temp: str) -> None:
+        shutil.copyfile(source, temp)
+        with open(temp, "rb") as f:
+            os.fsync(f.fileno())
+
+    _replace_durably(write, path)
