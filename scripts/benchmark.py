@@ -17,6 +17,9 @@ memory, prints a table and writes JSON.
 paragraphs tagged with the copy number, so that deduplication keeps them) is read as streaming text and, prepared
 once by ``ltcx prepare``, as token shards; it reports loader tokens/s (one process, no dataloader workers) and, with
 ``--resume_tokens N``, the time to the first batch after resuming at N trained tokens in each mode.
+
+One script because every measurement shares its set-up and output: the models built from the catalogue's YAMLs,
+the interleaved rounds that make the ratios fair, and one table and JSON.
 """
 
 from __future__ import annotations
