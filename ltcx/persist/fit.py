@@ -168,6 +168,9 @@ def check_setting_types(values: Any, accepted: type, source: str, prefix: str) -
         raise LtcxError(f"{source} has {prefix.rstrip('.')} {values!r:.80}, not a mapping of settings: use another one")
     try:
         hints = typing.get_type_hints(accepted.__init__)
+        # A backbone's constructor derived from its config dataclass carries its types in its __signature__ only.
+        hints.update({name: p.annotation for name, p in inspect.signature(accepted).parameters.items()
+                      if p.annotation is not inspect.Parameter.empty and not isinstance(p.annotation, str)})
     except Exception:  # noqa: BLE001 - annotations this version can not resolve: the constructor checks
         return
     for name, value in values.items():
