@@ -1,6 +1,7 @@
 """Titans attention ops (spec §A.5.0, A.8 test 8): rotate-half RoPE, persistent (position-free) key/value slots
 next to RoPE'd token keys under a boolean mask, GQA, and the sliding-window mask, each against a slow reference
-written from the definition: explicit 2×2 rotation matrices, and a per-query loop that lists the visible keys.
+(``ltcx/ops/naive/attention.py``) written from the definition: explicit 2×2 rotation matrices, and a per-query loop
+that lists the visible keys.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Titans neural long-term memory (LMM) ops against slow references written from the equations (spec §A.2, §A.8).
 
-The references here share no formula with the fast code: the inner gradient comes from
+The references (``ltcx/ops/naive/titans.py``) share no formula with the fast code: the inner gradient comes from
 ``torch.autograd.grad(create_graph=True)`` of the loss ‖M(k; W^s) − v‖², the weights are explicit per token,
 and the chunk logic is the literal "refresh the gradient point every b absolute positions". The fast chunkwise
 dual form (``neural_memory``) and its token-by-token twin (``neural_memory_recurrent``) must agree with them in
