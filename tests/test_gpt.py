@@ -9,26 +9,10 @@ from helpers import run_in_pieces
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.gpt import GPT, GPTConfig
 from ltcx.ops.attention import causal_gqa_attention
+from ltcx.ops.naive.attention import naive_attention
 
 REFERENCE = dict(block_size=512, vocab_size=50304, n_layer=6, n_head=6, n_kv_head=2, n_embd=384, dropout=0.0,
                  bias=False)
-
-
-def naive_attention(q, k, v):
-    """Softmax attention written out: query i of the last T positions attends keys j <= its position."""
-    batch, n_head, new_len, dim = q.shape
-    group = n_head // k.shape[1]
-    past_len = k.shape[2] - new_len
-    out = torch.zeros_like(q)
-    for b in range(batch):
-        for h in range(n_head):
-            kh, vh = k[b, h // group], v[b, h // group]
-            for i in range(new_len):
-                pos = past_len + i
-                scores = torch.stack([q[b, h, i] @ kh[j] / math.sqrt(dim) for j in range(pos + 1)])
-                weights = torch.softmax(scores, dim=0)
-                out[b, h, i] = (weights[:, None] * vh[: pos + 1]).sum(0)
-    return out
 
 
 def tiny(**overrides):

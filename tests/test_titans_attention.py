@@ -1,66 +1,22 @@
 """Titans attention ops (spec §A.5.0, A.8 test 8): rotate-half RoPE, persistent (position-free) key/value slots
 next to RoPE'd token keys under a boolean mask, GQA, and the sliding-window mask, each against a slow reference
-written from the definition: explicit 2×2 rotation matrices, and a per-query loop that lists the visible keys.
+(``ltcx/ops/naive/attention.py``) written from the definition: explicit 2×2 rotation matrices, and a per-query loop
+that lists the visible keys.
 """
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
 from helpers import assert_rel
 from ltcx.ops.attention import apply_rope, attention_with_persistent, sliding_window_mask
+from ltcx.ops.naive.attention import reference_attention, reference_rope, rope_matrix
 
 B, H, H_KV, D, N_P = 2, 4, 2, 8, 3
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
-
-
-# ----------------------------------------------------------------------------- references
-
-
-def rope_matrix(position: int, dim: int, base: float = 10000.0) -> torch.Tensor:
-    """The [dim, dim] rotation of rotate-half RoPE at one position: dimension pair (i, i + dim/2) is turned by the
-    angle position · base^(−2i/dim) with the 2×2 matrix [[cos, −sin], [sin, cos]]."""
-    rot = torch.zeros(dim, dim, dtype=torch.float64)
-    half = dim // 2
-    for i in range(half):
-        angle = position * base ** (-2.0 * i / dim)
-        c, s = math.cos(angle), math.sin(angle)
-        rot[i, i], rot[i, i + half] = c, -s
-        rot[i + half, i], rot[i + half, i + half] = s, c
-    return rot
-
-
-def reference_rope(x: torch.Tensor, positions: list[int], base: float = 10000.0) -> torch.Tensor:
-    """x [..., T, D]: token t multiplied by rope_matrix(positions[t])."""
-    return torch.stack([x[..., t, :] @ rope_matrix(p, x.shape[-1], base).T for t, p in enumerate(positions)], -2)
-
-
-def reference_attention(q, k, v, persistent_k, persistent_v, query_positions, key_positions, visible, base=10000.0):
-    """Per query, the explicit list of keys it sees: every persistent slot, scored with the unrotated query, then
-    every token key j with visible(i, j) (absolute positions), scored with RoPE'd query and key; softmax of
-    scores / √D; weighted sum of the matching values. Query head h reads KV head h // (H / H_kv)."""
-    batch, heads, length, dim = q.shape
-    kv_heads = k.shape[1]
-    out = torch.zeros_like(q)
-    for b in range(batch):
-        for h in range(heads):
-            g = h // (heads // kv_heads)
-            for i, qpos in enumerate(query_positions):
-                q_rot = rope_matrix(qpos, dim, base) @ q[b, h, i]
-                scores = [q[b, h, i] @ persistent_k[g, p] for p in range(persistent_k.shape[1])]
-                values = [persistent_v[g, p] for p in range(persistent_k.shape[1])]
-                for j, kpos in enumerate(key_positions):
-                    if visible(i, j):
-                        scores.append(q_rot @ (rope_matrix(kpos, dim, base) @ k[b, g, j]))
-                        values.append(v[b, g, j])
-                weights = torch.softmax(torch.stack(scores) / math.sqrt(dim), dim=0)
-                out[b, h, i] = (weights[:, None] * torch.stack(values)).sum(0)
-    return out
 
 
 def _window(query_positions, key_positions, window):

@@ -21,12 +21,13 @@ from ltcx.errors import ConfigError
 from ltcx.models import xlstm as xlstm_module
 from ltcx.models.xlstm import XLSTM, CausalConv1d, XLSTMConfig
 from ltcx.ops.mlstm import (
-    EPS,
     mlstm_chunkwise,
     mlstm_parallel,
     mlstm_recurrent,
     mlstm_step,
 )
+from ltcx.ops.naive.mlstm import mlstm_parallel_naive
+from ltcx.ops.naive.slstm import slstm_reference
 from ltcx.ops.slstm import slstm_scan, slstm_step
 
 F64 = dict(rtol=1e-9, atol=1e-9)
@@ -123,15 +124,7 @@ def test_mlstm_parallel_equals_formula_written_out():
     h_i = sum_j C_ij v_j / (max(|sum_j C_ij|, exp(-m_i)) + eps), built with plain loops."""
     q, k, v, i_pre, f_pre = _mlstm_inputs(B=1, H=1, T=6, D=3, f_bias=1.0, seed=3)
     q, k, v, i_pre, f_pre = q[0, 0], k[0, 0], v[0, 0], i_pre[0, 0], f_pre[0, 0]
-    T, D = q.shape
-    log_f = [math.log(1.0 / (1.0 + math.exp(-x))) for x in f_pre.tolist()]
-    h_ref = torch.zeros(T, D, dtype=torch.float64)
-    for i in range(T):
-        log_d = [sum(log_f[j + 1 : i + 1]) + i_pre[j].item() for j in range(i + 1)]
-        m = max(log_d)
-        c = [float(q[i] @ k[j]) / math.sqrt(D) * math.exp(log_d[j] - m) for j in range(i + 1)]
-        den = max(abs(sum(c)), math.exp(-m)) + EPS
-        h_ref[i] = sum(c[j] * v[j] for j in range(i + 1)) / den
+    h_ref = mlstm_parallel_naive(q, k, v, i_pre, f_pre)
     h, _ = mlstm_parallel(q[None, None], k[None, None], v[None, None], i_pre[None, None], f_pre[None, None])
     torch.testing.assert_close(h[0, 0], h_ref, **F64)
 
@@ -186,28 +179,6 @@ def test_mlstm_chunkwise_long_float32_is_finite_with_finite_gradients():
 
 
 # ----------------------------------------------------------------------------- sLSTM ops
-
-
-def slstm_reference(gates_x, R, forget_gate="sigmoid"):
-    """The paper's sLSTM equations, unstabilised, one token at a time, with the full block-diagonal
-    recurrent matrices: i = exp(i~), f = sigmoid(f~) (or exp), z = tanh, o = sigmoid,
-    c = f c + i z, n = f n + i, h = o c / n, pre-activations W x + b + R h_{t-1}."""
-    B, T, _, H, Dh = gates_x.shape
-    R_full = [torch.block_diag(*R[g]) for g in range(4)]  # [H*Dh, H*Dh], head h maps h_in -> h_out
-    c = torch.zeros(B, H * Dh, dtype=gates_x.dtype)
-    n = torch.zeros_like(c)
-    h = torch.zeros_like(c)
-    out = []
-    for t in range(T):
-        pre = [gates_x[:, t, g].reshape(B, H * Dh) + h @ R_full[g] for g in range(4)]
-        i = torch.exp(pre[0])
-        f = torch.sigmoid(pre[1]) if forget_gate == "sigmoid" else torch.exp(pre[1])
-        z, o = torch.tanh(pre[2]), torch.sigmoid(pre[3])
-        c = f * c + i * z
-        n = f * n + i
-        h = o * c / n
-        out.append(h.reshape(B, H, Dh))
-    return torch.stack(out, dim=1)
 
 
 @pytest.mark.parametrize("forget_gate", ["sigmoid", "exp"])
