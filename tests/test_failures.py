@@ -1,6 +1,6 @@
-"""The failure catalogue (issue 9): crafted files, NaN, interrupted and failing saves, signals, shared
-folders, bad flags, offline, bf16 decoding, default_root_dir. Each case asserts the exact outcome: the
-message, the exit code, and which files exist and are intact."""
+"""The failure catalogue: crafted, damaged and wrong-typed files, non-finite losses and weights, interrupted and
+failing saves, retention, signals, shared folders, bad flags and config files, offline, default_root_dir. Each case
+asserts the exact outcome: the message, the exit code, and which files exist and are intact."""
 
 import errno
 import json

@@ -1,4 +1,6 @@
-"""Issue 13, the newcomer's path: what a new user meets on a fresh clone following the README."""
+"""The everyday CLI options a user meets: bf16 -> float32 on a CPU, extending a run's schedule, predict's CSV,
+generate's streaming, plain progress lines, help listing the backbones, export, samples to loggers, local paths,
+torch threads and checkpoint folders."""
 
 import json
 import os
