@@ -50,7 +50,7 @@ from ltcx.throughput import default_peak_flops, measured_matmul_flops, model_flo
 
 def build_backbone(arch: str, vocab_size: int, min_context: int) -> torch.nn.Module:
     """The backbone of a catalogued architecture's YAML (configs/<arch>.yaml); a context (block_size) is raised to
-    ``min_context`` if smaller.
+    ``min_context`` if smaller (null, the data's length in a fit, is ``min_context``).
 
     ``arch`` may override init_args after a colon: ``titans_mag:memory_chunk_size=64,window=256``.
     """
@@ -64,7 +64,7 @@ def build_backbone(arch: str, vocab_size: int, min_context: int) -> torch.nn.Mod
         key, _, value = assignment.partition("=")
         init_args[key] = yaml.safe_load(value)
     if "block_size" in init_args:
-        init_args["block_size"] = max(init_args["block_size"], min_context)
+        init_args["block_size"] = max(init_args["block_size"] or 0, min_context)
     return getattr(importlib.import_module(module_name), class_name)(**init_args)
 
 

@@ -92,5 +92,35 @@ def test_config_model_sizes(model, expected):
 
     backbone = yaml.safe_load((ROOT / "configs" / f"{model}.yaml").read_text())["model.backbone"]
     module, name = backbone["class_path"].rsplit(".", 1)
-    instance = getattr(importlib.import_module(module), name)(vocab_size=50304, **backbone["init_args"])
+    init_args = dict(backbone["init_args"])
+    if "block_size" in init_args and init_args["block_size"] is None:  # the CLI's context_from_data
+        init_args["block_size"] = yaml.safe_load(RECIPE.read_text())["data"]["block_size"]
+    instance = getattr(importlib.import_module(module), name)(vocab_size=50304, **init_args)
     assert instance.parameter_count() == expected
+
+
+@pytest.mark.parametrize("flags,context", [
+    ([], 128),  # null: data.block_size
+    (["--model.backbone.init_args.block_size", "256"], 256),  # a typed context is kept
+])
+def test_model_context_is_the_training_length_unless_given(flags, context, tmp_path, monkeypatch):
+    """The GPT family's ``block_size: null`` is ``data.block_size``: the length is written once, in the recipe (or
+    a piece such as smoke.yaml that changes it), and the model's learned positions are the ones it trains."""
+    monkeypatch.setattr(sys, "argv", ["ltcx"])
+    monkeypatch.chdir(tmp_path)
+    cli = LtcxCLI(LanguageModel, TextDataModule, run=False, args=[
+        "--config", str(ROOT / "configs/ltc.yaml"), "--config", str(ROOT / "configs/trainer/smoke.yaml"),
+        "--model.backbone.init_args.n_layer", "1", "--model.backbone.init_args.n_embd", "48",
+        "--model.backbone.init_args.num_decay_modes", "8", *flags,
+    ])
+    assert cli.model.backbone.config.block_size == context
+    assert cli.model.backbone.config.tau_min == context / 12  # LTC's tau_min: null follows the resolved context
+    assert cli.datamodule.block_size == 128
+
+
+def test_a_backbone_built_in_python_needs_a_number_for_its_context():
+    from ltcx.errors import ConfigError
+    from ltcx.models.gpt import GPT
+
+    with pytest.raises(ConfigError, match=r"block_size \(the model's context\) is null: give a number"):
+        GPT(block_size=None, n_layer=1, n_head=2, n_embd=16)

@@ -134,6 +134,7 @@ class LtcxCLI(LightningCLI):
             )
             config.trainer.precision = "32-true"
         set_cpu_threads(config.get("num_threads"), config.trainer, on_cpu)
+        context_from_data(config)
         max_steps = config.trainer.max_steps
         if max_steps is not None and max_steps < -1:
             raise ConfigError(f"trainer.max_steps ({max_steps}) must be >= -1 (-1: no limit): fix --trainer.max_steps")
@@ -267,6 +268,16 @@ class LtcxCLI(LightningCLI):
                         os.rmdir(parent)
                     except OSError:
                         break
+
+
+def context_from_data(config) -> None:
+    """A backbone ``block_size: null`` (the GPT family's context) becomes ``data.block_size``: the context is the
+    length the model trains on, written once in the recipe (a learned position embedding past it would never be
+    trained). A number, typed or from a resumed checkpoint, is kept."""
+    init_args = getattr(getattr(config.get("model"), "backbone", None), "init_args", None)
+    block_size = getattr(config.get("data"), "block_size", None)
+    if init_args is not None and "block_size" in init_args and init_args.block_size is None and block_size:
+        init_args.block_size = block_size
 
 
 def _notice(text: str) -> None:

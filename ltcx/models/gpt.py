@@ -28,8 +28,9 @@ def _require(condition: bool, message: str) -> None:
 class GPTConfig:
     """Shape of a GPT, the constructor arguments of ``GPT``. Field names follow nanoGPT and the LTC seed."""
 
-    block_size: int = 1024
-    """context length (prompt plus generated tokens can not exceed it)."""
+    block_size: int | None = 1024
+    """context length (prompt plus generated tokens can not exceed it); in a YAML, null takes data.block_size (the
+    length the model trains on, filled in by the CLI)."""
     vocab_size: int = 50304
     """output vocabulary; set by the CLI from the data's tokenizer."""
     n_layer: int = 12
@@ -53,6 +54,11 @@ class GPTConfig:
         _require(
             self.mlp_hidden is None or (isinstance(self.mlp_hidden, int) and self.mlp_hidden > 0),
             f"mlp_hidden ({self.mlp_hidden}) must be a positive integer or null (4 n_embd)",
+        )
+        _require(
+            self.block_size is not None,
+            "block_size (the model's context) is null: give a number (null means data.block_size only in a config "
+            "the CLI reads)",
         )
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
             value = getattr(self, name)
