@@ -2,7 +2,10 @@ import sys
 
 import pytest
 
-from helpers import write_corpus
+# The CLI imports Lightning when a command runs; the tests import it here, at collection, so that no test that
+# captures stderr around main() is where Lightning's loggers bind their stream (pytest closes it after the test).
+import ltcx.cli.lightning  # noqa: F401
+from helpers import write_checkpoint, write_corpus
 
 
 @pytest.fixture(autouse=True)
@@ -37,3 +40,9 @@ def fit_env(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["ltcx"])
     return write_corpus(tmp_path / "corpus", 60, 10)
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """A small valid checkpoint of a tiny GPT (bytes tokenizer), written as ltcx writes them."""
+    return write_checkpoint(tmp_path / "good.ckpt")

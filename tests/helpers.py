@@ -166,3 +166,16 @@ def step_and_weights(path: Path) -> tuple[int, dict]:
 
     state = read_checkpoint(path)
     return state["global_step"], state["state_dict"]
+
+
+def damaged(tmp_path: Path, checkpoint: Path, how: str) -> Path:
+    """A copy of ``checkpoint`` damaged ``how``: "empty", "truncated" (half its bytes) or "random" (4 KB of noise);
+    any other ``how`` names a file that does not exist."""
+    path = tmp_path / f"{how}.ckpt"
+    if how == "empty":
+        path.write_bytes(b"")
+    elif how == "truncated":
+        path.write_bytes(checkpoint.read_bytes()[: checkpoint.stat().st_size // 2])
+    elif how == "random":
+        path.write_bytes(os.urandom(4096))
+    return path

@@ -1,0 +1,112 @@
+"""Bad flags and config files for fit and generate: one line naming the problem and the fix, exit 2, nothing written;
+`--help` and `--print_config` still work."""
+
+
+import pytest
+import torch
+
+from helpers import (
+    ROOT,
+    fit_args,
+    one_error_line,
+)
+from ltcx.cli import main
+from ltcx.models.gpt import GPT
+from ltcx.persist import load_language_model
+
+
+@pytest.mark.parametrize("override,message", [
+    (["--model.learning_rate", "0"], "model.learning_rate (0.0) must be a positive number"),
+    (["--model.learning_rate=-1e-3"], "model.learning_rate (-0.001) must be a positive number"),
+    (["--model.min_lr", "1e-2"], "model.min_lr (0.01) must be in [0, model.learning_rate=0.0006]"),
+    (["--model.warmup_steps", "-1"], "model.warmup_steps (-1) must be >= 0"),
+    (["--trainer.max_steps", "-2"], "trainer.max_steps (-2) must be >= -1 (-1: no limit)"),
+])
+def test_bad_training_flags(tmp_path, fit_env, capsys, override, message):
+    line = one_error_line(fit_args(fit_env, "--trainer.max_steps", "1", *override), capsys)
+    assert message in line
+    assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
+
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--trainer.max_steps", "abc"], "--trainer.max_steps: Expected a int. Got value: abc"),
+    (["--model.learning_rate", "nan"], "--model.learning_rate: Expected a float. Got value: nan"),
+    (["--trainer.precision", "7"], "--trainer.precision: Does not validate against any of the Union subtypes "
+                                   "(accepted: [Literal[64, 32, 16], "),
+    (["--bogus_flag", "1"], "unrecognized arguments: --bogus_flag 1"),
+], ids=["int", "float", "union", "unknown"])
+def test_flags_jsonargparse_refuses_are_one_line_not_its_usage(tmp_path, fit_env, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(fit_args(fit_env, *flags))
+    assert exit_info.value.code == 2
+    [line] = capsys.readouterr().err.splitlines()  # no usage, no traceback, no notice
+    assert line.startswith(f"ltcx: error: {message}") and line.endswith("; see `ltcx fit --help`"), line
+    assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
+
+
+
+def test_nan_learning_rate_from_yaml_is_refused(tmp_path, fit_env, capsys):
+    """YAML's .nan is a float that reaches LanguageModel, whose check refuses it (NaN fails 0 < lr < inf)."""
+    line = one_error_line(fit_args(fit_env, "--model.learning_rate", ".nan"), capsys)
+    assert line == "ltcx: error: model.learning_rate (nan) must be a positive number: fix --model.learning_rate"
+
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "--config: File does not exist: '{path}'; see `ltcx fit --help`"),
+    (bytes(range(128, 256)), "--config '{path}' is not a YAML text file (its bytes are not UTF-8 text): pass the path "
+                             "of a YAML config"),
+    (b"model:\n  learning_rate: [1,\n", "--config '{path}' is not valid YAML (did not find expected node content at "
+                                       "line 3, column 1): fix the file"),
+], ids=["missing", "binary", "not YAML"])
+def test_bad_config_file_is_one_line_naming_it(tmp_path, fit_env, capsys, content, message):
+    path = tmp_path / "config.yaml"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(SystemExit) as exit_info:
+        main(fit_args(fit_env, "--config", str(path)))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"ltcx: error: {message.format(path=path)}"]
+
+
+
+def test_help_and_print_config_still_work(fit_env, capsys):
+    for flag in ("--help", "--print_config"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["fit", "--config", str(ROOT / "configs/gpt.yaml"), flag])
+        assert exit_info.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert "--trainer.max_steps" in out and "learning_rate: " in out
+
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--num_samples", "0"], "--num_samples (0) must be >= 1"),
+    (["--temperature", "nan"], "temperature (nan) must be a finite number >= 0"),
+    (["--temperature", "inf"], "temperature (inf) must be a finite number >= 0"),
+    (["--tokenizer", "gpt2"], "tokenizer 'gpt2' (50257 ids) does not fit the model's vocabulary of 320: it was trained "
+                              "with tokenizer 'bytes': pass that --tokenizer"),
+    (["--prompt", "x" * 80], "prompt (80 tokens) plus max_new_tokens (5) is 85 tokens, more than the model's context"),
+])
+def test_generate_flag_errors_print_nothing_else(capsys, checkpoint, flags, message):
+    line = one_error_line(["generate", "--ckpt_path", str(checkpoint), "--max_new_tokens", "5", *flags], capsys)
+    assert message in line
+    assert capsys.readouterr().out == ""  # the prompt is not echoed before it is checked
+
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_generate_device_cuda_without_cuda(capsys, checkpoint):
+    line = one_error_line(["generate", "--ckpt_path", str(checkpoint), "--device", "cuda"], capsys)
+    assert line == ("ltcx: error: --device cuda: this machine has no usable CUDA device (torch sees none); "
+                    "use --device cpu")
+
+
+
+def test_generate_reads_a_good_checkpoint(capsys, checkpoint):
+    main(["generate", "--ckpt_path", str(checkpoint), "--prompt", "ab", "--max_new_tokens", "4", "--seed", "0"])
+    assert capsys.readouterr().out.startswith("ab")
+    model, meta = load_language_model(checkpoint)
+    assert type(model.backbone) is GPT and meta["tokenizer"] == "bytes"
+

@@ -1,0 +1,94 @@
+"""`fit --ckpt_path`: `last` finds the latest run, a missing or unreadable file is one line before anything is
+written, a finished run asked to resume writes nothing, and the progress bar counts from the resumed step."""
+
+import shutil
+
+import pytest
+
+from helpers import (
+    damaged,
+    fit_args,
+    lean_fit_args,
+    one_error_line,
+    step_and_weights,
+)
+from ltcx.cli import main
+from ltcx.persist import read_checkpoint
+
+
+@pytest.mark.parametrize("max_steps", ["2", "3"])
+def test_resuming_at_or_past_max_steps_says_so_and_writes_nothing(tmp_path, fit_env, capsys, max_steps):
+    """A finished run asked to resume (scripts/compare.py does so) exits 0 with a notice, leaving no new folder."""
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "3"))
+    capsys.readouterr()
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", max_steps, "--ckpt_path", "last"))
+    last = tmp_path / "checkpoints/gpt/version_0/last.ckpt"
+    assert (f"ltcx: checkpoint '{last.relative_to(tmp_path)}' is at step 3, at or past trainer.max_steps {max_steps}: "
+            "nothing to train; raise --trainer.max_steps to continue") in capsys.readouterr().err.splitlines()
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+
+def test_ckpt_path_last_takes_the_latest_run(tmp_path, fit_env, capsys):
+    """Each run saves in its own version_N beside its logs; `last` is the latest run's last.ckpt; runs that stopped
+    before saving (and validate) leave no checkpoint folder."""
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "2"))
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "3"))  # a second fresh run: its own folder
+    main(["validate", *lean_fit_args(tmp_path, fit_env)[1:], "--ckpt_path", "last"])
+    one_error_line(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "4", "--ckpt_path", "last",
+                                 "--data.block_size", "128"), capsys)  # fails before its first step
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "4", "--ckpt_path", "last"))
+    folder = tmp_path / "checkpoints/gpt"
+    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.ckpt")) == [
+        "version_0/last.ckpt", "version_1/last.ckpt", "version_3/last.ckpt"]
+    assert sorted(p.name for p in folder.iterdir()) == ["version_0", "version_1", "version_3"]
+    assert sorted(p.name for p in (tmp_path / "lightning_logs/gpt").iterdir()) == [
+        "version_0", "version_1", "version_2", "version_3"]  # version_2: validate; the failed run left nothing
+    assert [step_and_weights(folder / f"version_{v}/last.ckpt")[0] for v in (0, 1, 3)] == [2, 3, 4]
+    assert read_checkpoint(folder / "version_3/last.ckpt")["ltcx"]["tokens_seen"] == 4 * 4 * 32  # resumed at 3
+
+
+
+def test_ckpt_path_last_refuses_when_runs_share_the_folder(tmp_path, fit_env, capsys, checkpoint):
+    folder = tmp_path / "checkpoints/gpt"
+    folder.mkdir(parents=True)
+    shutil.copy(checkpoint, folder / "last.ckpt")
+    shutil.copy(checkpoint, folder / "last-v1.ckpt")
+    line = one_error_line(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1", "--ckpt_path", "last"), capsys)
+    assert line == ("ltcx: error: --ckpt_path last is ambiguous: checkpoints/gpt/last-v1.ckpt, "
+                    "checkpoints/gpt/last.ckpt (runs sharing the folder wrote several); pass --ckpt_path the one to "
+                    "resume")
+    assert not (tmp_path / "lightning_logs").exists()
+
+
+
+@pytest.mark.parametrize("how,message", [
+    ("missing", "does not exist: pass --ckpt_path the path of a .ckpt file"),
+    ("empty", "is empty (0 bytes): use another checkpoint"),
+    ("truncated", "it is truncated or not a checkpoint"),
+    ("random", "could not be read"),
+    ("another architecture", "--model.backbone.init_args.n_embd 16 would change the architecture of checkpoint "
+                             "'{path}' (it has n_embd 32), whose weights can not be resumed into it: drop the flag "
+                             "to resume"),
+    ("another vocabulary", "is of another model (vocab_size: 320 in the file, 50304 configured): pass the config that"),
+])
+def test_fit_ckpt_path_failures(tmp_path, fit_env, capsys, checkpoint, how, message):
+    path = checkpoint if how.startswith("another") else damaged(tmp_path, checkpoint, how)
+    typed = [] if how == "another vocabulary" else ["--model.backbone.init_args.n_embd", "16"]  # gpt2 here, bytes there
+    line = one_error_line(fit_args(fit_env, "--trainer.max_steps", "1", "--ckpt_path", str(path), *typed), capsys)
+    assert f"checkpoint '{path}'" in line and message.format(path=path) in line
+    assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
+
+
+
+def test_progress_bar_total_after_resume():
+    from ltcx.callbacks import StepTQDMProgressBar
+
+    class Trainer:
+        max_epochs, max_steps, accumulate_grad_batches, global_step, num_training_batches = -1, 6, 1, 4, float("inf")
+
+    bar = StepTQDMProgressBar()
+    bar._trainer = Trainer()
+    assert bar.total_train_batches == 6  # Lightning's own bar says 2 (the steps left) against a count of 6
+

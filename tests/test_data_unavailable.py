@@ -1,0 +1,56 @@
+"""Data that goes away or was never reachable: an unreadable file mid-training is named, an offline hub fails at once,
+an unreachable one is found by one short probe."""
+
+import time
+from pathlib import Path
+
+from helpers import (
+    fit_args,
+    lean_fit_args,
+    one_error_line,
+)
+
+
+def test_unreadable_file_mid_training_is_named(tmp_path, fit_env, capsys):
+    corpus = tmp_path / "jsonl"
+    corpus.mkdir()
+    for i in range(4):
+        lines = [f'{{"text": "the cat sat on the mat number {i} {j} and ran off"}}' for j in range(12)]
+        if i == 2:
+            lines.insert(3, "{not json")
+        (corpus / f"part-{i}.jsonl").write_text("\n".join(lines) + "\n")
+    line = one_error_line(lean_fit_args(tmp_path, corpus, "--trainer.max_steps", "200"), capsys)
+    assert line.startswith(f"ltcx: error: cannot read data file '{corpus / 'part-2.jsonl'}' (ArrowInvalid: JSON parse")
+    assert line.endswith("): fix or remove it")
+
+
+
+def test_offline_hub_data_and_tokenizer_fail_at_once(tmp_path, fit_env, capsys, monkeypatch):
+    """"At once": no retries with back-off (the libraries sleep between them), whatever the load of the machine."""
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    line = one_error_line(fit_args(Path("roneneldan/TinyStories"), "--trainer.max_steps", "1"), capsys)
+    assert line == ("ltcx: error: cannot load data set 'roneneldan/TinyStories' from the Hugging Face hub (offline "
+                    "mode is set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)); offline? use --data.path sample (a "
+                    "TinyStories sample shipped with ltcx) or point --data.path at local .txt/.jsonl/.parquet files")
+    line = one_error_line(fit_args(fit_env, "--data.tokenizer", "some-org/no-such-tokenizer"), capsys)
+    assert "unknown tokenizer 'some-org/no-such-tokenizer'" in line
+    assert "not in the local cache and offline mode" in line
+    assert sum(slept) < 1, slept
+
+
+
+def test_unreachable_hub_is_found_by_one_short_probe(tmp_path, fit_env, monkeypatch, capsys):
+    """Offline mode not set, but no hub: one connection attempt (here to a closed local port) and the line."""
+    import huggingface_hub.constants
+
+    for flag in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(flag, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("NO_PROXY", "*")
+    start = time.monotonic()
+    line = one_error_line(fit_args(Path("roneneldan/TinyStories"), "--trainer.max_steps", "1"), capsys)
+    assert "from the Hugging Face hub (no connection to 127.0.0.1:9 within 3 s" in line
+    assert time.monotonic() - start < 10
+

@@ -1,0 +1,190 @@
+"""Writing checkpoints: the final step, atomic saves (full disk, kill -9 mid-save, `save_last: link`, file:// paths),
+stale temp files, `keep_runs` retention and `default_root_dir`."""
+
+import errno
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import (
+    ROOT,
+    lean_fit_args,
+    one_error_line,
+    step_and_weights,
+)
+from ltcx.cli import main
+from ltcx.errors import LtcxError
+from ltcx.persist import SafeCheckpointIO, atomic_save, read_checkpoint
+
+
+def test_final_step_saved_after_periodic_saves(tmp_path, fit_env):
+    data = fit_env
+    main(lean_fit_args(tmp_path, data, "--trainer.max_steps", "5", every=2))
+    assert step_and_weights(tmp_path / "checkpoints/gpt/version_0/last.ckpt")[0] == 5
+
+
+
+def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, fit_env, monkeypatch, capsys):
+    """The disk fills after the saves of step 1: step 2's first save (its top-k file) fails with one line, which
+    is true: nothing of step 2 is on disk, and step 1's files are intact."""
+    data = fit_env
+    folder = tmp_path / "checkpoints/gpt/version_0"
+    last = folder / "last.ckpt"
+    real_fsync, saved = os.fsync, {}
+
+    def full_disk(fd):
+        if last.is_file() and stat.S_ISREG(os.fstat(fd).st_mode):  # a file's data, not its folder's rename
+            saved.setdefault("before", last.read_bytes())
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    monkeypatch.setattr("ltcx.persist.files.os.fsync", full_disk)
+    line = one_error_line(lean_fit_args(tmp_path, data, "--trainer.max_steps", "3", every=1), capsys)
+    assert line == (f"ltcx: error: cannot write checkpoint '{folder / 'epoch=0-step=2.ckpt'}' (disk full); nothing was "
+                    "written: free space or point the checkpoint dirpath at another disk")
+    assert last.read_bytes() == saved["before"] and step_and_weights(last)[0] == 1
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=1.ckpt", "last.ckpt"]  # no temp file left
+    with pytest.raises(LtcxError, match="the previous checkpoint there is intact"):  # an existing name: its old file
+        atomic_save({"new": torch.ones(3)}, last)
+    assert last.read_bytes() == saved["before"]
+
+
+
+KILLED_MID_SAVE = """
+import os, signal, sys, torch
+import ltcx.persist.files as c
+def die(*args):  # the new file is written and synced, the rename not done
+    os.kill(os.getpid(), signal.SIGKILL)
+c.os.replace = die
+c.atomic_save({"new": torch.ones(3)}, sys.argv[1])
+"""
+
+
+
+def test_kill_9_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    target = tmp_path / "last.ckpt"
+    atomic_save({"old": torch.zeros(3)}, target)
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_SAVE, str(target)], cwd=ROOT, timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    [temp] = [p for p in tmp_path.iterdir() if p.name.startswith(".last.ckpt.tmp-")]  # same folder, hidden
+    assert torch.load(target, weights_only=True)["old"].eq(0).all()
+    atomic_save({"newer": torch.ones(3)}, target)  # the next save clears the dead process's temp file
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+    assert torch.load(target, weights_only=True)["newer"].eq(1).all()
+
+
+
+def test_temp_files_of_killed_saves_are_removed_when_a_run_starts(tmp_path, fit_env):
+    """A resumed run saves in a new folder: the temp file a kill left in the old one goes when the run starts."""
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1"))
+    folder = tmp_path / "checkpoints/gpt/version_0"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale, alive = folder / f".last.ckpt.tmp-{int(dead.stdout)}", folder / f".last.ckpt.tmp-{os.getpid()}"
+    stale.write_bytes(b"half a checkpoint"), alive.write_bytes(b"being written")
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "2", "--ckpt_path", "last"))
+    assert not stale.exists() and alive.exists()  # a running process's file is its own
+
+
+
+def test_keep_runs_deletes_the_checkpoints_of_older_runs_of_a_resumed_chain(tmp_path, fit_env, capsys):
+    """Default keep_runs 2: a resume keeps its own and its parent's files and deletes its older ancestors' once it
+    has saved; a run it does not descend from is never touched; the file resumed from stays until this run saved."""
+    folder = tmp_path / "checkpoints/gpt"
+
+    def fit(steps: int, ckpt_path: str, *extra: str, keep_runs: str = "") -> None:
+        main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", str(steps), "--ckpt_path", ckpt_path, *extra,
+                           keep_runs=keep_runs))
+
+    def files() -> list[str]:
+        return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.ckpt"))
+
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1"))  # version_0
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1"))  # version_1: another run, fresh
+    fit(2, str(folder / "version_0/last.ckpt"))  # version_2, resumed from version_0
+    fit(3, "last")  # version_3, from version_2: version_0 goes
+    assert files() == ["version_1/last.ckpt", "version_2/last.ckpt", "version_3/last.ckpt"]
+    assert sorted(p.name for p in folder.iterdir()) == ["version_1", "version_2", "version_3"]
+    notices = [line for line in capsys.readouterr().err.splitlines() if "removed" in line]
+    assert notices == [f"ltcx: removed version_0/last.ckpt from {folder}: checkpoints of runs before the last 2 "
+                       "(ModelCheckpoint keep_runs; null keeps them)"]
+    one_error_line(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "6", "--ckpt_path", "last",
+                                 "--trainer.callbacks+=fault_injection.PoisonWeights", "--trainer.callbacks.at_step=4",
+                                 keep_runs="1"), capsys)  # stops (NaN) before its first save: nothing deleted
+    assert files() == ["version_1/last.ckpt", "version_2/last.ckpt", "version_3/last.ckpt"]
+    fit(4, "last", keep_runs="1")  # version_5 (the failed run logged as version_4)
+    assert [f for f in files() if f != "version_1/last.ckpt"] == ["version_5/last.ckpt"]
+    assert step_and_weights(folder / "version_5/last.ckpt")[0] == 4
+
+
+
+def test_keep_runs_must_be_positive(tmp_path, fit_env, capsys):
+    line = one_error_line(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1", keep_runs="0"), capsys)
+    assert line == ("ltcx: error: ModelCheckpoint keep_runs (0) must be an integer >= 1 (null: keep every run's "
+                    "checkpoints): fix its init_args.keep_runs")
+
+
+
+def test_save_last_link_replaces_last_whole_even_when_copying(tmp_path, monkeypatch):
+    """``save_last: link`` where links fail copies the top-k file: a full disk midway keeps the old last.ckpt
+    (Lightning removed it first and left half a copy)."""
+    from types import SimpleNamespace
+
+    from ltcx.callbacks import ModelCheckpoint
+
+    trainer = SimpleNamespace(is_global_zero=True, strategy=SimpleNamespace(barrier=lambda *a: None))
+    top, last = tmp_path / "epoch=0-step=2.ckpt", tmp_path / "last.ckpt"
+    top.write_bytes(b"new" * 1000), last.write_bytes(b"old")
+    ModelCheckpoint._link_checkpoint(trainer, str(top), str(last))
+    assert last.is_symlink() and last.read_bytes() == top.read_bytes()
+    last.unlink(), last.write_bytes(b"old")
+
+    def no_links(*args):
+        raise OSError(errno.EPERM, "links not supported")
+
+    def half_copy(source, target):
+        Path(target).write_bytes(Path(source).read_bytes()[:1000])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "symlink", no_links)
+    monkeypatch.setattr(shutil, "copyfile", half_copy)
+    with pytest.raises(LtcxError, match=r"last.ckpt' \(disk full\); the previous checkpoint there is intact"):
+        ModelCheckpoint._link_checkpoint(trainer, str(top), str(last))
+    assert last.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == [top.name, "last.ckpt"]
+    monkeypatch.undo()
+    monkeypatch.setattr(os, "symlink", no_links)
+    ModelCheckpoint._link_checkpoint(trainer, str(top), str(last))
+    assert not last.is_symlink() and last.read_bytes() == top.read_bytes()
+
+
+
+def test_file_url_saves_atomically(tmp_path, monkeypatch):
+    """A ``file://`` path is a local file: written through the same temp file and rename (fsspec would stage it in
+    /tmp and copy it over, leaving half a file when the disk fills)."""
+    target = tmp_path / "epoch=0-step=2.ckpt"
+    SafeCheckpointIO().save_checkpoint({"ltcx": {}, "w": torch.ones(3)}, f"file://{target}")
+    assert read_checkpoint(target)["w"].eq(1).all()
+    target.unlink()
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("ltcx.persist.files.os.fsync", full_disk)
+    with pytest.raises(LtcxError, match=r"\(disk full\); nothing was written"):
+        SafeCheckpointIO().save_checkpoint({"ltcx": {}, "w": torch.ones(3)}, f"file://{target}")
+    assert not list(tmp_path.iterdir())
+
+
+
+def test_default_root_dir_holds_logs_and_checkpoints(tmp_path, fit_env):
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1", "--trainer.default_root_dir", "runs"))
+    assert (tmp_path / "runs/checkpoints/gpt/version_0/last.ckpt").is_file()
+    assert (tmp_path / "runs/lightning_logs/gpt/version_0/config.yaml").is_file()
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "lightning_logs").exists()
+
