@@ -145,6 +145,7 @@ class LanguageModel(L.LightningModule):
         self._last_step_time = now
         self.log("train/tokens_seen", float(self.tokens_seen))
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        self.log("step", float(self.global_step))  # the x axis: optimizer steps done, as checkpoints and samples
 
     def on_validation_start(self) -> None:
         self._last_step_time = None  # time spent validating is not training throughput
@@ -157,6 +158,8 @@ class LanguageModel(L.LightningModule):
         self.val_loss.reset()
         self.log("val/loss", val_loss, prog_bar=True)
         self.log("val/ppl", torch.exp(val_loss))
+        if self.trainer.state.fn == "fit":  # validation after step N is drawn at N (Lightning's default: N - 1)
+            self.log("step", float(self.global_step))
 
     def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self.log("test/loss", self.loss(batch), sync_dist=True, batch_size=batch.shape[0])

@@ -29,10 +29,22 @@ def test_fit_resume_and_generate(tmp_path):
     for tag in ("train/loss", "val/loss", "val/ppl", "train/tokens_per_sec", "train/tokens_seen", "train/lr"):
         assert tag in events.Tags()["scalars"], tag
     assert torch.load(checkpoint, weights_only=False)["global_step"] == 4
+    # TensorBoard's first view holds train/ and val/ only (no epoch or hp_metric placeholder), on one step axis:
+    # optimizer steps done, as the samples and checkpoints count them.
+    assert not {"epoch", "hp_metric"} & set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("val/loss")] == [2, 4]
+    assert [e.step for e in events.Scalars("train/loss")][0] >= 1
+    # The console: where the run writes, first and last; none of Lightning's lines that say nothing on a CPU.
+    assert "ltcx: GPT, " in first.stderr and "logs lightning_logs/gpt/version_0" in first.stderr
+    assert "ltcx: step 4: checkpoint checkpoints/gpt/version_0/last.ckpt" in first.stderr
+    for noise in ("GPU available", "TPU available", "Tip:", "LeafSpec", "Total FLOPs"):
+        assert noise not in first.stderr + first.stdout, noise
 
     resumed = run_cli(fit_args(data, "--trainer.max_steps", "6", "--ckpt_path", "last"), tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert torch.load(checkpoint, weights_only=False)["global_step"] == 4  # the first run's file is its own
+    assert "logs lightning_logs/gpt/version_1, checkpoints checkpoints/gpt/version_1; resumed at step 4 of 6" in (
+        resumed.stderr)
     checkpoint = tmp_path / "checkpoints/gpt/version_1/last.ckpt"
     state = torch.load(checkpoint, weights_only=False)
     assert state["global_step"] == 6

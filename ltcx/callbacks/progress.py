@@ -1,5 +1,5 @@
-"""Progress: Lightning's bars with the run's ``max_steps`` as their total, and ``LineProgress``, plain lines for
-output that is not a terminal."""
+"""Progress: Lightning's bars with the run's ``max_steps`` as their total and short metric names, and
+``LineProgress``, plain lines for output that is not a terminal."""
 
 from __future__ import annotations
 
@@ -8,10 +8,17 @@ import time
 import torch
 from lightning.pytorch import callbacks as pl_callbacks
 
+# What the bars show, by the name it is logged under: the short label and the format.
+BAR_METRICS = {
+    "train/loss": ("loss", "{:.3f}"), "val/loss": ("val", "{:.3f}"), "train/tokens_per_sec": ("tok/s", "{:.0f}"),
+}
+
 
 def _step_total(bar_class: type) -> type:
-    """``bar_class`` whose training total is the run's batches up to ``max_steps``: Lightning shows the steps
-    left (2 after resuming at step 4 of 6) against a count that continues from the resumed step ("6/2")."""
+    """``bar_class`` whose training total is the run's batches up to ``max_steps`` (Lightning shows the steps left,
+    2 after resuming at step 4 of 6, against a count that continues from the resumed step: "6/2"), titled "train"
+    rather than "Epoch 0/-2" in a run counted in steps, with short metric names ("loss 3.214  val 3.305  tok/s 702",
+    no ``v_num``) that fit an 80-column line beside the bar."""
 
     class StepProgressBar(bar_class):
         @property
@@ -21,11 +28,39 @@ def _step_total(bar_class: type) -> type:
                 return trainer.max_steps * trainer.accumulate_grad_batches
             return super().total_train_batches
 
+        def _get_train_description(self, current_epoch: int) -> str:  # RichProgressBar's title
+            if self.trainer.max_epochs == -1:
+                return f"{'train':{len(self.validation_description)}}"
+            return super()._get_train_description(current_epoch)
+
+        def get_metrics(self, trainer, pl_module) -> dict:
+            metrics = super().get_metrics(trainer, pl_module)
+            metrics.pop("v_num", None)
+            for name, (label, form) in BAR_METRICS.items():
+                if name in metrics:
+                    value = metrics.pop(name)
+                    metrics[label] = form.format(float(value)) if isinstance(value, (int, float)) else value
+            return metrics
+
+
     StepProgressBar.__qualname__ = StepProgressBar.__name__ = f"Step{bar_class.__name__}"
     return StepProgressBar
 
 
-StepRichProgressBar = _step_total(pl_callbacks.RichProgressBar)
+
+
+class StepRichProgressBar(_step_total(pl_callbacks.RichProgressBar)):
+    def configure_columns(self, trainer) -> list:
+        """Lightning's columns with a 10-character bar and without batches/s (tokens/s is among the metrics), so that
+        the metrics fit beside them on an 80-column line."""
+        from lightning.pytorch.callbacks.progress.rich_progress import ProcessingSpeedColumn
+
+        columns = [c for c in super().configure_columns(trainer) if not isinstance(c, ProcessingSpeedColumn)]
+        for column in columns:
+            if hasattr(column, "bar_width"):
+                column.bar_width = 10
+        return columns
+
 StepTQDMProgressBar = _step_total(pl_callbacks.TQDMProgressBar)
 
 

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 import yaml
+from lightning.pytorch.callbacks import LambdaCallback
 from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -24,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar, _launcher_outlives_workers
 from ltcx.callbacks.preemption import Preemption
+from ltcx.cli.console import print_run_end, print_run_start, quiet_lightning
 from ltcx.cli.predict import write_predictions
 from ltcx.cli.run_folders import find_last_checkpoint, name_after_architecture, resolve_under_root
 from ltcx.cli.threads import set_cpu_threads
@@ -170,6 +172,7 @@ class LtcxCLI(LightningCLI):
         callbacks = config.get("callbacks") or []
         if not any(isinstance(c, Preemption) for c in callbacks):  # SIGTERM / Ctrl-C save the step in every run
             kwargs["callbacks"] = callbacks = [*callbacks, Preemption()]
+        kwargs["callbacks"] = callbacks = [*callbacks, LambdaCallback(on_train_start=print_run_start)]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             # Lightning would add its own bar, whose total is wrong after a resume; output to a file or a pipe gets
             # plain lines every log_every_n_steps instead of a bar that shows nothing there until the end.
@@ -203,6 +206,9 @@ class LtcxCLI(LightningCLI):
         self._checkpoint = None  # the trainer holds it now (or reads it again through its own CheckpointIO)
 
     before_fit = before_validate = before_test = before_predict = _check_ckpt_path
+
+    def after_fit(self) -> None:
+        print_run_end(self.trainer)
 
     def after_predict(self) -> None:
         """``predict`` from the command line: each block's mean loss to ``predictions.csv`` in the run's log folder
@@ -287,6 +293,7 @@ def _notice(text: str) -> None:
 
 
 def cli_main(args: list[str] | None = None) -> LtcxCLI:
+    quiet_lightning()
     return LtcxCLI(
         LanguageModel,
         TextDataModule,
