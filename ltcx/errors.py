@@ -15,3 +15,8 @@ class StoppedOnAllRanks(LtcxError):
 
 # The fix named by every message about a file written by another version of ltcx.
 ANOTHER_VERSION = "load it with the version that wrote it, or start a new run"
+
+
+def missing_checkpoint(name: str) -> LtcxError:
+    """The one line for a ``--ckpt_path`` that names nothing (checked by the commands before their slow imports)."""
+    return LtcxError(f"checkpoint '{name}' does not exist: pass --ckpt_path the path of a .ckpt file")

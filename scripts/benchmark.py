@@ -6,6 +6,7 @@
     python scripts/benchmark.py --data_loader sample --batch_size 24 --seq_len 512 --resume_tokens 10000000
     python scripts/benchmark.py --archs gpt ltc --compile          # also the torch.compile'd training step
     python scripts/benchmark.py --archs gpt gpt gta --decode_at 128   # gpt twice: the noise between two copies
+    python scripts/benchmark.py --startup      # CPU seconds of the commands that answer without training
 
 For each architecture (its model block of configs/<arch>.yaml, vocabulary 50,304) it reports training
 tokens/s (forward + backward + AdamW) and its MFU (tokens/s x the backbone's flops_per_token / the peak
@@ -17,6 +18,10 @@ memory, prints a table and writes JSON.
 paragraphs tagged with the copy number, so that deduplication keeps them) is read as streaming text and, prepared
 once by ``ltcx prepare``, as token shards; it reports loader tokens/s (one process, no dataloader workers) and, with
 ``--resume_tokens N``, the time to the first batch after resuming at N trained tokens in each mode.
+
+``--startup`` measures the commands instead: the CPU time (user + system, which other jobs on the machine do not
+change, unlike the wall time) of ``ltcx --help``, each command's ``--help``, and one-line errors, each a fresh
+process, median of ``--repeats``.
 
 One script because every measurement shares its set-up and output: the models built from the catalogue's YAMLs,
 the interleaved rounds that make the ratios fair, and one table and JSON.
@@ -287,6 +292,33 @@ def bench_data(args) -> list[dict]:
     return results
 
 
+STARTUP_COMMANDS = [
+    ["--help"], ["generate", "--help"], ["export", "--help"], ["prepare", "--help"], ["fit", "--help"],
+    ["generate", "--ckpt_path", "no-such.ckpt"], ["fit", "--config", "configs/gpt.yaml", "--trainer.max_steps", "x"],
+]
+
+
+def bench_startup(args) -> list[dict]:
+    """CPU and wall seconds of each command in ``STARTUP_COMMANDS`` (``python run.py ...`` in a fresh process)."""
+    import subprocess
+
+    results = []
+    for command in STARTUP_COMMANDS:
+        cpu, wall = [], []
+        for _ in range(args.repeats):
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            start = time.perf_counter()
+            subprocess.run([sys.executable, str(ROOT / "run.py"), *command], cwd=ROOT, capture_output=True)
+            wall.append(time.perf_counter() - start)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+        result = {"command": "ltcx " + " ".join(command), "cpu_s": statistics.median(cpu),
+                  "wall_s": statistics.median(wall)}
+        results.append(result)
+        print(f"{result['command']:<70} {result['cpu_s']:6.2f} s CPU  {result['wall_s']:6.2f} s wall", flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--archs", nargs="+", default=["gpt"],
@@ -315,9 +347,10 @@ def main() -> None:
     parser.add_argument("--resume_tokens", type=int, default=0, help="with --data_loader: time a resume at N tokens")
     parser.add_argument("--loader_batches", type=int, default=50, help="with --data_loader: batches timed")
     parser.add_argument("--prepare_proc", type=int, default=2, help="with --data_loader: ltcx prepare's processes")
+    parser.add_argument("--startup", action="store_true", help="measure the CPU time of help and argument errors")
     args = parser.parse_args()
-    if args.data_loader:
-        results = bench_data(args)
+    if args.data_loader or args.startup:
+        results = bench_data(args) if args.data_loader else bench_startup(args)
         Path(args.out).write_text(json.dumps({"meta": vars(args), "results": results}, indent=2))
         print(f"wrote {args.out}")
         return

@@ -5,12 +5,11 @@
     ltcx export --ckpt_path checkpoints/gpt/version_0/last.ckpt --out gpt-tinystories/
     ltcx prepare --source my_corpus/ --out data/my_corpus      # token shards, then --data.path data/my_corpus
 
-``lightning`` is the LightningCLI subclass and its hooks, ``generate`` and ``export`` the argparse front-ends,
-``threads`` sizes torch's CPU threads, ``run_folders`` resolves the trainer's folders and ``--ckpt_path last``,
-``predict`` writes ``predict``'s losses. LightningCLI's modules are imported with this package, as before the split:
-a test (or any caller) that redirects stderr around ``main()`` must not be where the libraries' loggers bind their
-stream on first import (pytest's capsys closes it after the test); ``generate`` and ``export`` import the model code
-after parsing their arguments.
+``lightning`` is the LightningCLI subclass and its hooks, ``generate``, ``export`` and ``prepare`` the argparse
+front-ends, ``threads`` sizes torch's CPU threads, ``run_folders`` resolves the trainer's folders and ``--ckpt_path
+last``, ``predict`` writes ``predict``'s losses, ``console`` quiets Lightning's start-up lines. Each command imports
+what it needs when it runs: ``ltcx --help``, an unknown command and the argparse commands' ``--help`` and argument
+errors answer without importing torch or Lightning (whose import alone is most of the CPU time of ``fit --help``).
 """
 
 from __future__ import annotations
@@ -18,36 +17,77 @@ from __future__ import annotations
 import signal
 import sys
 
-from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
-from ltcx.cli.lightning import LtcxCLI, cli_main
 from ltcx.errors import LtcxError, StoppedOnAllRanks
 
-__all__ = ["main", "LtcxCLI", "cli_main"]
+__all__ = ["main", "USAGE"]
+
+LIGHTNING_COMMANDS = {
+    "fit": "train a model (ltcx fit --config configs/gpt.yaml)",
+    "validate": "the validation loss of a model or checkpoint",
+    "test": "the loss on the test data (the validation stream: the data sets have no test split)",
+    "predict": "each block's loss, to predictions.csv",
+}
+OWN_COMMANDS = {
+    "generate": "sample text from a checkpoint or an exported folder",
+    "export": "write a weights-only folder (model.safetensors + config.json)",
+    "prepare": "tokenize a corpus once into deduplicated token shards",
+}
+USAGE = "usage: ltcx <command> [options]   (python run.py <command> is the same)\n\ncommands:\n" + "".join(
+    f"  {name:<10} {what}\n" for name, what in {**LIGHTNING_COMMANDS, **OWN_COMMANDS}.items()
+) + "\n`ltcx <command> --help` lists a command's options."
+
+
+def __getattr__(name: str):
+    if name in ("LtcxCLI", "cli_main"):  # the LightningCLI pieces, imported when first asked for
+        import importlib
+
+        return getattr(importlib.import_module("ltcx.cli.lightning"), name)
+    raise AttributeError(f"module 'ltcx.cli' has no attribute {name!r}")
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``ltcx`` / ``python run.py``: ``generate``, ``prepare`` or a LightningCLI subcommand; user errors as one line."""
-    command_line = sys.argv[1:] if argv is None else argv
+    """``ltcx`` / ``python run.py``: a command; user errors as one line (exit 2), a stop by signal exits 128 + it."""
+    command_line = sys.argv[1:] if argv is None else list(argv)
+    command = command_line[0] if command_line else None
+    if command in (None, "-h", "--help"):
+        print(USAGE, file=sys.stdout if command else sys.stderr)
+        sys.exit(0 if command else 2)
+    if command == "--version":
+        from ltcx import __version__
+
+        print(f"ltcx {__version__}")
+        return
     try:
-        if command_line and command_line[0] == "generate":
+        if command == "generate":
             from ltcx.cli.generate import generate_main
 
             generate_main(command_line[1:])
-        elif command_line and command_line[0] == "prepare":
-            from ltcx.data.prepare import prepare_main
+        elif command == "prepare":
+            from ltcx.cli.prepare import prepare_main
 
             prepare_main(command_line[1:])
-        elif command_line and command_line[0] == "export":
+        elif command == "export":
             from ltcx.cli.export import export_main
 
             export_main(command_line[1:])
-        else:
+        elif command in LIGHTNING_COMMANDS:
+            from ltcx.cli.lightning import cli_main
+
             cli_main(argv)  # None: LightningCLI reads sys.argv itself
+        else:
+            known = ", ".join([*LIGHTNING_COMMANDS, *OWN_COMMANDS])
+            raise LtcxError(f"unknown command '{command}': choose one of {known} (see `ltcx --help`)")
     except LtcxError as error:
-        if not isinstance(error, StoppedOnAllRanks) or rank_zero_only.rank == 0:  # every rank has it: say it once
+        if not isinstance(error, StoppedOnAllRanks) or _rank() == 0:  # every rank has it: say it once
             print(f"ltcx: error: {error}", file=sys.stderr)
         sys.exit(2)
-    except SIGTERMException as stop:  # training stopped by a signal: never report success
-        sys.exit(stop.code or 128 + signal.SIGTERM)
+    except SystemExit as stop:  # training stopped by a signal (Lightning's SIGTERMException): never report success
+        if type(stop).__name__ == "SIGTERMException":
+            sys.exit(stop.code or 128 + signal.SIGTERM)
+        raise
+
+
+def _rank() -> int:
+    """This process's global rank, as Lightning knows it (0 when Lightning was never imported)."""
+    rank_zero = sys.modules.get("lightning.fabric.utilities.rank_zero")
+    return getattr(getattr(rank_zero, "rank_zero_only", None), "rank", 0) or 0

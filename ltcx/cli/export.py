@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+
+from ltcx.errors import missing_checkpoint
 
 __all__ = ["export_main"]
 
@@ -19,6 +22,8 @@ def export_main(argv: list[str]) -> None:
         "folder holds no tokenizer, and a folder name is never recorded)",
     )
     args = parser.parse_args(argv)
+    if not os.path.exists(args.ckpt_path):
+        raise missing_checkpoint(args.ckpt_path)
     from ltcx.persist.export import export_model  # after parsing: --help and a mistyped flag answer at once
 
     out = export_model(args.ckpt_path, args.out, tokenizer=args.tokenizer)

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ltcx.errors import LtcxError
+from ltcx.errors import LtcxError, missing_checkpoint
 
 __all__ = ["generate_main"]
 
@@ -36,6 +36,8 @@ def generate_main(argv: list[str]) -> None:
     )
     parser.add_argument("--device", default=None)  # None: cuda if torch sees one, else cpu
     args = parser.parse_args(argv)
+    if not os.path.exists(args.ckpt_path):
+        raise missing_checkpoint(args.ckpt_path)
     # Imported after the arguments are parsed: `ltcx generate --help` and a mistyped flag answer at once.
     import torch
 

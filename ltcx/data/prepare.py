@@ -11,12 +11,11 @@ with the stream position. A killed run resumes from the last commit: the source 
 ``datasets``' ``load_state_dict``, the hash file is cut back to its committed length, later files are overwritten.
 
 One module because it is one resumable pipeline: a commit ties the stream position, the hashes and the shards
-together, and the command-line front-end (``prepare_main``) only parses its arguments.
+together. The command-line front-end is ``ltcx/cli/prepare.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import multiprocessing
@@ -36,7 +35,7 @@ from ltcx.data.sources import check_text, open_hub, open_local
 from ltcx.errors import LtcxError
 from ltcx.tokenizers import _short_reason, get_tokenizer
 
-__all__ = ["prepare", "prepare_main"]
+__all__ = ["prepare"]
 
 SEEN = "seen.u64"  # 8-byte hashes of the normalised documents kept so far (append-only, cut back on resume)
 COUNTS = ("documents_read", "empty", "duplicates", "train_documents", "validation_documents", "train_tokens",
@@ -301,26 +300,3 @@ def _summary(meta: dict) -> str:
     return (f"{c['train_tokens']:,} training and {c['validation_tokens']:,} validation tokens in "
             f"{len(meta['shards']['train'])} + {len(meta['shards']['validation'])} shards; {c['documents_read']:,} "
             f"documents read, {c['duplicates']:,} duplicates and {c['empty']:,} empty dropped")
-
-
-def prepare_main(argv: list[str]) -> None:
-    """``ltcx prepare``: a hub data set or local files into deduplicated token shards (resumable)."""
-    parser = argparse.ArgumentParser(prog="ltcx prepare", description=prepare_main.__doc__)
-    parser.add_argument("--source", default="HuggingFaceFW/fineweb-edu",
-                        help="hub data set id, or local .txt/.jsonl/.parquet file, folder or glob, or 'sample'")
-    parser.add_argument("--name", default="sample-10BT", help="hub configuration (ignored for local files)")
-    parser.add_argument("--split", default="train", help="hub split to read (local files: all of them)")
-    parser.add_argument("--out", required=True, help="output folder: new or empty, or an interrupted one to resume")
-    parser.add_argument("--text_column", default="text")
-    parser.add_argument("--txt_sample_by", default="paragraph", choices=("line", "paragraph", "document"))
-    parser.add_argument("--tokenizer", default="gpt2")
-    parser.add_argument("--val_fraction", type=float, default=0.001, help="documents held out, by a hash of the text")
-    parser.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per shard (about)")
-    parser.add_argument("--max_tokens", type=int, default=None, help="stop after about this many training tokens")
-    parser.add_argument("--num_proc", type=int, default=None, help="tokenizer processes (default: one per CPU)")
-    args = parser.parse_args(argv)
-    prepare(
-        args.source, args.out, name=args.name, split=args.split, text_column=args.text_column,
-        txt_sample_by=args.txt_sample_by, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
-        shard_tokens=args.shard_tokens, max_tokens=args.max_tokens, num_proc=args.num_proc,
-    )

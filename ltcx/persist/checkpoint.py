@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from ltcx.errors import LtcxError
+from ltcx.errors import LtcxError, missing_checkpoint
 from ltcx.persist.digest import check_digest, with_digest
 from ltcx.persist.files import atomic_save
 
@@ -32,7 +32,7 @@ def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
     """
     name = os.fspath(path)
     if not os.path.isfile(name):
-        raise LtcxError(f"checkpoint '{name}' does not exist: pass --ckpt_path the path of a .ckpt file")
+        raise missing_checkpoint(name)
     if os.path.getsize(name) == 0:
         raise LtcxError(f"checkpoint '{name}' is empty (0 bytes): use another checkpoint")
     try:
