@@ -1,16 +1,20 @@
-"""Command line: LightningCLI (fit, validate, test, predict) plus ``generate``, ``export`` and ``prepare``.
+"""Command line: LightningCLI (fit, validate, test, predict) plus ``generate``, ``export``, ``prepare``, ``evaluate``
+and ``lm-eval``.
 
     ltcx fit --config configs/gpt.yaml
     ltcx generate --ckpt_path checkpoints/gpt/version_0/last.ckpt --prompt "Once upon a time"
     ltcx export --ckpt_path checkpoints/gpt/version_0/last.ckpt --out gpt-tinystories/
     ltcx prepare --source my_corpus/ --out data/my_corpus      # token shards, then --data.path data/my_corpus
+    ltcx evaluate --ckpt_path checkpoints/gpt --data.path sample --max_len 4x    # loss by position
+    ltcx lm-eval --ckpt_path checkpoints/gpt --tasks hellaswag     # lm-evaluation-harness tasks
 
-``lightning`` is the LightningCLI subclass and its hooks, ``generate`` and ``export`` the argparse front-ends,
+``lightning`` is the LightningCLI subclass and its hooks, ``generate``, ``export``, ``evaluate`` and ``harness``
+(``lm-eval``) the argparse front-ends,
 ``threads`` sizes torch's CPU threads, ``run_folders`` resolves the trainer's folders and ``--ckpt_path last``,
 ``predict`` writes ``predict``'s losses. LightningCLI's modules are imported with this package, as before the split:
 a test (or any caller) that redirects stderr around ``main()`` must not be where the libraries' loggers bind their
-stream on first import (pytest's capsys closes it after the test); ``generate`` and ``export`` import the model code
-after parsing their arguments.
+stream on first import (pytest's capsys closes it after the test); the other verbs import the model code (and
+``lm-eval`` the ``lm_eval`` package) after parsing their arguments.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ __all__ = ["main", "LtcxCLI", "cli_main"]
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``ltcx`` / ``python run.py``: ``generate``, ``prepare`` or a LightningCLI subcommand; user errors as one line."""
+    """``ltcx`` / ``python run.py``: ``generate``, ``prepare``, ``export``, ``evaluate``, ``lm-eval`` or a LightningCLI
+    subcommand; user errors as one line."""
     command_line = sys.argv[1:] if argv is None else argv
     try:
         if command_line and command_line[0] == "generate":
@@ -43,6 +48,14 @@ def main(argv: list[str] | None = None) -> None:
             from ltcx.cli.export import export_main
 
             export_main(command_line[1:])
+        elif command_line and command_line[0] == "evaluate":
+            from ltcx.cli.evaluate import evaluate_main
+
+            evaluate_main(command_line[1:])
+        elif command_line and command_line[0] == "lm-eval":
+            from ltcx.cli.harness import harness_main
+
+            harness_main(command_line[1:])
         else:
             cli_main(argv)  # None: LightningCLI reads sys.argv itself
     except LtcxError as error:
