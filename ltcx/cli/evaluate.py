@@ -137,7 +137,10 @@ def evaluate_main(argv: list[str]) -> None:
     settings = {k: getattr(args, k) for k in ("data_path", "data_name", "text_column", "max_len", "num_sequences",
                                               "batch_size", "piece_len", "txt_sample_by")}
     settings.update(val_split=val_split, bucket_size=bucket_size, device=str(device))
-    os.makedirs(args.out, exist_ok=True)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as error:
+        raise LtcxError(f"cannot make --out '{args.out}' ({error.strerror or error}): pass a writable folder") from None
     json_path, png_path = os.path.join(args.out, RESULTS_JSON), os.path.join(args.out, RESULTS_PNG)
     _write_text(json_path, to_json(results, settings))
     plot_position_loss(results, png_path, bucket_size)
