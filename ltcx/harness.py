@@ -93,18 +93,21 @@ class LtcxLM(TemplateLM):
         """``(key, context ids, continuation ids)`` -> ``(sum of the continuation's log-probabilities, whether each of
         its tokens is the argmax)``; a key (the request's text) is cached by the harness's cache hook."""
         rows = []  # (request index, input ids, target ids, continuation length)
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
         for i, (_, context, continuation) in enumerate(requests):
+            if not continuation:  # nothing to score: the log-probability of the empty string
+                results[i] = (0.0, True)
+                continue
             whole = context + continuation
             if self.max_length is not None:
                 whole = whole[-(self.max_length + 1) :]
-            if not continuation or len(continuation) > len(whole) - 1:
+            if len(continuation) > len(whole) - 1:
                 raise LtcxError(
-                    f"a continuation of {len(continuation)} tokens cannot be scored with a context of "
-                    f"{self.max_length} tokens" if continuation else "an lm-eval request has an empty continuation"
+                    f"an lm_eval request's continuation of {len(continuation)} tokens does not fit the model's context "
+                    f"of {self.max_length} tokens: leave out that task, or evaluate a model with a longer context"
                 )
             rows.append((i, whole[:-1], whole[1:], len(continuation)))
         rows.sort(key=lambda row: -len(row[1]))  # similar lengths share a batch: little padding
-        results: list[tuple[float, bool] | None] = [None] * len(rows)
         batches = [rows[s : s + self.batch_size] for s in range(0, len(rows), self.batch_size)]
         for batch in tqdm(batches, desc="loglikelihood", disable=disable_tqdm):
             length = len(batch[0][1])

@@ -84,7 +84,7 @@ def harness_main(argv: list[str]) -> None:
                 name=args.ckpt_path)
 
     from lm_eval import simple_evaluate
-    from lm_eval.utils import make_table
+    from lm_eval.utils import handle_non_serializable, make_table
 
     results = simple_evaluate(
         model=lm, tasks=loaded, task_manager=manager, num_fewshot=args.num_fewshot, limit=args.limit,
@@ -98,7 +98,7 @@ def harness_main(argv: list[str]) -> None:
     path = os.path.join(args.out, RESULTS_JSON)
     temp = f"{path}.tmp-{os.getpid()}"
     with open(temp, "w") as f:
-        json.dump(results, f, indent=2, default=str)
+        json.dump(results, f, indent=2, default=handle_non_serializable)
     os.replace(temp, path)
     print(f"ltcx: wrote {path}", file=sys.stderr)
 
