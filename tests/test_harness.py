@@ -126,11 +126,12 @@ def test_loglikelihood_past_the_context_limit_scores_with_the_last_tokens():
     assert math.isclose(log_prob, direct_log_prob(backbone, context[-(25 - 3) :], continuation), rel_tol=1e-10)
 
 
-@pytest.mark.parametrize("arch", ["gpt", "xlstm"])
+@pytest.mark.parametrize("arch", ["gpt", "xlstm", "titans_mac"])
 def test_rolling_log_likelihood_matches_the_model(arch):
     """A GPT with a context of 24 scores a 123-byte text in windows predicting 24 tokens each after the token before
     them (the last, shorter one after as many as fit: lm_eval's rolling windows); an xLSTM scores it whole after the
-    end-of-text token; a short text is one window for both."""
+    end-of-text token, as does a Titans MAC (both batched with a short text, padded on the right, in pieces of 10);
+    a short text is one window for all."""
     backbone, tokenizer = tiny(arch), get_tokenizer("bytes")
     lm = LtcxLM(backbone, tokenizer, batch_size=3, piece_len=10)
     texts = [row["text"] for row in ROLLING_DOCS]
