@@ -22,6 +22,9 @@ setup(
         "numpy>=1.24",  # token shards (memory maps)
         "tqdm>=4.60",  # ltcx prepare's progress bar
         "safetensors>=0.4",  # `ltcx export` and its loader
+        "matplotlib>=3.5",  # `ltcx evaluate`'s plot
     ],
+    # `ltcx lm-eval` (lm-evaluation-harness tasks): pip install -e .[eval]
+    extras_require={"eval": ["lm_eval>=0.4.13,<0.5"]},
     entry_points={"console_scripts": ["ltcx=ltcx.cli:main"]},
 )

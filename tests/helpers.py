@@ -1,7 +1,7 @@
 """Helpers shared by several test modules (imported as ``from helpers import ...``, like ``fault_injection``):
 relative errors of tensors against a reference, documents of a fixed byte length, feeding a backbone in pieces,
 a small text corpus, TensorBoard events and a generation check for CLI runs, the arguments of a tiny `ltcx fit`
-run (in process or as a `run.py` subprocess), one-line user errors and a small checkpoint written without
+run (in process or as a `run.py` subprocess), one-line user errors and small checkpoints written without
 training. Fixtures live in conftest.py; no test module imports another."""
 
 from __future__ import annotations
@@ -157,6 +157,26 @@ def write_checkpoint(path: Path, tokenizer: str = "bytes", **meta) -> Path:
         "ltcx": {"backbone_class": "ltcx.models.gpt.GPT", "backbone_config": model.backbone.config_dict(),
                  "tokenizer": tokenizer, "tokens_seen": 0, **meta},
     }
+    torch.save(checkpoint, path)
+    return path
+
+
+def write_model_checkpoint(path: Path, backbone, tokenizer: str = "bytes", train_block_size: int | None = None) -> Path:
+    """A checkpoint of ``backbone`` (any catalogue architecture) written without training; ``train_block_size`` is
+    the data block size it records having trained on (Lightning's ``datamodule_hyper_parameters``)."""
+    from ltcx.lm import LanguageModel
+    from ltcx.models.registry import class_path
+
+    model = LanguageModel(backbone, warmup_steps=2)
+    checkpoint = {
+        "state_dict": model.state_dict(),
+        "hyper_parameters": dict(model.hparams),
+        "global_step": 3,
+        "ltcx": {"backbone_class": class_path(type(backbone)), "backbone_config": backbone.config_dict(),
+                 "tokenizer": tokenizer, "tokens_seen": 0},
+    }
+    if train_block_size is not None:
+        checkpoint["datamodule_hyper_parameters"] = {"block_size": train_block_size, "tokenizer": tokenizer}
     torch.save(checkpoint, path)
     return path
 

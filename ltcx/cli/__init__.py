@@ -1,12 +1,15 @@
-"""Command line: LightningCLI (fit, validate, test, predict) plus ``generate``, ``export`` and ``prepare``.
+"""Command line: LightningCLI (fit, validate, test, predict) plus ``generate``, ``export``, ``prepare``, ``evaluate``
+and ``lm-eval``.
 
     ltcx fit --config configs/gpt.yaml
     ltcx generate --ckpt_path checkpoints/gpt/version_0/last.ckpt --prompt "Once upon a time"
     ltcx export --ckpt_path checkpoints/gpt/version_0/last.ckpt --out gpt-tinystories/
     ltcx prepare --source my_corpus/ --out data/my_corpus      # token shards, then --data.path data/my_corpus
+    ltcx evaluate --ckpt_path checkpoints/gpt --data.path sample --max_len 4x    # loss by position
+    ltcx lm-eval --ckpt_path checkpoints/gpt --tasks hellaswag     # lm-evaluation-harness tasks
 
-``lightning`` is the LightningCLI subclass and its hooks, ``generate``, ``export`` and ``prepare`` the argparse
-front-ends, ``threads`` sizes torch's CPU threads, ``run_folders`` resolves the trainer's folders and ``--ckpt_path
+``lightning`` is the LightningCLI subclass and its hooks, ``generate``, ``export``, ``prepare``, ``evaluate`` and
+``harness`` (``lm-eval``) the argparse front-ends, ``threads`` sizes torch's CPU threads, ``run_folders`` resolves the trainer's folders and ``--ckpt_path
 last``, ``predict`` writes ``predict``'s losses, ``console`` quiets Lightning's start-up lines. Each command imports
 what it needs when it runs: ``ltcx --help``, an unknown command and the argparse commands' ``--help`` and argument
 errors answer without importing torch or Lightning (whose import alone is most of the CPU time of ``fit --help``).
@@ -31,6 +34,8 @@ OWN_COMMANDS = {
     "generate": "sample text from a checkpoint or an exported folder",
     "export": "write a weights-only folder (model.safetensors + config.json)",
     "prepare": "tokenize a corpus once into deduplicated token shards",
+    "evaluate": "mean loss by position, up to several times the training length",
+    "lm-eval": "lm-evaluation-harness tasks (--tasks hellaswag,...)",
 }
 USAGE = "usage: ltcx <command> [options]   (python run.py <command> is the same)\n\ncommands:\n" + "".join(
     f"  {name:<10} {what}\n" for name, what in {**LIGHTNING_COMMANDS, **OWN_COMMANDS}.items()
@@ -70,6 +75,14 @@ def main(argv: list[str] | None = None) -> None:
             from ltcx.cli.export import export_main
 
             export_main(command_line[1:])
+        elif command == "evaluate":
+            from ltcx.cli.evaluate import evaluate_main
+
+            evaluate_main(command_line[1:])
+        elif command == "lm-eval":
+            from ltcx.cli.harness import harness_main
+
+            harness_main(command_line[1:])
         elif command in LIGHTNING_COMMANDS:
             from ltcx.cli.lightning import cli_main
 

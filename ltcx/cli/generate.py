@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from ltcx.errors import LtcxError, missing_checkpoint
@@ -42,37 +41,14 @@ def generate_main(argv: list[str]) -> None:
     import torch
 
     from ltcx.generation import check_generation_args, stream_tokens
-    from ltcx.persist import EXPORT_CONFIG, load_language_model
-    from ltcx.tokenizers import get_tokenizer, stored_tokenizer_name, vocab_fits
+    from ltcx.persist.load import load_model_and_tokenizer
 
     if args.num_samples < 1:
         raise LtcxError(f"--num_samples ({args.num_samples}) must be >= 1")
     device = _device(("cuda" if torch.cuda.is_available() else "cpu") if args.device is None else args.device)
 
-    model, meta = load_language_model(args.ckpt_path, map_location=device)
+    model, _, tokenizer = load_model_and_tokenizer(args.ckpt_path, args.tokenizer, map_location=device)
     backbone = model.backbone.to(device)
-    stored = meta.get("tokenizer")
-    exported = os.path.isfile(os.path.join(args.ckpt_path, EXPORT_CONFIG))
-    source = f"exported model '{args.ckpt_path}'" if exported else f"checkpoint '{args.ckpt_path}'"
-    tokenizer_name = args.tokenizer or stored_tokenizer_name(
-        stored, f"{source} names tokenizer",
-        "ltcx loads no tokenizer folder a file names; if you trust it, pass --tokenizer FOLDER yourself",
-    )
-    if tokenizer_name is None:
-        raise LtcxError("the checkpoint names no tokenizer: pass --tokenizer (e.g. gpt2)")
-    tokenizer = get_tokenizer(tokenizer_name)
-    model_vocab = meta.get("backbone_config", {}).get("vocab_size")
-    if model_vocab is not None and not vocab_fits(tokenizer.vocab_size, model_vocab):
-        if args.tokenizer in (None, stored):
-            fix = f"{source} names another tokenizer than its model's: pass the --tokenizer it was trained with"
-        elif stored is not None:
-            fix = f"it was trained with tokenizer {stored!r}: pass that --tokenizer"
-        else:
-            fix = "pass the --tokenizer it was trained with"
-        raise LtcxError(
-            f"tokenizer {tokenizer_name!r} ({tokenizer.vocab_size} ids) does not fit the model's vocabulary of "
-            f"{model_vocab}: {fix}"
-        )
     generator = torch.Generator(device=device)
     if args.seed is not None:
         generator.manual_seed(args.seed)

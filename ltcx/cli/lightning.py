@@ -39,7 +39,8 @@ from ltcx.persist.runs import checkpoint_in_folder
 
 DESCRIPTION = (
     "ltcx: train and evaluate language models (`ltcx generate --help` samples from a checkpoint, `ltcx export --help` "
-    "writes a weights-only copy, `ltcx prepare --help` makes token shards)"
+    "writes a weights-only copy, `ltcx prepare --help` makes token shards, `ltcx evaluate --help` scores loss by "
+    "position, `ltcx lm-eval --help` runs lm-evaluation-harness tasks)"
 )
 
 

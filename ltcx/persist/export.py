@@ -55,8 +55,9 @@ def export_model(ckpt_path: str | Path, out: str | Path, tokenizer: str | None =
         "tokens_seen": meta.get("tokens_seen", 0),
         "hyper_parameters": {k: (list(v) if isinstance(v, tuple) else v) for k, v in model.hparams.items()},
     }
-    if meta.get("global_step") is not None:
-        config["global_step"] = meta["global_step"]
+    for key in ("global_step", "train_block_size"):  # the training length: `ltcx evaluate --max_len 4x`
+        if meta.get(key) is not None:
+            config[key] = meta[key]
     try:
         json.dumps(config)
     except TypeError as error:
@@ -119,7 +120,8 @@ def load_exported(folder: str | Path, map_location: str | torch.device = "cpu") 
     except Exception as error:  # noqa: BLE001 - a damaged file or weights of another config: one line
         raise damaged(source, error) from None
     model.tokens_seen = config.get("tokens_seen", 0)
-    meta = {k: config.get(k) for k in ("backbone_class", "backbone_config", "tokenizer", "tokens_seen", "global_step")}
+    keys = ("backbone_class", "backbone_config", "tokenizer", "tokens_seen", "global_step", "train_block_size")
+    meta = {k: config.get(k) for k in keys}
     return model.eval(), meta
 
 
