@@ -9,8 +9,9 @@ and ``lm-eval``.
     ltcx lm-eval --ckpt_path checkpoints/gpt --tasks hellaswag     # lm-evaluation-harness tasks
 
 ``lightning`` is the LightningCLI subclass and its hooks, ``generate``, ``export``, ``prepare``, ``evaluate`` and
-``harness`` (``lm-eval``) the argparse front-ends, ``threads`` sizes torch's CPU threads, ``run_folders`` resolves the trainer's folders and ``--ckpt_path
-last``, ``predict`` writes ``predict``'s losses, ``console`` quiets Lightning's start-up lines. Each command imports
+``harness`` (``lm-eval``) the argparse front-ends, ``threads`` sizes torch's CPU threads, ``run_folders`` resolves
+the trainer's folders and ``--ckpt_path last``, ``predict`` writes ``predict``'s losses, ``console`` prints a run's
+first and last lines and quiets Lightning's start-up lines. Each command imports
 what it needs when it runs: ``ltcx --help``, an unknown command and the argparse commands' ``--help`` and argument
 errors answer without importing torch or Lightning (whose import alone is most of the CPU time of ``fit --help``).
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ltcx.errors import LtcxError, missing_checkpoint
