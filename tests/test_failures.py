@@ -327,6 +327,37 @@ def test_file_url_saves_atomically(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.fixture
+def umask(request):
+    """The process umask set to the test's parameter, restored after."""
+    before = os.umask(request.param)
+    yield request.param
+    os.umask(before)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002], indirect=True)
+def test_saved_files_have_the_permissions_the_umask_gives(tmp_path, umask):
+    """Checkpoints, copies, exports and prepared shards are readable as any file the user writes (0o666 less the
+    umask): safetensors writes through a 0o600 temp file, which would make an exported model private."""
+    from ltcx.data.shards import write_json, write_shard
+    from ltcx.persist import atomic_copy, export_model
+    from ltcx.persist.files import current_umask
+
+    assert current_umask() == umask
+    expected = 0o666 & ~umask
+    atomic_save({"w": torch.ones(3)}, tmp_path / "a.ckpt")
+    atomic_copy(str(tmp_path / "a.ckpt"), str(tmp_path / "last.ckpt"))
+    SafeCheckpointIO().save_checkpoint({"ltcx": {}, "w": torch.ones(3)}, str(tmp_path / "b.ckpt"))
+    export = export_model(write_checkpoint(tmp_path / "good.ckpt"), tmp_path / "export")
+    write_shard(str(tmp_path / "shard.bin"), torch.arange(5).numpy().astype("uint16"), 1)
+    write_json(str(tmp_path / "meta.json"), {})
+    written = [tmp_path / name for name in ("a.ckpt", "last.ckpt", "b.ckpt", "shard.bin", "meta.json")]
+    for path in [*written, export / "model.safetensors", export / "config.json"]:
+        assert stat.S_IMODE(path.stat().st_mode) == expected, (path.name, oct(path.stat().st_mode))
+    assert stat.S_IMODE(export.stat().st_mode) == 0o777 & ~umask
+    assert current_umask() == umask  # reading it changed nothing
+
+
 def test_checkpoint_io_refuses_non_finite_weights(tmp_path):
     target = tmp_path / "last.ckpt"
     with pytest.raises(LtcxError, match=r"weights w are not finite at step 7, so '.*last.ckpt' was not written"):
