@@ -121,7 +121,7 @@ def load_exported(folder: str | Path, map_location: str | torch.device = "cpu") 
         load_model(model.backbone, str(weights), strict=True, device=str(torch.device(map_location)))
     except Exception as error:  # noqa: BLE001 - a damaged file or weights of another config: one line
         raise damaged(source, error) from None
-    model.tokens_seen = config.get("tokens_seen", 0)
+    model.tokens_seen, model.saved_tokenizer = config.get("tokens_seen", 0), config.get("tokenizer")
     meta = {k: config.get(k) for k in ("backbone_class", "backbone_config", "tokenizer", "tokens_seen", "global_step")}
     return model.eval(), meta
 
