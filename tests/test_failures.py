@@ -335,7 +335,7 @@ def umask(request):
     os.umask(before)
 
 
-@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002], indirect=True)
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002], indirect=True, ids=["022", "077", "002"])
 def test_saved_files_have_the_permissions_the_umask_gives(tmp_path, umask):
     """Checkpoints, copies, exports and prepared shards are readable as any file the user writes (0o666 less the
     umask): safetensors writes through a 0o600 temp file, which would make an exported model private."""

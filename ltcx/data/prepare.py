@@ -377,7 +377,7 @@ def prepare_main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     prepare(
         args.source, args.out, name=args.name, split=args.split, val_split=args.val_split,
-        text_column=args.text_column,
-        txt_sample_by=args.txt_sample_by, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+        text_column=args.text_column, txt_sample_by=args.txt_sample_by, tokenizer=args.tokenizer,
+        val_fraction=args.val_fraction,
         shard_tokens=args.shard_tokens, max_tokens=args.max_tokens, num_proc=args.num_proc,
     )
