@@ -88,6 +88,9 @@ class LanguageModel(L.LightningModule):
         self.start_step: int | None = None  # set when training starts
         self.decay_steps: int | None = None  # the schedule's end, resolved in configure_optimizers
         self._checkpoint_decay_steps: int | None = None  # ... and as a resumed checkpoint had it
+        # The tokenizer name the checkpoint or export this model was loaded from holds: used by ``generate`` only
+        # through ``stored_tokenizer_name`` (a file never chooses a folder of this machine).
+        self.saved_tokenizer: Any = None
 
     # -- model ---------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -246,6 +249,87 @@ class LanguageModel(L.LightningModule):
         if self._trainer is None or self.trainer.is_global_zero:
             print(f"ltcx: {text}", file=sys.stderr)
 
+    # -- generation ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: str | list[str] | torch.Tensor,
+        max_new_tokens: int = 200,
+        temperature: float = 0.8,
+        top_k: int | None = 50,
+        top_p: float | None = None,
+        stop_at_eot: bool = True,
+        tokenizer: Any = None,
+        generator: torch.Generator | None = None,
+    ) -> str | list[str] | torch.Tensor:
+        """Continue ``prompt`` with up to ``max_new_tokens`` tokens, as ``ltcx generate`` does (the same defaults
+        and sampling loop, ``ltcx.generation``: the prompt fed once, then one token a step with the backbone's state).
+
+        prompt: text (a str -> a str; a list of str -> a list of str, each the prompt followed by its completion,
+            cut before the end-of-text token), or token ids [B, T0] (a LongTensor -> ids [B, T0 + n], n <=
+            max_new_tokens; rows that stopped earlier are padded with the end-of-text id).
+        temperature: 0 is greedy. top_k, top_p: None keeps every token.
+        stop_at_eot: stop a row at the tokenizer's end-of-text token (for ids: only when a tokenizer is known).
+        tokenizer: a ``Tokenizer`` or a name for ``get_tokenizer`` (gpt2, bytes, a Hugging Face id or folder);
+            None: the one this model's checkpoint or export names (only gpt2, bytes or a hub id), else the one of
+            the data module it trains with. Text needs one; ids use it to stop at end-of-text and to keep to the
+            tokenizer's ids in a padded vocabulary.
+        generator: the random source of sampling (None: torch's global one).
+
+        Runs in eval mode (dropout off) and restores the model's mode after.
+        """
+        from ltcx.generation import generate, generate_texts
+
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        was_training = self.training
+        self.eval()
+        try:
+            if isinstance(prompt, torch.Tensor):
+                if prompt.dim() != 2 or prompt.dtype != torch.long:
+                    raise LtcxError(f"prompt ids must be a LongTensor [B, T], not {prompt.dtype} of shape "
+                                    f"{list(prompt.shape)}: use ids[None] for one sequence")
+                found = self._generation_tokenizer(tokenizer, required=False)
+                device = next(self.backbone.parameters()).device
+                return generate(
+                    self.backbone, prompt.to(device), max_new_tokens,
+                    stop_token=found.eot_id if found is not None and stop_at_eot else None,
+                    vocab_limit=found.vocab_size if found is not None else None, **sampling,
+                )
+            texts = [prompt] if isinstance(prompt, str) else list(prompt)
+            if not texts or not all(isinstance(text, str) for text in texts):
+                raise LtcxError("prompt must be a str, a non-empty list of str or a LongTensor of ids [B, T]")
+            found = self._generation_tokenizer(tokenizer, required=True)
+            completed = generate_texts(self.backbone, found, texts, max_new_tokens, stop_at_eot, **sampling)
+            return completed[0] if isinstance(prompt, str) else completed
+        finally:
+            self.train(was_training)
+
+    def _generation_tokenizer(self, tokenizer: Any, required: bool):
+        """The tokenizer ``generate`` uses (see there), checked against the model's vocabulary; None when none is
+        known and ``required`` is false."""
+        from ltcx.tokenizers import get_tokenizer, stored_tokenizer_name, vocab_fits
+
+        if tokenizer is None and self.saved_tokenizer is not None:
+            tokenizer = stored_tokenizer_name(
+                self.saved_tokenizer, "the file this model was loaded from names tokenizer",
+                "ltcx loads no tokenizer folder a file names; if you trust it, pass generate(..., tokenizer=FOLDER)",
+            )
+        if tokenizer is None and self._trainer is not None:
+            tokenizer = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None)
+        if tokenizer is None:
+            if required:
+                raise LtcxError("generate() from text needs a tokenizer and this model knows none (it was not loaded "
+                                "from an ltcx checkpoint or export): pass tokenizer='gpt2' (the one it was trained "
+                                "with)")
+            return None
+        if isinstance(tokenizer, str):
+            tokenizer = get_tokenizer(tokenizer)
+        model_vocab = getattr(getattr(self.backbone, "config", None), "vocab_size", None)
+        if model_vocab is not None and not vocab_fits(tokenizer.vocab_size, model_vocab):
+            raise LtcxError(f"tokenizer {tokenizer.name!r} ({tokenizer.vocab_size} ids) does not fit the model's "
+                            f"vocabulary of {model_vocab}: pass the tokenizer it was trained with")
+        return tokenizer
+
     # -- loading -------------------------------------------------------------------------------
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path, map_location=None, hparams_file=None, strict=None, **kwargs):
@@ -259,7 +343,7 @@ class LanguageModel(L.LightningModule):
         model, _ = load_language_model(checkpoint_path, map_location="cpu" if map_location is None else map_location)
         if kwargs:
             rebuilt = cls(model.backbone, **{**dict(model.hparams), **kwargs})
-            rebuilt.tokens_seen = model.tokens_seen
+            rebuilt.tokens_seen, rebuilt.saved_tokenizer = model.tokens_seen, model.saved_tokenizer
             model = rebuilt
         return model.train()
 
@@ -283,6 +367,7 @@ class LanguageModel(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         meta = checkpoint.get("ltcx", {})
         self.tokens_seen = meta.get("tokens_seen", 0)
+        self.saved_tokenizer = meta.get("tokenizer")
         self._checkpoint_decay_steps = meta.get("decay_steps")
         if self.decay_steps is not None and self._trainer is not None:  # optimizers already configured
             self.decay_steps = self._schedule_end()

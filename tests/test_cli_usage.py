@@ -115,10 +115,46 @@ def test_generate_streams_every_sample(tmp_path, monkeypatch):
           "--seed", "0", "--no_stop_at_eot"])
     out = stdout.getvalue()
     samples = out.split("--- sample ")[1:]
-    assert [s[:2] for s in samples] == ["1\n", "2\n", "3\n"] and all(s[2:].startswith("ab") for s in samples)
+    label = ' of 3, prompt "ab"\n'
+    assert [s[: 1 + len(label)] for s in samples] == [f"{i}{label}" for i in (1, 2, 3)]
+    assert all(s[1 + len(label):].startswith("ab") for s in samples)
     assert len(seen) == 18
-    assert seen[6].startswith("--- sample 1\n") and seen[6].endswith("--- sample 2\nab")  # sample 1 already out
+    assert seen[6].startswith(f"--- sample 1{label}") and seen[6].endswith(f"--- sample 2{label}ab")  # 1 is out
     assert len(set(seen[6:12])) > 2  # sample 2 is written while it is sampled (bytes of a split character wait)
+
+
+def test_generate_labels_each_sample_with_its_prompt_and_says_when_it_stopped_at_end_of_text(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """Several prompts: each sample's line names its prompt. A sample that ends at the end-of-text token before
+    --max_new_tokens says so on stderr, once, with the flag that goes on."""
+    import ltcx.generation
+    from ltcx.tokenizers import get_tokenizer
+
+    checkpoint = write_checkpoint(tmp_path / "model.ckpt")
+    real, eot = ltcx.generation.stream_tokens, get_tokenizer("bytes").eot_id
+
+    def end_of_text_third(*args, **kwargs):  # a model that ends its text after two tokens
+        for step, token in enumerate(real(*args, **kwargs)):
+            yield torch.full_like(token, eot) if step == 2 else token
+
+    monkeypatch.setattr(ltcx.generation, "stream_tokens", end_of_text_third)
+    main(["generate", "--ckpt_path", str(checkpoint), "--prompt", "The cat", "--prompt", "x" * 50,
+          "--num_samples", "2", "--max_new_tokens", "10", "--seed", "0"])
+    captured = capsys.readouterr()
+    labels = [line for line in captured.out.splitlines() if line.startswith("--- ")]
+    long = json.dumps("x" * 37 + "...")
+    assert labels == ['--- sample 1 of 2, prompt "The cat"', '--- sample 2 of 2, prompt "The cat"',
+                      f"--- sample 1 of 2, prompt {long}", f"--- sample 2 of 2, prompt {long}"]
+    notices = [line for line in captured.err.splitlines() if "end-of-text" in line]
+    assert notices[0] == ('ltcx: sample 1 of 2, prompt "The cat": stopped at end-of-text after 2 new tokens '
+                          "(--max_new_tokens 10); pass --no_stop_at_eot to continue past it")
+    assert len(notices) == 4 and all("stopped at end-of-text after 2 new tokens" in line for line in notices)
+    main(["generate", "--ckpt_path", str(checkpoint), "--prompt", "ab", "--prompt", "cd", "--max_new_tokens", "5",
+          "--no_stop_at_eot"])
+    captured = capsys.readouterr()
+    assert [line for line in captured.out.splitlines() if line.startswith("--- ")] == ['--- prompt "ab"',
+                                                                                       '--- prompt "cd"']
+    assert "end-of-text" not in captured.err  # no stop token: nothing to say
 
 
 def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path, monkeypatch, capsys):

@@ -109,3 +109,88 @@ def test_generate_cli_with_non_finite_weights_is_one_line(tmp_path, capsys, temp
                            "--temperature", temperature], capsys)
     assert line == ("ltcx: error: the model's logits are not finite at generated token 1: its weights are damaged or "
                     "diverged; sample from an earlier checkpoint")
+
+
+# -- LanguageModel.generate: the same loop from Python -------------------------------------------------------------
+
+
+def cli_output(checkpoint, capsys, *flags: str) -> tuple[str, str]:
+    """(stdout, stderr) of ``ltcx generate --ckpt_path checkpoint *flags``."""
+    from ltcx.cli import main
+
+    capsys.readouterr()
+    main(["generate", "--ckpt_path", str(checkpoint), *flags])
+    captured = capsys.readouterr()
+    return captured.out, captured.err
+
+
+def test_model_generate_from_ids_equals_the_cli_under_a_seed(tmp_path, capsys):
+    """The CLI's defaults (temperature 0.8, top_k 50, stop at end-of-text, the tokenizer's ids only) and its loop:
+    ids in, ids out, the same tokens as `ltcx generate --seed`; a model loaded in train mode is left in it."""
+    from ltcx.lm import LanguageModel
+    from ltcx.tokenizers import get_tokenizer
+
+    checkpoint = write_checkpoint(tmp_path / "model.ckpt")
+    model = LanguageModel.load_from_checkpoint(checkpoint)
+    tokenizer = get_tokenizer("bytes")
+    for seed in range(3):
+        out, _ = cli_output(checkpoint, capsys, "--prompt", "The cat", "--max_new_tokens", "24", "--seed", str(seed))
+        prompt = torch.tensor([tokenizer.encode("The cat")])
+        ids = model.generate(prompt, 24, generator=torch.Generator().manual_seed(seed))
+        assert ids.dtype == torch.long and ids.shape[0] == 1 and 7 < ids.shape[1] <= 7 + 24
+        assert torch.equal(ids[:, :7], prompt) and model.training
+        new = ids[0, 7:].tolist()
+        new = new[: new.index(tokenizer.eot_id)] if tokenizer.eot_id in new else new
+        assert out == tokenizer.decode(tokenizer.encode("The cat") + new) + "\n"
+
+
+def test_model_generate_text_in_text_out(tmp_path, capsys):
+    """A str gives a str, a list a list (each prompt followed by its completion), with the tokenizer the checkpoint
+    or export names; greedy, each equals the CLI's output."""
+    from ltcx.lm import LanguageModel
+    from ltcx.persist import export_model
+
+    checkpoint = write_checkpoint(tmp_path / "model.ckpt")
+    exported = LanguageModel.from_pretrained(export_model(checkpoint, tmp_path / "export"))
+    for model in (LanguageModel.load_from_checkpoint(checkpoint), exported):
+        one = model.generate("The cat", 16, temperature=0)
+        both = model.generate(["The cat", "A dog ran"], 16, temperature=0)
+        assert isinstance(one, str) and isinstance(both, list) and both[0] == one
+        assert both[1] == model.generate("A dog ran", 16, temperature=0)
+        for prompt, text in zip(["The cat", "A dog ran"], both):
+            assert text.startswith(prompt) and len(text) > len(prompt)
+            out, _ = cli_output(checkpoint, capsys, "--prompt", prompt, "--max_new_tokens", "16", "--temperature", "0")
+            assert out == text + "\n"
+
+
+def test_model_generate_needs_a_tokenizer_for_text_and_never_a_folder_a_file_names(tmp_path):
+    from ltcx.lm import LanguageModel
+
+    torch.manual_seed(0)
+    fresh = LanguageModel(GPT(block_size=32, vocab_size=320, n_layer=1, n_head=2, n_embd=16))
+    with pytest.raises(LtcxError, match=r"needs a tokenizer .* pass tokenizer='gpt2'"):
+        fresh.generate("ab", 4)
+    assert fresh.generate("ab", 4, tokenizer="bytes", temperature=0).startswith("ab")
+    with pytest.raises(LtcxError, match=r"tokenizer 'gpt2' \(50257 ids\) does not fit the model's vocabulary of 320"):
+        fresh.generate("ab", 4, tokenizer="gpt2")
+    with pytest.raises(LtcxError, match=r"LongTensor \[B, T\], not torch.int64 of shape \[3\]: use ids\[None\]"):
+        fresh.generate(torch.tensor([1, 2, 3]), 4)
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    model = LanguageModel.load_from_checkpoint(write_checkpoint(tmp_path / "m.ckpt", tokenizer=str(folder)))
+    with pytest.raises(LtcxError, match="which is a path on this machine: .* pass generate"):
+        model.generate("ab", 4)
+
+
+def test_model_generate_greedy_equals_argmax_of_the_full_forward_each_step(model):
+    """Greedy generate() with the cached state equals recomputing every position each step (float64)."""
+    from ltcx.lm import LanguageModel
+
+    lm = LanguageModel(model).double()
+    prompt = torch.randint(0, 64, (3, 4))
+    cached = lm.generate(prompt, 20, temperature=0)
+    ids = prompt
+    for _ in range(20):
+        logits, _ = lm(ids)  # the whole sequence, no state
+        ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(cached, ids)

@@ -18,6 +18,7 @@ from helpers import (
     lean_fit_args,
     one_error_line,
     step_and_weights,
+    write_checkpoint,
 )
 from ltcx.cli import main
 from ltcx.errors import LtcxError
@@ -188,3 +189,33 @@ def test_default_root_dir_holds_logs_and_checkpoints(tmp_path, fit_env):
     assert (tmp_path / "runs/lightning_logs/gpt/version_0/config.yaml").is_file()
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "lightning_logs").exists()
 
+
+@pytest.fixture
+def umask(request):
+    """The process umask set to the test's parameter, restored after."""
+    before = os.umask(request.param)
+    yield request.param
+    os.umask(before)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002], indirect=True, ids=["022", "077", "002"])
+def test_saved_files_have_the_permissions_the_umask_gives(tmp_path, umask):
+    """Checkpoints, copies, exports and prepared shards are readable as any file the user writes (0o666 less the
+    umask): safetensors writes through a 0o600 temp file, which would make an exported model private."""
+    from ltcx.data.shards import write_json, write_shard
+    from ltcx.persist import atomic_copy, export_model
+    from ltcx.persist.files import current_umask
+
+    assert current_umask() == umask
+    expected = 0o666 & ~umask
+    atomic_save({"w": torch.ones(3)}, tmp_path / "a.ckpt")
+    atomic_copy(str(tmp_path / "a.ckpt"), str(tmp_path / "last.ckpt"))
+    SafeCheckpointIO().save_checkpoint({"ltcx": {}, "w": torch.ones(3)}, str(tmp_path / "b.ckpt"))
+    export = export_model(write_checkpoint(tmp_path / "good.ckpt"), tmp_path / "export")
+    write_shard(str(tmp_path / "shard.bin"), torch.arange(5).numpy().astype("uint16"), 1)
+    write_json(str(tmp_path / "meta.json"), {})
+    written = [tmp_path / name for name in ("a.ckpt", "last.ckpt", "b.ckpt", "shard.bin", "meta.json")]
+    for path in [*written, export / "model.safetensors", export / "config.json"]:
+        assert stat.S_IMODE(path.stat().st_mode) == expected, (path.name, oct(path.stat().st_mode))
+    assert stat.S_IMODE(export.stat().st_mode) == 0o777 & ~umask
+    assert current_umask() == umask  # reading it changed nothing

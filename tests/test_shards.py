@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import ltcx.data.prepare as prepare_module
-from helpers import lean_fit_args, one_error_line, unit_docs
+from helpers import lean_fit_args, one_error_line, read_events, unit_docs
 from ltcx.cli import main
 from ltcx.data import TextDataModule, in_holdout
 from ltcx.data.prepare import prepare
@@ -122,6 +122,181 @@ def test_prepare_resumes_after_a_kill(tmp_path, corpus, monkeypatch):
     (tmp_path / "other" / "x").write_text("mine")
     with pytest.raises(LtcxError, match="is not empty and holds no meta.json"):
         prepared(tmp_path, corpus, name="other")
+
+
+@pytest.fixture
+def split_corpus(tmp_path) -> tuple[Path, list[str], list[str]]:
+    """A folder of train.jsonl (200 one-block documents, one of them also a validation document) and
+    validation.jsonl (30 others): (folder, the training documents kept, the validation documents)."""
+    folder = tmp_path / "split_corpus"
+    folder.mkdir()
+    train, val = unit_docs(200), unit_docs(30, start=1000)
+    write_jsonl(folder / "train.jsonl", train[:100] + [val[3]] + train[100:])
+    write_jsonl(folder / "validation.jsonl", val)
+    return folder, train, val
+
+
+def test_prepare_takes_the_sources_validation_files_and_shards_validate_on_them(tmp_path, split_corpus):
+    """Validation is the validation-named file, read first and in full (a training document that repeats one is
+    dropped), not a hash hold-out of everything; the shard data module validates on exactly those documents."""
+    folder, train, val = split_corpus
+    meta = prepare(str(folder), str(tmp_path / "out"), tokenizer="bytes", shard_tokens=10 * (B + 1), num_proc=1,
+                   batch_docs=8)  # the defaults otherwise: val_split "validation", val_fraction 0.001
+    out = tmp_path / "out"
+    assert meta["validation"] == {"split": "validation", "holdout": 0.0}
+    assert shard_docs(out, meta, "validation") == val and shard_docs(out, meta, "train") == train
+    assert meta["counts"] == {"documents_read": 231, "empty": 0, "duplicates": 1, "train_documents": 200,
+                              "validation_documents": 30, "train_tokens": 200 * (B + 1),
+                              "validation_tokens": 30 * (B + 1)}
+    assert len(meta["shards"]["validation"]) == 2  # committed at shard_tokens like the training shards
+    dm = shard_dm(out, val_batches=15, batch_size=2)
+    assert sorted(block_ids(dm.val_dataset(0, 1))) == sorted(val)
+    main(["prepare", "--source", str(folder), "--out", str(tmp_path / "holdout"), "--tokenizer", "bytes",
+          "--val_split", "none", "--val_fraction", "0.1", "--num_proc", "1"])  # every file one stream, held out by hash
+    held_out = json.loads((tmp_path / "holdout" / "meta.json").read_text())
+    assert held_out["validation"] == {"split": None, "holdout": 0.1}
+    both = [doc for split in ("train", "validation") for doc in shard_docs(tmp_path / "holdout", held_out, split)]
+    assert sorted(both) == sorted(train + val)
+
+
+@pytest.mark.parametrize("killed_at", [2, 3, 7])  # commits 1-2 end validation shards, 3 onwards training shards
+def test_prepare_with_a_validation_split_resumes_after_a_kill(tmp_path, split_corpus, monkeypatch, killed_at):
+    folder = split_corpus[0]
+    kw = dict(tokenizer="bytes", shard_tokens=10 * (B + 1), num_proc=1, batch_docs=8)
+    reference = prepare(str(folder), str(tmp_path / "reference"), **kw)
+    write_json, calls = prepare_module.write_json, []
+
+    def killed(path, data):
+        calls.append(path)
+        if len(calls) == killed_at + 1:  # meta.json at creation, then one per commit
+            raise KeyboardInterrupt
+        write_json(path, data)
+
+    monkeypatch.setattr(prepare_module, "write_json", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(str(folder), str(tmp_path / "out"), **kw)
+    monkeypatch.setattr(prepare_module, "write_json", write_json)
+    half = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert half["resume"]["stream"]["split"] == ("validation" if killed_at <= 3 else "train")  # the last commit's
+    resumed = prepare(str(folder), str(tmp_path / "out"), **kw)
+    assert {k: v for k, v in resumed.items() if k != "resume"} == {k: v for k, v in reference.items() if k != "resume"}
+
+
+def test_folders_prepared_before_validation_splits_load_and_resume(tmp_path, corpus, monkeypatch):
+    """meta.json without val_split, validation, or a split in its stream position (as ltcx wrote them before
+    validation splits were read): a finished folder trains and reruns as prepared; an interrupted one resumes."""
+    def as_before(meta: dict) -> dict:
+        settings = {k: v for k, v in meta["settings"].items() if k != "val_split"}
+        old = {**{k: v for k, v in meta.items() if k != "validation"}, "settings": settings}
+        if old["resume"]["stream"] is not None:
+            old["resume"] = {**old["resume"], "stream": old["resume"]["stream"]["stream"]}
+        return old
+
+    out, reference = prepared(tmp_path, corpus, name="reference", val_split=None)
+    (out / "meta.json").write_text(json.dumps(as_before(reference)))
+    shard_dm(out).val_dataset(0, 1)
+    assert prepared(tmp_path, corpus, name="reference", val_split=None)[1]["complete"]  # "already prepared"
+    write_json, calls = prepare_module.write_json, []
+
+    def killed_at_third_commit(path, data):
+        calls.append(path)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        write_json(path, as_before(data))
+
+    monkeypatch.setattr(prepare_module, "write_json", killed_at_third_commit)
+    with pytest.raises(KeyboardInterrupt):
+        prepared(tmp_path, corpus, val_split=None)
+    monkeypatch.setattr(prepare_module, "write_json", write_json)
+    resumed = prepared(tmp_path, corpus, val_split=None)[1]
+    assert resumed["shards"] == reference["shards"] and resumed["counts"] == reference["counts"]
+
+
+def test_too_little_validation_names_the_flag(tmp_path, corpus, capsys):
+    """Fewer validation blocks than ranks, or no validation document: one line naming --val_fraction (or
+    --val_split for a source's own split too small) and --data.block_size; prepare says so when it finishes."""
+    out, meta = prepared(tmp_path, corpus, val_fraction=0.005)
+    assert meta["counts"]["validation_tokens"] == 4 * (B + 1)
+    assert ("ltcx: only 68 validation tokens (--val_fraction 0.005 of the documents held out by hash), too few for "
+            "validation batches of longer blocks; prepare again into a new --out with a larger --val_fraction"
+            in capsys.readouterr().err)
+    with pytest.raises(LtcxError) as info:
+        shard_dm(out, block_size=128).val_dataset(0, 1)
+    assert str(info.value) == (
+        f"the validation shards in '{out}' hold 68 tokens (--val_fraction 0.005 of the documents held out by hash): 0 "
+        "blocks of 129 tokens (--data.block_size + 1), fewer than one for each of 1 rank(s); prepare again into a new "
+        "--out with a larger --val_fraction, or lower --data.block_size")
+    shard_dm(out).val_dataset(3, 4)  # 4 blocks of 17: one for each of 4 ranks
+    with pytest.raises(LtcxError, match=r"4 blocks of 17 tokens .* fewer than one for each of 5 rank"):
+        shard_dm(out).val_dataset(4, 5)
+    folder = tmp_path / "tiny_val"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", unit_docs(40))
+    write_jsonl(folder / "val.jsonl", unit_docs(1, start=99))
+    prepare(str(folder), str(tmp_path / "tiny"), tokenizer="bytes", num_proc=1)
+    with pytest.raises(LtcxError, match=r"17 tokens \(the source's validation-named files\): 0 blocks .* for more, "
+                                        r"prepare again into a new --out with --val_split none and a --val_fraction"):
+        shard_dm(tmp_path / "tiny", block_size=32).val_dataset(0, 1)
+    none, _ = prepared(tmp_path, corpus, name="none", val_fraction=0.0)
+    with pytest.raises(LtcxError, match=r"hold no validation documents \(--val_fraction 0.0 of the documents held out "
+                                        r"by hash\): set --data.val_batches 0, or prepare again"):
+        shard_dm(none)
+
+
+def test_prepare_reads_a_hub_data_sets_validation_split(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import ltcx.data.sources as sources
+
+    for module in (sources, prepare_module):
+        monkeypatch.setattr(module, "looks_local", lambda path: False)
+    monkeypatch.setattr(sources, "hub_unreachable", lambda: None)  # the "hub" is this folder: reachable
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    pq.write_table(pa.table({"text": unit_docs(40)}), repo / "train-00000-of-00001.parquet")
+    pq.write_table(pa.table({"text": unit_docs(6, start=500)}), repo / "validation-00000-of-00001.parquet")
+    meta = prepare(str(repo), str(tmp_path / "out"), name=None, tokenizer="bytes", num_proc=1)
+    assert meta["validation"] == {"split": "validation", "holdout": 0.0}
+    assert shard_docs(tmp_path / "out", meta, "validation") == unit_docs(6, start=500)
+    assert shard_docs(tmp_path / "out", meta, "train") == unit_docs(40)
+    with pytest.raises(LtcxError, match=r"--val_split 'validation' is the --split being prepared: pass another "
+                                        r"split, or --val_split none"):
+        prepare(str(repo), str(tmp_path / "out2"), name=None, split="validation", tokenizer="bytes", num_proc=1)
+    assert not (tmp_path / "out2").exists()
+
+
+def test_prepare_the_sample_with_its_defaults_then_fit_validates_on_its_validation_file(tmp_path, monkeypatch,
+                                                                                       capsys):
+    """The documented example, `ltcx prepare --source sample` with every default (gpt2, val_fraction 0.001) then
+    `fit` with the smoke config's data settings: validation is the sample's validation.txt, not read as training."""
+    from ltcx.tokenizers import get_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ltcx"])
+    main(["prepare", "--source", "sample", "--out", "data/sample", "--num_proc", "1"])
+    assert "validation: the source's validation-named files" in capsys.readouterr().err
+    meta = json.loads((tmp_path / "data/sample/meta.json").read_text())
+    tokenizer, sample = get_tokenizer("gpt2"), ROOT / "ltcx/data/sample"
+
+    def documents(split: str) -> list[str]:
+        ids = np.concatenate([np.fromfile(tmp_path / "data/sample" / s["file"], dtype=meta["dtype"],
+                                          offset=HEADER_BYTES) for s in meta["shards"][split]]).tolist()
+        return tokenizer.decode(ids).split("<|endoftext|>")[:-1]
+
+    validation_text, validation = (sample / "validation.txt").read_text(encoding="utf-8"), documents("validation")
+    assert len(validation) == meta["counts"]["validation_documents"] > 100
+    assert all(document in validation_text for document in validation)
+    assert not set(validation) & set(documents("train"))
+    assert meta["counts"]["validation_tokens"] > 0.9 * len(tokenizer.encode(validation_text))
+    main(["fit", "--config", str(ROOT / "configs/gpt.yaml"), "--config", str(ROOT / "configs/trainer/smoke.yaml"),
+          "--data.path", "data/sample", "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
+          "--trainer.enable_progress_bar", "false", "--data.batch_size", "2",
+          "--model.backbone.init_args.n_layer", "1", "--model.backbone.init_args.n_embd", "32",
+          "--model.backbone.init_args.n_head", "2", "--model.backbone.init_args.n_kv_head", "1",
+          "--model.backbone.init_args.block_size", "128", "--model.warmup_steps", "2"])
+    events = read_events(tmp_path / "lightning_logs/gpt/version_0")
+    assert [e.step for e in events.Scalars("val/loss")]
 
 
 def test_token_dtype_and_uint32_shards(tmp_path):

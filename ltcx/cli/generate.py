@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -28,7 +29,10 @@ def generate_main(argv: list[str]) -> None:
     parser.add_argument("--top_p", type=float, default=None)
     parser.add_argument("--num_samples", type=int, default=1, help="completions per prompt")
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--no_stop_at_eot", action="store_true", help="keep going after the end-of-text token")
+    parser.add_argument(
+        "--no_stop_at_eot", action="store_true",
+        help="keep going after the end-of-text token (by default a sample ends there, with a notice on stderr)",
+    )
     parser.add_argument(
         "--tokenizer", default=None,
         help="override the tokenizer stored in the checkpoint (gpt2, bytes, a Hugging Face id or local folder; a "
@@ -63,17 +67,20 @@ def generate_main(argv: list[str]) -> None:
     for prompt, ids in prompts:
         # Samples run one after another, so each streams as it is produced (a batch could only be shown at its end).
         for i in range(args.num_samples):
-            if args.num_samples > 1:
-                sys.stdout.write(f"--- sample {i + 1}\n")
+            label = _sample_label(prompt, i, args.num_samples, several_prompts=len(prompts) > 1)
+            if label:
+                sys.stdout.write(label + "\n")
             sys.stdout.write(prompt)
             row: list[int] = []
             printed = 0  # characters of the completion already written
+            stopped = False  # at the end-of-text token, before max_new_tokens
             for token in stream_tokens(
                 backbone, torch.tensor([ids], dtype=torch.long, device=device), args.max_new_tokens,
                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_token=stop,
                 vocab_limit=tokenizer.vocab_size, generator=generator,
             ):
                 if int(token) == stop:
+                    stopped = True
                     break
                 row.append(int(token))
                 # Decode the whole completion and write what is new, holding back a character that is still
@@ -85,6 +92,20 @@ def generate_main(argv: list[str]) -> None:
                     printed = len(text)
             sys.stdout.write(tokenizer.decode(row)[printed:] + "\n")
             sys.stdout.flush()
+            if stopped:  # fewer tokens than asked for: say why, once, after the sample
+                which = f"{label[4:]}: " if label else ""
+                print(f"ltcx: {which}stopped at end-of-text after {len(row)} new tokens "
+                      f"(--max_new_tokens {args.max_new_tokens}); pass --no_stop_at_eot to continue past it",
+                      file=sys.stderr)
+
+
+def _sample_label(prompt: str, index: int, num_samples: int, several_prompts: bool) -> str:
+    """The line above a sample when there are several: ``--- sample 2 of 3, prompt "Once upon"`` (the prompt quoted
+    as JSON, cut at 40 characters), so each sample says which prompt it continues; "" for a single sample."""
+    shown = json.dumps(prompt if len(prompt) <= 40 else prompt[:37] + "...", ensure_ascii=False)
+    if num_samples > 1:
+        return f"--- sample {index + 1} of {num_samples}" + (f", prompt {shown}" if prompt else "")
+    return f"--- prompt {shown}" if several_prompts else ""
 
 
 def _device(name: str):

@@ -13,12 +13,18 @@ def prepare_main(argv: list[str]) -> None:
     parser.add_argument("--source", default="HuggingFaceFW/fineweb-edu",
                         help="hub data set id, or local .txt/.jsonl/.parquet file, folder or glob, or 'sample'")
     parser.add_argument("--name", default="sample-10BT", help="hub configuration (ignored for local files)")
-    parser.add_argument("--split", default="train", help="hub split to read (local files: all of them)")
+    parser.add_argument("--split", default="train", help="hub split to prepare for training")
+    parser.add_argument(
+        "--val_split", default="validation", type=lambda text: None if text.lower() in ("", "none") else text,
+        help="the source's validation split, used when it has one (local files: those named val/valid/validation, "
+        "else test); none: hold out --val_fraction of the documents instead (local validation files then train)",
+    )
     parser.add_argument("--out", required=True, help="output folder: new or empty, or an interrupted one to resume")
     parser.add_argument("--text_column", default="text")
     parser.add_argument("--txt_sample_by", default="paragraph", choices=("line", "paragraph", "document"))
     parser.add_argument("--tokenizer", default="gpt2")
-    parser.add_argument("--val_fraction", type=float, default=0.001, help="documents held out, by a hash of the text")
+    parser.add_argument("--val_fraction", type=float, default=0.001,
+                        help="without a validation split: documents held out, by a hash of the text")
     parser.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per shard (about)")
     parser.add_argument("--max_tokens", type=int, default=None, help="stop after about this many training tokens")
     parser.add_argument("--num_proc", type=int, default=None, help="tokenizer processes (default: one per CPU)")
@@ -26,7 +32,8 @@ def prepare_main(argv: list[str]) -> None:
     from ltcx.data.prepare import prepare
 
     prepare(
-        args.source, args.out, name=args.name, split=args.split, text_column=args.text_column,
-        txt_sample_by=args.txt_sample_by, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+        args.source, args.out, name=args.name, split=args.split, val_split=args.val_split,
+        text_column=args.text_column, txt_sample_by=args.txt_sample_by, tokenizer=args.tokenizer,
+        val_fraction=args.val_fraction,
         shard_tokens=args.shard_tokens, max_tokens=args.max_tokens, num_proc=args.num_proc,
     )

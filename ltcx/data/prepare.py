@@ -1,14 +1,18 @@
 """``ltcx prepare``: a text corpus, read once in streaming, into deduplicated, tokenized token shards.
 
     ltcx prepare --out data/fineweb-edu-10BT                          # FineWeb-Edu sample-10BT from the hub
+    ltcx prepare --source sample --out data/sample                    # its validation.txt is the validation split
     ltcx prepare --source my_corpus/ --out data/my_corpus --val_fraction 0.01
 
-Documents are read in order; exact duplicates (after whitespace normalisation) are dropped; a stable hash of the
-normalised text sends a document to validation (so the splits share no document); worker processes tokenize
-batches of documents; the main process appends them, each followed by end-of-text, to the current shard.
-A shard is committed when it holds ``shard_tokens``: shard files first, then the hashes seen, then ``meta.json``
-with the stream position. A killed run resumes from the last commit: the source stream is restored with
-``datasets``' ``load_state_dict``, the hash file is cut back to its committed length, later files are overwritten.
+Validation is the source's own validation split when it has one (a hub data set's ``val_split``; local files named
+val/valid/validation, else test, as ``--data.path`` reads them), read first and in full; otherwise a stable hash of
+the normalised text sends ``val_fraction`` of the documents to validation. Documents are read in order; exact
+duplicates (after whitespace normalisation) are dropped, across the splits too (so they share no document);
+worker processes tokenize batches of documents; the main process appends them, each followed by end-of-text, to
+the current shard of its split. A shard is committed when it holds ``shard_tokens``: shard files first, then the
+hashes seen, then ``meta.json`` with the stream position (which split, and ``datasets``' ``state_dict`` in it). A
+killed run resumes from the last commit: the stream is restored with ``load_state_dict``, the hash file is cut back
+to its committed length, later files are overwritten.
 
 One module because it is one resumable pipeline: a commit ties the stream position, the hashes and the shards
 together. The command-line front-end is ``ltcx/cli/prepare.py``.
@@ -30,7 +34,17 @@ import numpy as np
 
 from ltcx.data.files import looks_local
 from ltcx.data.packing import in_holdout
-from ltcx.data.shards import FORMAT, META, VERSION, holds_shards, token_dtype, write_json, write_shard
+from ltcx.data.shards import (
+    FORMAT,
+    META,
+    VERSION,
+    holds_shards,
+    more_validation,
+    token_dtype,
+    validation_source,
+    write_json,
+    write_shard,
+)
 from ltcx.data.sources import check_text, open_hub, open_local
 from ltcx.errors import LtcxError
 from ltcx.tokenizers import _short_reason, get_tokenizer
@@ -94,6 +108,7 @@ def prepare(
     *,
     name: str | None = "sample-10BT",
     split: str = "train",
+    val_split: str | None = "validation",
     text_column: str = "text",
     txt_sample_by: str = "paragraph",
     tokenizer: str = "gpt2",
@@ -105,6 +120,9 @@ def prepare(
 ) -> dict[str, Any]:
     """Prepare ``source`` (hub data set id, or local files) into token shards in ``out``; returns ``meta.json``.
 
+    ``val_split``: the source's validation split (hub: that split; local files: those named val/valid/validation,
+    else test), used when the source has it; None, or a source without one: ``val_fraction`` of the documents held
+    out by a hash of their text (local validation-named files are then read as training text).
     ``max_tokens`` stops after about that many training tokens (at a batch boundary). Rerunning the same call
     resumes an interrupted preparation and does nothing for a finished one.
     """
@@ -122,22 +140,32 @@ def prepare(
     settings = {
         "source": source, "name": None if local else name, "split": None if local else split,
         "text_column": text_column, "txt_sample_by": txt_sample_by if local else None, "tokenizer": tokenizer,
-        "val_fraction": val_fraction, "shard_tokens": shard_tokens, "max_tokens": max_tokens,
+        "val_fraction": val_fraction, "shard_tokens": shard_tokens, "max_tokens": max_tokens, "val_split": val_split,
     }
     meta = _existing(out, settings)
     if meta is not None and meta["complete"]:
         print(f"ltcx: '{out}' is already prepared ({_summary(meta)})", file=sys.stderr)
         return meta
     if local:
-        ds, _, what = open_local(source, txt_sample_by=txt_sample_by, validation=False, flag="--source")
+        ds, val, what = open_local(source, txt_sample_by=txt_sample_by, validation=val_split is not None,
+                                   flag="--source")
     else:
-        ds, _, what = open_hub(source, name, split, None, flags=("--source", "--split"))
+        ds, val, what = open_hub(source, name, split, val_split, flags=("--source", "--split"))
+        if val is not None and val_split == split:
+            raise LtcxError(f"--val_split '{val_split}' is the --split being prepared: pass another split, or "
+                            "--val_split none to hold out --val_fraction of its documents")
     check_text(ds, source, what, text_column, split=split if not local else "train",
                flags=("--source", "--text_column"))
+    if val is not None:
+        check_text(val, source, what, text_column, split=val_split if not local else "validation",
+                   flags=("--source", "--text_column"))
+    streams = ([("validation", val)] if val is not None else []) + [("train", ds)]
     if meta is None:  # everything checked: only now is anything written
         meta = _create(out, settings, tok, dtype)
-    elif meta["resume"]["stream"] is not None:
-        ds.load_state_dict(meta["resume"]["stream"])
+    validation = {"split": val_split if val is not None else None, "holdout": 0.0 if val is not None else val_fraction}
+    if meta.setdefault("validation", validation) != validation:  # the source gained or lost its validation split
+        raise LtcxError(f"the source's validation split changed since '{out}' was started "
+                        f"({validation_source(meta)} then): prepare it into a new --out")
 
     num_proc = num_proc or os.cpu_count() or 1
     # The workers only tokenize (no `datasets` or fsspec state is used after the fork).
@@ -145,12 +173,20 @@ def prepare(
     try:
         if pool is None:
             _init_worker(tokenizer)
-        _run(ds, meta, out, text_column, dtype, batch_docs, pool, num_proc)
+        _run(streams, meta, out, text_column, dtype, batch_docs, pool, num_proc)
     finally:
         if pool is not None:
             pool.terminate()
     print(f"ltcx: prepared '{out}': {_summary(meta)}", file=sys.stderr)
+    asked = meta["validation"]["split"] is not None or meta["validation"]["holdout"] > 0  # --val_fraction 0: none
+    if asked and meta["counts"]["validation_tokens"] < _FEW_VALIDATION_TOKENS:
+        print(f"ltcx: only {meta['counts']['validation_tokens']:,} validation tokens ({validation_source(meta)}), too "
+              f"few for validation batches of longer blocks; {more_validation(meta)}", file=sys.stderr)
     return meta
+
+
+# Fewer validation tokens than this get a notice: 4 blocks of the configs' block_size 512 (+1).
+_FEW_VALIDATION_TOKENS = 4 * 513
 
 
 def _existing(out: str, settings: dict) -> dict[str, Any] | None:
@@ -168,8 +204,10 @@ def _existing(out: str, settings: dict) -> dict[str, Any] | None:
             ) from None
         if not isinstance(meta, dict):
             raise LtcxError(f"'{path}' is not an ltcx token-shard {META}: pass --out a new or empty folder")
-        if meta.get("format") != FORMAT or meta.get("settings") != settings:
-            theirs = meta.get("settings", {})
+        theirs = meta.get("settings", {})
+        if isinstance(theirs, dict) and "val_split" not in theirs:  # prepared before validation splits were read:
+            theirs = {**theirs, "val_split": None}  # one stream, documents held out by hash, as val_split None does
+        if meta.get("format") != FORMAT or theirs != settings:
             diff = ", ".join(f"{k}: {theirs.get(k)!r} there, {v!r} now"
                              for k, v in settings.items() if theirs.get(k) != v)
             raise LtcxError(f"'{out}' holds a preparation with other settings ({diff}): use another --out")
@@ -197,24 +235,35 @@ def _create(out: str, settings: dict, tok: Any, dtype: np.dtype) -> dict[str, An
     return meta
 
 
-def _batches(ds: Any, column: str, batch_docs: int) -> Iterator[tuple[list[Any], dict]]:
-    """Documents in batches, each with the stream position after it."""
-    batch: list[Any] = []
-    for example in ds:
-        batch.append(example[column])
-        if len(batch) == batch_docs:
-            yield batch, ds.state_dict()
-            batch = []
-    if batch:
-        yield batch, ds.state_dict()
+def _batches(
+    streams: list[tuple[str, Any]], column: str, batch_docs: int, position: dict | None
+) -> Iterator[tuple[str, list[Any], dict]]:
+    """``(split, documents, position after them)`` in batches of one split each: the streams one after another
+    (validation first, so that ``max_tokens`` never cuts it short), from ``position`` (a committed one, or None)."""
+    start = 0
+    if position is not None:
+        if "split" not in position:  # committed before validation splits were read: the one training stream's
+            position = {"split": "train", "stream": position}
+        start = [split for split, _ in streams].index(position["split"])
+        streams[start][1].load_state_dict(position["stream"])
+    for split, ds in streams[start:]:
+        batch: list[Any] = []
+        for example in ds:
+            batch.append(example[column])
+            if len(batch) == batch_docs:
+                yield split, batch, {"split": split, "stream": ds.state_dict()}
+                batch = []
+        if batch:
+            yield split, batch, {"split": split, "stream": ds.state_dict()}
 
 
 def _run(
-    ds: Any, meta: dict, out: str, column: str, dtype: np.dtype, batch_docs: int, pool: Any, num_proc: int
+    streams: list[tuple[str, Any]], meta: dict, out: str, column: str, dtype: np.dtype, batch_docs: int, pool: Any,
+    num_proc: int,
 ) -> None:
     from tqdm import tqdm
 
-    settings, counts = meta["settings"], meta["counts"]
+    settings, counts, holdout = meta["settings"], meta["counts"], meta["validation"]["holdout"]
     seen_path = os.path.join(out, SEEN)
     with open(seen_path, "r+b") as f:  # cut back to the last commit: later hashes belong to uncommitted documents
         f.truncate(meta["resume"]["seen"] * 8)
@@ -230,7 +279,7 @@ def _run(
     pending = dict.fromkeys(COUNTS, 0)
 
     def jobs() -> Iterator[tuple[list[str], list[str], str]]:
-        for texts, state in _batches(ds, column, batch_docs):
+        for split, texts, state in _batches(streams, column, batch_docs, meta["resume"]["stream"]):
             while not room.acquire(timeout=0.1):
                 if stop.is_set():
                     return
@@ -245,7 +294,7 @@ def _run(
                     continue
                 seen.add(key)
                 keys.append(key)
-                kept[in_holdout(normalised, settings["val_fraction"])].append(text)
+                kept[split == "validation" or in_holdout(normalised, holdout)].append(text)
             tally.update(train_documents=len(kept[0]), validation_documents=len(kept[1]))
             in_flight.append((state, keys, tally))
             yield kept[0], kept[1], dtype.name
@@ -284,7 +333,7 @@ def _run(
             bar.set_postfix(docs=counts["documents_read"] + pending["documents_read"],
                             dups=counts["duplicates"] + pending["duplicates"], refresh=False)
             done = limit is not None and counts["train_tokens"] + train.tokens >= limit
-            if train.tokens >= settings["shard_tokens"] or done:
+            if max(train.tokens, val.tokens) >= settings["shard_tokens"] or done:
                 commit(state, complete=done)
             if done:
                 break
@@ -299,4 +348,6 @@ def _summary(meta: dict) -> str:
     c = meta["counts"]
     return (f"{c['train_tokens']:,} training and {c['validation_tokens']:,} validation tokens in "
             f"{len(meta['shards']['train'])} + {len(meta['shards']['validation'])} shards; {c['documents_read']:,} "
-            f"documents read, {c['duplicates']:,} duplicates and {c['empty']:,} empty dropped")
+            f"documents read, {c['duplicates']:,} duplicates and {c['empty']:,} empty dropped; validation: "
+            f"{validation_source(meta)}")
+

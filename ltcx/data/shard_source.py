@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from ltcx.data.block_source import Gather, make_loader
 from ltcx.data.shard_data import ShardBlocks
-from ltcx.data.shards import load_meta, verify_shards
+from ltcx.data.shards import load_meta, more_validation, validation_source, verify_shards
 from ltcx.errors import ConfigError
 
 __all__ = ["ShardSource"]
@@ -52,11 +52,11 @@ class ShardSource:
             )
         if val_batches > 0 and not meta["shards"]["validation"]:
             raise ConfigError(
-                f"the token shards in '{path}' have no validation split (prepared with --val_fraction 0): "
-                "set --data.val_batches 0 or prepare with a validation fraction"
+                f"the token shards in '{path}' hold no validation documents ({validation_source(meta)}): set "
+                f"--data.val_batches 0, or {more_validation(meta)}"
             )
         verify_shards(folder, meta, verify, vocab_size=vocab_size)
-        self.folder, self.meta = folder, meta
+        self.folder, self.path, self.meta = folder, path, meta
         self.block_len, self.batch_size, self.val_batches = block_size + 1, batch_size, val_batches
         self.num_workers, self.seed, self.sampling = num_workers, seed, sampling
         self._resume_batches = 0
@@ -75,7 +75,16 @@ class ShardSource:
         return self._blocks("train", rank, world_size, start_batch=skip)
 
     def val_dataset(self, rank: int, world_size: int) -> ShardBlocks:
-        """``val_batches`` whole batches."""
+        """``val_batches`` whole batches; one line naming the flags when a rank would have no block."""
+        shards = self.meta["shards"]["validation"]
+        blocks = sum(shard["tokens"] // self.block_len for shard in shards)
+        if blocks <= rank:
+            tokens = sum(shard["tokens"] for shard in shards)
+            raise ConfigError(
+                f"the validation shards in '{self.path}' hold {tokens:,} tokens ({validation_source(self.meta)}): "
+                f"{blocks} blocks of {self.block_len} tokens (--data.block_size + 1), fewer than one for each of "
+                f"{world_size} rank(s); {more_validation(self.meta)}, or lower --data.block_size"
+            )
         return self._blocks("validation", rank, world_size, num_batches=self.val_batches)
 
     def dataloader(self, dataset: ShardBlocks) -> DataLoader:

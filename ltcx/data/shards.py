@@ -26,7 +26,7 @@ from ltcx.errors import LtcxError
 
 __all__ = [
     "HEADER_BYTES", "META", "Shard", "holds_shards", "is_prepared", "load_meta", "open_shard", "token_dtype",
-    "verify_shards", "write_json", "write_shard",
+    "more_validation", "validation_source", "verify_shards", "write_json", "write_shard",
 ]
 
 MAGIC = b"LTCXTOK\0"
@@ -113,6 +113,23 @@ def load_meta(folder: str) -> dict[str, Any]:
             f"the preparation of '{folder}' did not finish: run the same ltcx prepare command again to complete it"
         )
     return meta
+
+
+def validation_source(meta: dict[str, Any]) -> str:
+    """Where a prepared folder's validation documents came from, in words (for messages)."""
+    validation = meta.get("validation")  # absent in folders prepared before a source's validation split was read
+    if validation is not None and validation["split"] is not None:
+        local = meta["settings"].get("split") is None  # local files: split by their names
+        return "the source's validation-named files" if local else f"the source's {validation['split']!r} split"
+    return f"--val_fraction {meta['settings']['val_fraction']} of the documents held out by hash"
+
+
+def more_validation(meta: dict[str, Any]) -> str:
+    """How to prepare more validation documents than the folder of ``meta`` holds (for messages)."""
+    validation = meta.get("validation")
+    if validation is not None and validation["split"] is not None:
+        return "for more, prepare again into a new --out with --val_split none and a --val_fraction"
+    return "prepare again into a new --out with a larger --val_fraction"
 
 
 def open_shard(folder: str, shard: Shard, dtype: np.dtype) -> np.memmap:

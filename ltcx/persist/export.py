@@ -15,6 +15,7 @@ from ltcx.errors import LtcxError
 from ltcx.lm import LanguageModel
 from ltcx.persist.build import build_language_model, damaged
 from ltcx.persist.digest import file_sha256
+from ltcx.persist.files import give_new_file_mode
 from ltcx.persist.fit import check_weights_fit
 
 __all__ = ["EXPORT_CONFIG", "EXPORT_WEIGHTS", "EXPORT_FORMAT", "export_model", "load_exported"]
@@ -70,6 +71,8 @@ def export_model(ckpt_path: str | Path, out: str | Path, tokenizer: str | None =
         save_model(model.backbone, str(temp / EXPORT_WEIGHTS), metadata={"format": "pt"})
         config["weights_sha256"] = file_sha256(temp / EXPORT_WEIGHTS)  # checked by load_exported
         (temp / EXPORT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        for written in (EXPORT_WEIGHTS, EXPORT_CONFIG):  # safetensors writes through a 0o600 temp file
+            give_new_file_mode(temp / written)
         if out.exists():
             out.rmdir()  # empty, checked above
         os.replace(temp, out)
@@ -119,7 +122,7 @@ def load_exported(folder: str | Path, map_location: str | torch.device = "cpu") 
         load_model(model.backbone, str(weights), strict=True, device=str(torch.device(map_location)))
     except Exception as error:  # noqa: BLE001 - a damaged file or weights of another config: one line
         raise damaged(source, error) from None
-    model.tokens_seen = config.get("tokens_seen", 0)
+    model.tokens_seen, model.saved_tokenizer = config.get("tokens_seen", 0), config.get("tokenizer")
     keys = ("backbone_class", "backbone_config", "tokenizer", "tokens_seen", "global_step", "train_block_size")
     meta = {k: config.get(k) for k in keys}
     return model.eval(), meta

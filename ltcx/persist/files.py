@@ -19,7 +19,29 @@ import torch
 from ltcx.errors import LtcxError
 from ltcx.persist.digest import with_digest
 
-__all__ = ["atomic_save", "atomic_copy", "remove_stale_temps"]
+__all__ = ["atomic_save", "atomic_copy", "remove_stale_temps", "current_umask", "give_new_file_mode"]
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where the system tells (Linux: ``/proc/self/status``); else
+    set to 0o077 and back at once, so a file another thread creates meanwhile is at worst private, never public."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def give_new_file_mode(path: str | os.PathLike) -> None:
+    """Set ``path``'s permissions to those of a file ``open()`` creates (0o666 less the umask): writers that go
+    through ``tempfile`` (safetensors) leave 0o600, so a model meant to be shared would be readable by its owner
+    alone."""
+    os.chmod(path, 0o666 & ~current_umask())
 
 
 def _temp_name(path: str) -> str:
@@ -72,6 +94,7 @@ def _replace_durably(write, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.remove(temp)  # this process's own leftover (a link would redirect the write)
         write(temp)
+        give_new_file_mode(temp)  # whatever ``write`` used to create it: the permissions of any file the user writes
         os.replace(temp, path)
         replaced = True
         if hasattr(os, "O_DIRECTORY"):  # make the rename itself durable
