@@ -1,0 +1,149 @@
+"""Fully sharded data parallel training (PyTorch's FSDP2, ``fully_shard``) through Lightning's
+``ModelParallelStrategy``: each rank keeps 1/N of every parameter, its gradient and its optimizer state, and gathers a
+block's full weights only while that block runs.
+
+``FSDP2Strategy`` (what ``configs/trainer/fsdp.yaml`` names) is Lightning's strategy with one data-parallel dimension
+over every process and full-state-dict checkpoints; ``LanguageModel.configure_model`` calls ``shard_backbone`` under
+it. ``unsharded_class`` and ``unsharded_copy`` give back what sharding hides: the backbone's own class, and a plain
+copy of the model for code that runs on one rank (sample generation).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from ltcx.models.derived import DERIVED_NOT_KEPT
+
+__all__ = ["FSDP2Strategy", "shard_backbone", "shard_units", "is_sharded", "unsharded_class", "unsharded_copy"]
+
+
+def shard_units(backbone: nn.Module) -> list[nn.Module]:
+    """The modules sharded one by one, each gathered only while it runs: the entries of the backbone's ``blocks``
+    (an ``nn.ModuleList``, which every ltcx backbone has). The rest (embeddings, final norm, head: tied weights stay
+    in one unit) is the backbone's own unit, gathered for the whole forward. A backbone without ``blocks`` is one
+    unit: still sharded at rest, but gathered whole."""
+    blocks = getattr(backbone, "blocks", None)
+    return list(blocks) if isinstance(blocks, nn.ModuleList) else []
+
+
+def is_sharded(module: nn.Module) -> bool:
+    return isinstance(module, FSDPModule)
+
+
+def unsharded_class(module: nn.Module) -> type:
+    """The class of ``module`` as defined: ``fully_shard`` swaps in a subclass (``FSDPGPT`` of ``GPT``), which is no
+    class a checkpoint may name."""
+    return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))
+
+
+def shard_backbone(
+    backbone: nn.Module,
+    mesh: Any,
+    *,
+    activation_checkpointing: bool = False,
+) -> None:
+    """Shard ``backbone`` in place over the 1-D device ``mesh``: each module of ``shard_units`` with ``fully_shard``,
+    then the backbone itself (the rest). Parameter names, and so checkpoint keys, do not change. Does nothing to an
+    already sharded backbone (Lightning calls ``configure_model`` again for a ``validate`` after ``fit``).
+
+    The ranks' weights are first made rank 0's (FSDP2, unlike DDP, keeps each rank's slice of its own copy, so ranks
+    that initialised differently would train a mixture). With ``activation_checkpointing`` each block's activations
+    are recomputed in the backward pass instead of kept (torch's composable ``checkpoint``: names unchanged).
+    """
+    if is_sharded(backbone):
+        return
+    group = mesh.get_group()
+    if dist.get_world_size(group) > 1:
+        source = dist.get_global_rank(group, 0)
+        with torch.no_grad():
+            for tensor in [*backbone.parameters(), *backbone.buffers()]:
+                dist.broadcast(tensor.data, src=source, group=group)
+    units = shard_units(backbone)
+    if activation_checkpointing:
+        from torch.distributed._composable import checkpoint
+
+        for unit in units:
+            checkpoint(unit)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+    # The root too (FSDP2 keeps the root's weights gathered after its forward by default): after a forward without a
+    # backward (validation) they would stay gathered and be what parameters() returns and an optimizer step misses.
+    fully_shard(backbone, mesh=mesh, reshard_after_forward=True)
+    for module in backbone.modules():
+        # FSDP2 writes each gather into the same unsharded tensors without bumping their version counters, so a
+        # weight derived from them cannot tell a new step's values from the last (ltcx/models/derived.py).
+        module.__dict__[DERIVED_NOT_KEPT] = True
+
+
+def unsharded_copy(backbone: nn.Module, device: torch.device | str = "cpu") -> nn.Module | None:
+    """A plain copy of a sharded ``backbone`` (its own class, full weights, eval mode) on global rank 0, None on the
+    other ranks. Every rank must call it: the weights are gathered from all of them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(backbone, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
+    copy = unsharded_class(backbone)(**backbone.config_dict())
+    copy.load_state_dict(state)
+    return copy.to(device).eval()
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` as ltcx uses it: FSDP2 over every process (one data-parallel dimension,
+    no tensor parallelism), on GPUs (NCCL) or CPUs (gloo), checkpoints as one full state dict. Each block's weights
+    are gathered for its forward, freed, and gathered again for its backward (ZeRO-3). Keeping them from the forward
+    to the backward (FSDP2's ``reshard_after_forward=False``, its default for the root module) is not offered: after a
+    forward without a backward (validation) the kept weights stay the module's parameters, so an optimizer step can
+    miss the shards and the next forward reads stale weights (tried on every architecture: the weights and the
+    evaluation after a step differed from the unsharded model's).
+
+    Lightning's defaults are set for 2-D parallelism (data parallel across nodes, tensor parallel within one), which
+    ltcx's backbones do not declare; here the data-parallel size is the world size and the tensor-parallel size 1.
+
+    Checkpoints are full state dicts gathered on rank 0 (``save_distributed_checkpoint=False``) and written by the
+    trainer's ``CheckpointIO`` (ltcx's ``SafeCheckpointIO``: atomic, digest, no non-finite weights), so a file loads
+    in one process for ``generate`` / ``export`` and resumes under any strategy. A distributed checkpoint (a folder
+    of per-rank shards written by ``torch.distributed.checkpoint``) bypasses the ``CheckpointIO``: it would carry no
+    digest and need a conversion before one process could load it. The cost of the full state dict is rank 0's
+    host memory: the whole model and its optimizer state, on the CPU, at each save.
+
+    Resuming, Lightning's ``ModelParallelStrategy`` reads the file itself (``torch.load`` with ``weights_only``), not
+    through the ``CheckpointIO``; ltcx's CLI has just read and checked the same file (digest included) in each
+    process, and the copy it handed to ``SafeCheckpointIO`` is dropped here so it does not stay in memory.
+
+    Args:
+        activation_checkpointing: recompute each block's activations in the backward pass instead of keeping them
+            (less memory, about one more forward pass of compute).
+        process_group_backend: ``nccl``, ``gloo``...; None: NCCL on GPUs, gloo on CPUs.
+        timeout: of the collectives.
+    """
+
+    def __init__(
+        self,
+        activation_checkpointing: bool = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=False,
+            process_group_backend=process_group_backend, timeout=timeout,
+        )
+        self.activation_checkpointing = activation_checkpointing
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes  # every process: the world size
+        super().setup_environment()
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        release = getattr(self.checkpoint_io, "release_handed_over", None)  # SafeCheckpointIO's
+        if release is not None:
+            release()
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
