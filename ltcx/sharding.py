@@ -115,9 +115,10 @@ class FSDP2Strategy(ModelParallelStrategy):
     digest and need a conversion before one process could load it. The cost of the full state dict is rank 0's
     host memory: the whole model and its optimizer state, on the CPU, at each save.
 
-    Resuming, Lightning's ``ModelParallelStrategy`` reads the file itself (``torch.load`` with ``weights_only``), not
-    through the ``CheckpointIO``; ltcx's CLI has just read and checked the same file (digest included) in each
-    process, and the copy it handed to ``SafeCheckpointIO`` is dropped here so it does not stay in memory.
+    The file is the one a DDP or single-device run writes: the same weight names, the optimizer's parameters
+    numbered in the order of its groups (Lightning's strategy numbers them in the model's parameter order, and reads
+    a number as that index, so a DDP checkpoint resumed under it would hand AdamW's moments to the wrong parameters),
+    and it is read back through the trainer's ``CheckpointIO`` (Lightning's strategy reads the file itself).
 
     Args:
         activation_checkpointing: recompute each block's activations in the backward pass instead of keeping them
@@ -142,8 +143,52 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes  # every process: the world size
         super().setup_environment()
 
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """The optimizer's full state on rank 0 (empty elsewhere; every rank gathers), its parameters numbered as
+        ``torch.optim.Optimizer.state_dict`` numbers them: in the order of the parameter groups, as under DDP."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+        state = get_optimizer_state_dict(self.model, optimizer,
+                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return _numbered_in_group_order(state) if state.get("param_groups") else state
+
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        release = getattr(self.checkpoint_io, "release_handed_over", None)  # SafeCheckpointIO's
-        if release is not None:
-            release()
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        """Read the file through the trainer's ``CheckpointIO`` (ltcx's: the copy the CLI has read and checked, its
+        digest included) and give each rank its shards of the weights and the optimizer state. Returns the rest,
+        from which Lightning restores the loops, callbacks and schedulers."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        checkpoint = self.checkpoint_io.load_checkpoint(self.broadcast(checkpoint_path))
+        options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
+        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
+        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
+            optimizer = getattr(optimizer, "_optimizer", optimizer)
+            set_optimizer_state_dict(self.model, optimizer, _named(state, optimizer, self.model), options=options)
+        return checkpoint
+
+
+def _numbered_in_group_order(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name -> keyed by number, in the order of the parameter groups."""
+    numbers: dict[str, int] = {}
+    groups = [{**group, "params": [numbers.setdefault(name, len(numbers)) for name in group["params"]]}
+              for group in state["param_groups"]]
+    return {"state": {numbers[name]: value for name, value in state["state"].items()}, "param_groups": groups}
+
+
+def _named(state: dict[str, Any], optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
+    """An optimizer state keyed by number (``_numbered_in_group_order``, or a DDP or single-device checkpoint's)
+    -> keyed by the names of ``optimizer``'s parameters in ``model``, matched by position in the groups."""
+    names = {param: name for name, param in model.named_parameters()}
+    current = [names[param] for group in optimizer.param_groups for param in group["params"]]
+    saved = [number for group in state["param_groups"] for number in group["params"]]
+    if len(saved) != len(current):
+        raise ValueError(f"the checkpoint's optimizer holds {len(saved)} parameters, this model's {len(current)}")
+    name_of = dict(zip(saved, current))
+    return {"state": {name_of[number]: value for number, value in state["state"].items()},
+            "param_groups": [{**group, "params": [name_of[n] for n in group["params"]]}
+                             for group in state["param_groups"]]}

@@ -1,11 +1,12 @@
 """One rank of `test_sharding.py`'s 2-process check of every catalogue architecture under FSDP2 (gloo, CPU, float64).
 
 Run as ``python sharded_catalogue.py OUT_JSON`` with torch.distributed's environment (RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT). For each architecture, a copy sharded by ``ltcx.sharding.shard_backbone`` (with and without activation
-checkpointing) and the unsharded model run the same steps: an evaluation forward, a training step on each rank's own
-batch (the unsharded model on both ranks' batches together, as data parallelism averages them), AdamW, and the
-evaluation forward again. Rank 0 writes, per architecture and variant, the largest relative differences, each rank's
-share of the parameters and the size of the activations the training forward kept for the backward."""
+MASTER_PORT). For each architecture, a copy (rank 1's initialised differently) sharded by
+``ltcx.sharding.shard_backbone`` (with and without activation checkpointing) and the unsharded model run the same steps:
+an evaluation forward, a training step on each rank's own batch (the unsharded model on both ranks' batches together, as
+data parallelism averages them), AdamW, and the evaluation forward again. Rank 0 writes, per architecture and variant,
+the largest relative differences, each rank's share of the parameters and the size of the activations the training
+forward kept for the backward."""
 
 from __future__ import annotations
 
@@ -81,6 +82,10 @@ def main(path: str) -> None:
         total = sum(p.numel() for p in reference.parameters())
         result = {"units": len(shard_units(reference))}
         for key, model in sharded.items():
+            if rank == 1:  # a rank that initialised differently: shard_backbone starts from rank 0's weights
+                with torch.no_grad():
+                    for param in model.parameters():
+                        param.add_(1.0)
             shard_backbone(model, mesh, **VARIANTS[key])
             shares = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
             dist.all_gather(shares, torch.tensor([local_numel(model)]))

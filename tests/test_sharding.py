@@ -81,7 +81,8 @@ TWO_LAYERS = ["--model.backbone.init_args.n_layer", "2"]  # the shared tiny shap
 def test_fsdp_fit_matches_ddp_and_its_checkpoint_loads_in_one_process(tmp_path, capsys):
     """4 steps under DDP and under FSDP2 from the same seed: each FSDP2 rank holds half of the parameters; the losses
     of every step and the final weights agree within float32 rounding; the FSDP2 checkpoint has the DDP one's keys,
-    names the backbone's own class, passes its digest, and `generate` and `export` read it in this one process."""
+    names the backbone's own class, passes its digest, holds AdamW's state as the DDP one does, and `generate` and
+    `export` read it in this one process."""
     data = write_corpus(tmp_path / "corpus", 60, 10)
     runs = {}
     for name, strategy in (("ddp", DDP), ("fsdp", FSDP)):
@@ -112,6 +113,14 @@ def test_fsdp_fit_matches_ddp_and_its_checkpoint_loads_in_one_process(tmp_path, 
         torch.testing.assert_close(value, ddp_weights[key], rtol=F32_REL, atol=F32_REL * value.abs().max().item())
     checkpoint = read_checkpoint(last["fsdp"])  # the digest is checked here
     assert checkpoint["ltcx"]["backbone_class"] == "ltcx.models.gpt.GPT"
+    # AdamW's state as DDP's file holds it (parameters numbered in the order of the groups): either resumes the other
+    [ddp_adam], [fsdp_adam] = read_checkpoint(last["ddp"])["optimizer_states"], checkpoint["optimizer_states"]
+    assert [g["params"] for g in fsdp_adam["param_groups"]] == [g["params"] for g in ddp_adam["param_groups"]]
+    assert sorted(fsdp_adam["state"]) == sorted(ddp_adam["state"])
+    for number, moments in fsdp_adam["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(moments[key], ddp_adam["state"][number][key], rtol=1e-4,
+                                       atol=1e-4 * ddp_adam["state"][number][key].abs().max().item())
 
     assert_generates(last["fsdp"], capsys)
     model, _ = load_exported(export_model(last["fsdp"], tmp_path / "exported"))

@@ -76,10 +76,6 @@ class SafeCheckpointIO(TorchCheckpointIO):
         written), is what the next ``load_checkpoint(path)`` returns instead of reading the file again."""
         self._handed_over = (os.fspath(path), checkpoint)
 
-    def release_handed_over(self) -> None:
-        """Forget the handed-over checkpoint (a strategy that reads the file itself, ``FSDP2Strategy``)."""
-        self._handed_over = None
-
     def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict[str, Any]:
         if self._handed_over is not None and self._handed_over[0] == os.fspath(path):
             checkpoint, self._handed_over = self._handed_over[1], None
