@@ -116,8 +116,9 @@ class FSDP2Strategy(ModelParallelStrategy):
     host memory: the whole model and its optimizer state, on the CPU, at each save.
 
     The file is the one a DDP or single-device run writes: the same weight names, the optimizer's parameters
-    numbered in the order of its groups (Lightning's strategy numbers them in the model's parameter order, and reads
-    a number as that index, so a DDP checkpoint resumed under it would hand AdamW's moments to the wrong parameters),
+    numbered in the order of its groups (Lightning's strategy numbers them in the model's parameter order and reads
+    a number as that index: a DDP checkpoint resumed under it handed AdamW's moments to other parameters, a shape
+    error in tests/test_sharding.py's check, silently wrong where the shapes match),
     and it is read back through the trainer's ``CheckpointIO`` (Lightning's strategy reads the file itself).
 
     Args:

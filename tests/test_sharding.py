@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from helpers import (
@@ -176,3 +177,26 @@ def test_fsdp_non_finite_update_on_one_rank_stops_both_ranks_after_that_step(tmp
         stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr
     assert step_and_weights(tmp_path / "checkpoints/gpt/version_0/last.ckpt")[0] == 2
+
+
+@pytest.mark.slow
+def test_a_ddp_checkpoint_resumes_under_fsdp_as_under_ddp(tmp_path):
+    """A DDP run's last.ckpt of step 3 continued to step 5 under FSDP2 and under DDP: the same weights within
+    float32 rounding (AdamW's moments reach their own parameters; Lightning's own ModelParallelStrategy numbers them
+    otherwise)."""
+    data = write_corpus(tmp_path / "corpus", 60, 10)
+    first = run_ddp(lean_fit_args(tmp_path, data, *TWO_LAYERS, "--trainer.max_steps", "3"), tmp_path,
+                    tmp_path / "exits0", DDP)
+    assert first.returncode == 0, first.stderr[-3000:]
+    start = tmp_path / "checkpoints/gpt/version_0/last.ckpt"
+    weights = {}
+    for name, strategy in (("ddp", DDP), ("fsdp", FSDP)):
+        folder = tmp_path / name
+        folder.mkdir()
+        resumed = run_ddp(lean_fit_args(folder, data, *TWO_LAYERS, "--trainer.max_steps", "5", "--ckpt_path",
+                                        str(start)), folder, folder / "exits", strategy)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        step, weights[name] = step_and_weights(folder / "checkpoints/gpt/version_0/last.ckpt")
+        assert step == 5
+    for key, value in weights["fsdp"].items():
+        torch.testing.assert_close(value, weights["ddp"][key], rtol=F32_REL, atol=F32_REL * value.abs().max().item())
