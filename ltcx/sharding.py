@@ -20,6 +20,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from ltcx.errors import LtcxError
 from ltcx.models.derived import DERIVED_NOT_KEPT
 
 __all__ = ["FSDP2Strategy", "shard_backbone", "shard_units", "is_sharded", "unsharded_class", "unsharded_copy"]
@@ -54,18 +55,16 @@ def shard_backbone(
     then the backbone itself (the rest). Parameter names, and so checkpoint keys, do not change. Does nothing to an
     already sharded backbone (Lightning calls ``configure_model`` again for a ``validate`` after ``fit``).
 
-    The ranks' weights are first made rank 0's (FSDP2, unlike DDP, keeps each rank's slice of its own copy, so ranks
+    The ranks' shards are then made rank 0's (FSDP2, unlike DDP, keeps each rank's slice of its own copy, so ranks
     that initialised differently would train a mixture). With ``activation_checkpointing`` each block's activations
     are recomputed in the backward pass instead of kept (torch's composable ``checkpoint``: names unchanged).
     """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     if is_sharded(backbone):
         return
-    group = mesh.get_group()
-    if dist.get_world_size(group) > 1:
-        source = dist.get_global_rank(group, 0)
-        with torch.no_grad():
-            for tensor in [*backbone.parameters(), *backbone.buffers()]:
-                dist.broadcast(tensor.data, src=source, group=group)
+    several = dist.get_world_size(mesh.get_group()) > 1
+    rank0_weights = backbone.state_dict() if several and dist.get_rank() == 0 else {}  # tensors, not copies
     units = shard_units(backbone)
     if activation_checkpointing:
         from torch.distributed._composable import checkpoint
@@ -77,6 +76,9 @@ def shard_backbone(
     # The root too (FSDP2 keeps the root's weights gathered after its forward by default): after a forward without a
     # backward (validation) they would stay gathered and be what parameters() returns and an optimizer step misses.
     fully_shard(backbone, mesh=mesh, reshard_after_forward=True)
+    if several:  # each rank's shards from rank 0's weights, moved to the mesh's device as each rank's are
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(backbone, rank0_weights, options=options)
     for module in backbone.modules():
         # FSDP2 writes each gather into the same unsharded tensors without bumping their version counters, so a
         # weight derived from them cannot tell a new step's values from the last (ltcx/models/derived.py).
@@ -188,7 +190,8 @@ def _named(state: dict[str, Any], optimizer: torch.optim.Optimizer, model: nn.Mo
     current = [names[param] for group in optimizer.param_groups for param in group["params"]]
     saved = [number for group in state["param_groups"] for number in group["params"]]
     if len(saved) != len(current):
-        raise ValueError(f"the checkpoint's optimizer holds {len(saved)} parameters, this model's {len(current)}")
+        raise LtcxError(f"the checkpoint's optimizer state holds {len(saved)} parameters, this model's optimizer "
+                        f"{len(current)}: resume from a checkpoint of this model's optimizer, or start a new run")
     name_of = dict(zip(saved, current))
     return {"state": {name_of[number]: value for number, value in state["state"].items()},
             "param_groups": [{**group, "params": [name_of[n] for n in group["params"]]}
