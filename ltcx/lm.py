@@ -17,6 +17,7 @@ from torchmetrics import MeanMetric
 
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.registry import Backbone, class_path
+from ltcx.sharding import shard_backbone, unsharded_class
 
 
 def lr_at_step(step: int, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:
@@ -94,6 +95,20 @@ class LanguageModel(L.LightningModule):
 
     # -- model ---------------------------------------------------------------------------------
     def configure_model(self) -> None:
+        """Under Lightning's ``ModelParallelStrategy`` (ltcx's ``FSDP2Strategy``, ``configs/trainer/fsdp.yaml``) the
+        backbone is sharded block by block over the data-parallel ranks; then compiled if asked (``compile``)."""
+        mesh = self._device_mesh
+        if mesh is not None:
+            if mesh.ndim > 1 and mesh["tensor_parallel"].size() > 1:
+                raise ConfigError(
+                    f"tensor_parallel_size {mesh['tensor_parallel'].size()}: ltcx's backbones are sharded only over "
+                    "data-parallel ranks; use ltcx.sharding.FSDP2Strategy (configs/trainer/fsdp.yaml)"
+                )
+            strategy = self.trainer.strategy
+            shard_backbone(
+                self.backbone, mesh["data_parallel"] if mesh.ndim > 1 else mesh,
+                activation_checkpointing=getattr(strategy, "activation_checkpointing", False),
+            )
         if self.hparams.compile and "_compiled_logits" not in self.__dict__:
             backbone = self.backbone
 
@@ -357,7 +372,7 @@ class LanguageModel(L.LightningModule):
     # -- checkpoints ---------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["ltcx"] = {
-            "backbone_class": class_path(type(self.backbone)),
+            "backbone_class": class_path(unsharded_class(self.backbone)),
             "backbone_config": self.backbone.config_dict(),
             "tokenizer": getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None),
             "tokens_seen": self.tokens_seen,

@@ -5,11 +5,18 @@ import signal
 
 import lightning as L
 import torch
+from torch.distributed.tensor import DTensor
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: its shard under FSDP2 (a DTensor), else the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class PoisonWeights(L.Callback):
     """After optimizer step ``at_step``, set one weight to NaN (as a blown-up update would); with ``rank``, on that
-    global rank only (under DDP the next loss is then NaN there alone, as with a bad batch on one rank)."""
+    global rank only (under DDP the next loss is then NaN there alone, as with a bad batch on one rank; under FSDP2 the
+    weight is in that rank's shard, gathered by every rank)."""
 
     def __init__(self, at_step: int, rank: int | None = None) -> None:
         self.at_step = at_step
@@ -18,7 +25,7 @@ class PoisonWeights(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.at_step and self.rank in (None, trainer.global_rank):
             with torch.no_grad():
-                next(pl_module.parameters()).view(-1)[0] = float("nan")
+                local(next(pl_module.parameters())).view(-1)[0] = float("nan")
 
 
 class PoisonGradient(L.Callback):
@@ -31,7 +38,7 @@ class PoisonGradient(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if trainer.global_step + 1 == self.at_step and self.rank in (None, trainer.global_rank):
-            next(p for p in pl_module.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+            local(next(p for p in pl_module.parameters() if p.grad is not None).grad).view(-1)[0] = float("nan")
 
 
 class PoisonBeforeValidation(L.Callback):
@@ -44,7 +51,7 @@ class PoisonBeforeValidation(L.Callback):
     def on_validation_start(self, trainer, pl_module) -> None:
         if not trainer.sanity_checking and trainer.global_step == self.at_step:
             with torch.no_grad():
-                next(pl_module.parameters()).view(-1)[0] = float("nan")
+                local(next(pl_module.parameters())).view(-1)[0] = float("nan")
 
 
 class KillSelf(L.Callback):

@@ -1,13 +1,14 @@
 """Helpers shared by several test modules (imported as ``from helpers import ...``, like ``fault_injection``):
 relative errors of tensors against a reference, documents of a fixed byte length, feeding a backbone in pieces,
 a small text corpus, TensorBoard events and a generation check for CLI runs, the arguments of a tiny `ltcx fit`
-run (in process or as a `run.py` subprocess), one-line user errors and small checkpoints written without
-training. Fixtures live in conftest.py; no test module imports another."""
+run (in process, as a `run.py` subprocess, or as 2 gloo processes under DDP or FSDP2), one-line user errors and
+small checkpoints written without training. Fixtures live in conftest.py; no test module imports another."""
 
 from __future__ import annotations
 
 import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +124,34 @@ def lean_fit_args(tmp_path: Path, data: Path, *extra: str, every: int = 100, kee
         + "    - class_path: ltcx.callbacks.FiniteLossGuard\n"
     )
     return fit_args(data, "--config", str(callbacks), "--trainer.limit_val_batches", "0", *extra)
+
+
+# -- 2 CPU processes (gloo) through `run.py fit` ------------------------------------------------------------------
+
+DDP = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
+FSDP = ["--config", str(ROOT / "configs/trainer/fsdp.yaml"), "--trainer.accelerator", "cpu", "--trainer.devices", "2"]
+RANKS_TIMEOUT = 180  # s; a run takes ~10-20 s on an idle machine, a hang is caught well before pytest's patience ends
+
+
+def run_ddp(args: list[str], cwd: Path, exits: Path, strategy: list[str] = DDP) -> subprocess.CompletedProcess:
+    """``ltcx fit ... --trainer.devices 2`` (DDP, or ``strategy=FSDP``: FSDP2 through configs/trainer/fsdp.yaml) in
+    its own process group; every rank's exit status lands in ``exits``."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "HF_HUB_OFFLINE": "1",
+           "LTCX_EXIT_DIR": str(exits)}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests/record_exit.py"), *args, *strategy], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=RANKS_TIMEOUT)  # returns once every rank has closed the pipes
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"2-process run still going after {RANKS_TIMEOUT} s (a rank hangs):\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def rank_exits(exits: Path) -> dict[str, int]:
+    """Each rank's exit status, as tests/record_exit.py wrote it: {"rank0": 0, "rank1": 0}."""
+    return {p.name: int(p.read_text()) for p in sorted(exits.iterdir())}
 
 
 def one_error_line(args, capsys) -> str:

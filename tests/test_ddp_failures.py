@@ -5,38 +5,12 @@ says so once, leaves only good checkpoints and ends every process with the singl
 bounded by a timeout that kills the whole process group, so a rank stuck in a collective fails the test instead of
 hanging it. About 10 s per DDP run on an idle 2-core machine."""
 
-import os
 import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, lean_fit_args, step_and_weights, write_corpus
+from helpers import lean_fit_args, rank_exits, run_ddp, step_and_weights, write_corpus
 from ltcx.persist import read_checkpoint
-
-DDP = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
-TIMEOUT = 120  # s; a run takes ~10 s, a hang is caught well before pytest's patience ends
-
-
-def run_ddp(args: list[str], cwd: Path, exits: Path) -> subprocess.CompletedProcess:
-    """``ltcx fit ... --trainer.devices 2`` in its own process group; every rank's exit status lands in ``exits``."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "HF_HUB_OFFLINE": "1",
-           "LTCX_EXIT_DIR": str(exits)}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests/record_exit.py"), *args, *DDP], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT)  # returns once every rank has closed the pipes
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"DDP run still going after {TIMEOUT} s (a rank hangs):\n{err[-3000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def rank_exits(exits: Path) -> dict[str, int]:
-    return {p.name: int(p.read_text()) for p in sorted(exits.iterdir())}
 
 
 def test_nan_on_one_rank_stops_every_rank_at_that_step(tmp_path):

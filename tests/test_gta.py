@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from helpers import run_in_pieces
 from ltcx.errors import ConfigError, LtcxError
+from ltcx.models.derived import DERIVED_NOT_KEPT
 from ltcx.models.gpt import GPT, GQAAttention
 from ltcx.models.gta import GTAGPT, GTAAttention, GTAConfig
 
@@ -294,6 +295,20 @@ def test_inference_keeps_the_decoder_matrix_until_the_decoder_changes():
     torch.testing.assert_close(steps, full, rtol=0, atol=1e-10)
     assert attn.decoder_matrix().requires_grad and attn.decoder_matrix() is not attn.decoder_matrix()
     assert not any("derived" in name for name in model.state_dict())
+
+
+def test_a_module_sharded_by_fsdp2_rebuilds_the_decoder_matrix_every_call():
+    """FSDP2 gathers a step's new weights into the same tensors and keeps their version counters (as the write below
+    does), so a kept D would go stale unseen; in a module ``shard_backbone`` marked, D is rebuilt every call."""
+    model = small_model()
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        kept = attn.decoder_matrix()
+        with torch.autograd._unsafe_preserve_version_counter(attn.decoder):
+            attn.decoder.mul_(1.5)
+        assert attn.decoder_matrix() is kept  # unmarked: the write went unseen
+        attn.__dict__[DERIVED_NOT_KEPT] = True
+        torch.testing.assert_close(attn.decoder_matrix(), attn.identity + attn.decoder, rtol=0, atol=0)
 
 
 def test_reorder_cache_equals_running_the_reordered_batch():

@@ -1,4 +1,5 @@
-"""Beyond one machine: the FSDP config builds Lightning's FSDPStrategy; 2 nodes x 2 devices read disjoint data."""
+"""Beyond one machine: the FSDP config builds ltcx's FSDP2Strategy for several nodes; 2 nodes x 2 devices read
+disjoint data. (FSDP2 training itself: tests/test_sharding.py.)"""
 
 import sys
 from pathlib import Path
@@ -7,29 +8,29 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import yaml
-from lightning.pytorch.strategies import FSDPStrategy
-from torch.distributed.fsdp import ShardingStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from ltcx.cli import main
 from ltcx.data import TextDataModule
+from ltcx.sharding import FSDP2Strategy
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_fsdp_config_builds_lightnings_strategy(monkeypatch, capsys):
+def test_fsdp_config_builds_ltcx_fsdp2_strategy(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["ltcx"])
     with pytest.raises(SystemExit):
         main(["fit", "--config", str(ROOT / "configs/gpt.yaml"), "--config", str(ROOT / "configs/trainer/fsdp.yaml"),
               "--trainer.num_nodes", "2", "--print_config"])
     trainer = yaml.safe_load(capsys.readouterr().out)["trainer"]
     assert (trainer["accelerator"], trainer["devices"], trainer["num_nodes"]) == ("gpu", -1, 2)
-    assert trainer["strategy"]["class_path"] == "lightning.pytorch.strategies.FSDPStrategy"
-    strategy = FSDPStrategy(**trainer["strategy"]["init_args"])
-    assert strategy.sharding_strategy == ShardingStrategy.FULL_SHARD and strategy._state_dict_type == "full"
-    # Why the tests do not run it: Lightning refuses FSDP without a GPU (and torch's FSDP itself raises "FSDP needs
-    # a non-CPU accelerator device" when that check is bypassed).
-    with pytest.raises(ValueError, match="requires a GPU accelerator"):
-        L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    assert trainer["strategy"]["class_path"] == "ltcx.sharding.FSDP2Strategy"
+    strategy = FSDP2Strategy(**trainer["strategy"]["init_args"])
+    assert isinstance(strategy, ModelParallelStrategy) and not strategy._save_distributed_checkpoint
+    assert strategy._tensor_parallel_size == 1
+    # Unlike Lightning's FSDPStrategy (FSDP1), it runs on CPUs: tests/test_sharding.py trains with it over gloo.
+    trainer = L.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=strategy, logger=False)
+    assert trainer.world_size == 4 and trainer.strategy is strategy
 
 
 def test_two_nodes_of_two_devices_read_disjoint_text(tmp_path):

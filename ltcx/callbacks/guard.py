@@ -7,6 +7,7 @@ import math
 
 import lightning as L
 import torch
+from torch.distributed.tensor import DTensor
 
 from ltcx.callbacks._launcher import launcher_outlives_workers
 from ltcx.errors import StoppedOnAllRanks
@@ -48,10 +49,12 @@ class FiniteLossGuard(L.Callback):
         if trainer.global_step == self._checked_step:  # no optimizer step in this batch (gradient accumulation)
             return
         self._checked_step = trainer.global_step
-        named = [(name, p.detach()) for name, p in pl_module.named_parameters() if p.numel()]
+        # Under FSDP2 a parameter is a DTensor: each rank checks its own shard (the gather below joins them).
+        local = ((name, p.to_local() if isinstance(p, DTensor) else p) for name, p in pl_module.named_parameters())
+        named = [(name, p.detach()) for name, p in local if p.numel()]
         # Each tensor's min and max are NaN or inf exactly when it holds one (a sum or a norm can overflow first);
         # on a CPU one aminmax per tensor is ~10x faster than torch._foreach_norm(..., inf).
-        extremes = torch.stack([torch.stack(torch.aminmax(p)).float() for _, p in named])
+        extremes = torch.stack([torch.stack(torch.aminmax(p)).float() for _, p in named] or [torch.zeros(2)])
         broken = ~torch.isfinite(extremes).all(dim=1)
         counts = self._gather(trainer, broken.sum().float().reshape(1))
         bad = [(rank, count) for rank, count in enumerate(counts) if count]

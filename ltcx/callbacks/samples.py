@@ -9,6 +9,7 @@ import lightning as L
 import torch
 
 from ltcx.generation import generate_texts
+from ltcx.sharding import is_sharded, unsharded_copy
 
 
 class SampleGeneration(L.Callback):
@@ -16,7 +17,8 @@ class SampleGeneration(L.Callback):
     logger that holds text (TensorBoard, Weights & Biases, MLflow, Comet); with none such (CSVLogger, no logger)
     append it to ``samples.txt`` in the run's log folder.
 
-    Runs on global rank 0 only; the model is put back in train mode afterwards.
+    Runs on global rank 0 only (from a gathered copy of a model sharded by FSDP2); the model is put back in train
+    mode afterwards.
 
     Args:
         prompts: texts to complete.
@@ -41,10 +43,14 @@ class SampleGeneration(L.Callback):
         self.seed = seed
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking or not trainer.is_global_zero or not self.prompts:
+        if trainer.sanity_checking or not self.prompts:
+            return
+        backbone = pl_module.backbone
+        if is_sharded(backbone):  # FSDP2: rank 0 samples from a gathered copy (every rank takes part in gathering it)
+            backbone = unsharded_copy(backbone, pl_module.device)
+        if not trainer.is_global_zero:
             return
         tokenizer = trainer.datamodule.tokenizer_obj
-        backbone = pl_module.backbone
         budget = self.max_new_tokens
         context = getattr(backbone, "max_seq_len", None)
         if context is not None:  # every prompt must fit with its completion
