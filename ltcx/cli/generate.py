@@ -35,6 +35,10 @@ def generate_main(argv: list[str]) -> None:
         "folder the checkpoint names is only loaded when given here)",
     )
     parser.add_argument("--device", default=None)  # None: cuda if torch sees one, else cpu
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32",
+        help="the weights' type while sampling (bfloat16: half the memory and bytes read per token; on a GPU)",
+    )
     args = parser.parse_args(argv)
     # Imported after the arguments are parsed: `ltcx generate --help` and a mistyped flag answer at once.
     import torch
@@ -48,7 +52,7 @@ def generate_main(argv: list[str]) -> None:
     device = _device(("cuda" if torch.cuda.is_available() else "cpu") if args.device is None else args.device)
 
     model, meta = load_language_model(args.ckpt_path, map_location=device)
-    backbone = model.backbone.to(device)
+    backbone = model.backbone.to(device=device, dtype=getattr(torch, args.dtype))
     stored = meta.get("tokenizer")
     exported = os.path.isfile(os.path.join(args.ckpt_path, EXPORT_CONFIG))
     source = f"exported model '{args.ckpt_path}'" if exported else f"checkpoint '{args.ckpt_path}'"
