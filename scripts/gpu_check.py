@@ -66,7 +66,7 @@ class Shape:
 
     def __init__(self, tiny: bool, compile_backend: str | None):
         self.tiny = tiny
-        self.batch, self.seq_len = (2, 16) if tiny else (24, 512)
+        self.batch, self.seq_len = (2, 8) if tiny else (24, 512)
         self.dtype = "float32" if tiny else "bf16"
         self.decode_batches = (1, 2) if tiny else (1, 16)
         self.decode_positions = (8, 80) if tiny else (128, 2048)
@@ -414,7 +414,8 @@ def cli_checks(args, work: Path, deadline: float) -> dict:
                 "--trainer.precision", "32-true", "--data.block_size", "32", "--data.batch_size", "2",
                 *CATALOG["gpt"].tiny_cli()]
     checks: dict = {}
-    done, seconds, error = run_cli(fit, work, min(300.0, deadline - time.time()))
+    # Bounded, so a hung process group (e.g. NCCL waiting on a rank) cannot take the models' time.
+    done, seconds, error = run_cli(fit, work, min(240.0 if args.tiny else 150.0, deadline - time.time()))
     checkpoint = work / "checkpoints/gpt/version_0/last.ckpt"
     ddp = {"command": shown(fit, work), "seconds": seconds, "error": error}
     if done is not None:
@@ -436,7 +437,7 @@ def cli_checks(args, work: Path, deadline: float) -> dict:
         checks["generate"] = {"command": shown(generate, work), "seconds": 0.0, "ok": False,
                               "error": "not run: the DDP fit left no checkpoint"}
         return checks
-    done, seconds, error = run_cli(generate, work, min(120.0, deadline - time.time()))
+    done, seconds, error = run_cli(generate, work, min(90.0, deadline - time.time()))
     text = done.stdout.strip() if done is not None else ""
     if not error and not text.startswith(PROMPT):
         error = f"the output does not continue the prompt: {text[:80]!r}"
