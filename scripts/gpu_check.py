@@ -197,7 +197,8 @@ def measure_model(arch: str, shape: Shape, device, peak: tuple, record: Recorder
         if shape.tiny:
             model = CATALOG[arch].build_tiny(TINY_VOCAB).to(device)
         else:
-            model = build_configured(arch, VOCAB).to(device)
+            # min_context: the GPT family's null block_size is the data's length in a fit, here the reference 512
+            model = build_configured(arch, VOCAB, min_context=shape.seq_len).to(device)
         record.set(params=model.parameter_count(), context=model.max_seq_len)
     if model is None:
         for field in shape.fields():
