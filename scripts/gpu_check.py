@@ -505,7 +505,7 @@ def markdown(report: dict) -> str:
         "training forward / decode step.",
         "",
     ]
-    decode_heads = [f"decode b{b} @{p}" for p in positions for b in batches]
+    decode_heads = [f"decode b{b} @{p} (ms)" for p in positions for b in batches]
     head = ["model", "parameters", "train tokens/s", "MFU", "peak memory", "compiled tokens/s", "compile speed-up",
             "compile time", *decode_heads, "SDPA"]
     lines.append("| " + " | ".join(head) + " |")
