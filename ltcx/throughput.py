@@ -1,4 +1,6 @@
-"""Model FLOPs and the machine's limit: FLOPs per token of any backbone, and the peak FLOP/s that MFU divides by.
+"""Model FLOPs and the machine's limit: FLOPs per token of any backbone, and the peak FLOP/s that MFU divides by;
+and the timing pieces the measurement scripts share (``scripts/benchmark.py``, ``scripts/gpu_check.py``): a synced
+median timer, a bare training step, the state a decode step is timed from, peak memory.
 
 MFU (model FLOPs utilisation) = tokens/s x training FLOPs per token / peak FLOP/s of the device.
 """
@@ -6,11 +8,15 @@ MFU (model FLOPs utilisation) = tokens/s x training FLOPs per token / peak FLOP/
 from __future__ import annotations
 
 import functools
+import resource
+import statistics
 import time
-from typing import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s, from NVIDIA's data sheets; matched in this order against
 # the lower-cased device name. Lightning's table lists some of these at their 2:4-sparsity figure.
@@ -93,3 +99,66 @@ def default_peak_flops(device: torch.device) -> tuple[float | None, str]:
         threads = torch.get_num_threads()
         return measured_matmul_flops(threads), f"best of a few float32 1024^3 matmuls measured on {threads} CPU threads"
     return None, f"no known peak for a {device.type} device"
+
+
+# -- timing, shared by the measurement scripts ----------------------------------------------------------------
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously; a CPU needs nothing)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1,
+          budget_s: float | None = None) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs, each between two device syncs;
+    with ``budget_s``, no new run starts once that many seconds of timed runs have gone by (one run at least)."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    for _ in range(max(1, repeats)):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+        if budget_s is not None and sum(times) >= budget_s:
+            break
+    return statistics.median(times)
+
+
+def training_step(logits_of: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor,
+                  optimizer: torch.optim.Optimizer, autocast: AbstractContextManager) -> Callable[[], None]:
+    """One bare training step on idx [B, T + 1] (a next-token loss, backward, the optimizer's step), as a
+    function of no arguments: ``logits_of`` maps idx [B, T] to logits [B, T, V] (a backbone's first output, or a
+    compiled function of it); ``autocast`` is entered around the forward and the loss."""
+
+    def step() -> None:
+        with autocast:
+            logits = logits_of(idx[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def prefilled_state(backbone: nn.Module, batch: int, position: int, device: torch.device) -> tuple[torch.Tensor, Any]:
+    """(token [batch, 1], the backbone's state after ``position`` tokens): what one cached decode step at that
+    position is timed from (``backbone(token, state)``; the states are not updated in place, so the same step can
+    be repeated). ``ValueError`` when the backbone's context (``max_seq_len``) holds no token after ``position``."""
+    context = getattr(backbone, "max_seq_len", None)
+    if context is not None and position >= context:
+        raise ValueError(f"no decode step after {position} tokens within a context of {context}")
+    token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    return token, backbone(token.expand(-1, position).contiguous())[1]
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """CUDA: the most allocated on ``device`` since the last ``torch.cuda.reset_peak_memory_stats``; CPU: the
+    process's peak RSS so far (cumulative over everything the process did)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # process peak RSS (Linux: KiB)

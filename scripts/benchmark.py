@@ -30,7 +30,6 @@ the interleaved rounds that make the ratios fair, and one table and JSON.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import platform
 import resource
@@ -41,55 +40,31 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ltcx.generation import generate  # noqa: E402
-from ltcx.models.catalog import CATALOG, config_path  # noqa: E402
+from ltcx.models.catalog import CATALOG, build_configured  # noqa: E402
 from ltcx.models.state import map_state_tensors  # noqa: E402
-from ltcx.throughput import default_peak_flops, measured_matmul_flops, model_flops_per_token  # noqa: E402
+from ltcx.throughput import (  # noqa: E402
+    default_peak_flops,
+    measured_matmul_flops,
+    model_flops_per_token,
+    peak_memory_mb,
+    prefilled_state,
+    sync,
+    timed,
+    training_step,
+)
 
 
 def build_backbone(arch: str, vocab_size: int, min_context: int) -> torch.nn.Module:
-    """The backbone of a catalogued architecture's YAML (configs/<arch>.yaml); a context (block_size) is raised to
-    ``min_context`` if smaller (null, the data's length in a fit, is ``min_context``).
-
-    ``arch`` may override init_args after a colon: ``titans_mag:memory_chunk_size=64,window=256``.
-    """
-    name, _, overrides = arch.partition(":")
-    if name not in CATALOG:
-        raise SystemExit(f"benchmark: unknown architecture '{name}' (known: {', '.join(sorted(CATALOG))})")
-    config = yaml.safe_load(config_path(name).read_text())["model.backbone"]
-    module_name, class_name = config["class_path"].rsplit(".", 1)
-    init_args = {**config.get("init_args", {}), "vocab_size": vocab_size}
-    for assignment in filter(None, overrides.split(",")):
-        key, _, value = assignment.partition("=")
-        init_args[key] = yaml.safe_load(value)
-    if "block_size" in init_args:
-        init_args["block_size"] = max(init_args["block_size"] or 0, min_context)
-    return getattr(importlib.import_module(module_name), class_name)(**init_args)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, device, repeats: int, warmup: int = 1) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """The backbone of ``arch`` (a catalogue name, optionally ``name:key=value,...``) from its YAML."""
+    try:
+        return build_configured(arch, vocab_size, min_context)
+    except KeyError as error:
+        raise SystemExit(f"benchmark: {error.args[0]}") from None
 
 
 def state_bytes(state) -> int:
@@ -104,14 +79,6 @@ def state_bytes(state) -> int:
     return total
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """CUDA: the most this architecture allocated; CPU: the process's peak RSS so far (cumulative across
-    the architectures of one run, so run one architecture per process to compare CPU memory)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # process peak RSS (Linux: KiB)
-
-
 def bench_arch(arch: str, args, device: torch.device, peak_flops: float | None) -> dict:
     torch.manual_seed(0)
     model = build_backbone(arch, 50304, max(args.seq_len, args.generate_tokens)).to(device)
@@ -123,14 +90,7 @@ def bench_arch(arch: str, args, device: torch.device, peak_flops: float | None) 
     idx = torch.randint(0, 50304, (args.batch_size, args.seq_len + 1), device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    def train_step(forward=model):
-        with autocast:
-            logits, _ = forward(idx[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    train_step = training_step(lambda i: model(i)[0], idx, optimizer, autocast)
     model.train()
     tokens = args.batch_size * args.seq_len
     train_s = timed(train_step, device, args.repeats)
@@ -143,12 +103,14 @@ def bench_arch(arch: str, args, device: torch.device, peak_flops: float | None) 
         "mfu": None if peak_flops is None else tokens / train_s * flops_per_token / peak_flops,
     }
     if args.compile:
-        compiled = torch.compile(model)
+        # The logits alone, as LanguageModel compiles them (a state among a compiled graph's outputs is not needed
+        # for training, and torch 2.13's AOTAutograd cache rebuilds such outputs wrongly).
+        compiled_step = training_step(torch.compile(lambda i: model(i)[0]), idx, optimizer, autocast)
         start = time.perf_counter()
-        train_step(compiled)  # compiles forward and backward
+        compiled_step()  # compiles forward and backward
         sync(device)
         result["compile_s"] = time.perf_counter() - start
-        compiled_s = timed(lambda: train_step(compiled), device, args.repeats)
+        compiled_s = timed(compiled_step, device, args.repeats)
         result["compiled_train_tokens_per_s"] = tokens / compiled_s
         result["compiled_vs_eager"] = train_s / compiled_s
     model.eval()
@@ -176,15 +138,7 @@ def bench_arch(arch: str, args, device: torch.device, peak_flops: float | None) 
             result["generate_uncached_s"] = uncached_s
     if args.recurrent_baseline and hasattr(model, "forward_recurrent"):
         model.train()
-
-        def recurrent_train_step():
-            with autocast:
-                logits, _ = model.forward_recurrent(idx[:, :-1])
-                loss = F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
+        recurrent_train_step = training_step(lambda i: model.forward_recurrent(i)[0], idx, optimizer, autocast)
         seconds = timed(recurrent_train_step, device, 1, 0)
         result["recurrent_train_tokens_per_s"] = args.batch_size * args.seq_len / seconds
     result["peak_memory_mb"] = peak_memory_mb(device)
@@ -196,25 +150,24 @@ def decode_at(models: dict, args, device: torch.device) -> dict:
     model in turn, round after round (the median of each; the first model rotates), so a load that drifts on a
     shared machine hits all alike."""
     times = {arch: {} for arch in models}
-    token = torch.zeros(args.decode_batch, 1, dtype=torch.long, device=device)
     with torch.no_grad():
         for position in args.decode_at:
             key = f"decode_ms_at_{position}"
-            states = {}
+            states = {}  # arch -> (token, state)
             for arch, model in models.items():
                 model.eval()
-                context = getattr(model, "max_seq_len", None)
-                if context is not None and position >= context:
+                try:
+                    states[arch] = prefilled_state(model, args.decode_batch, position, device)
+                except ValueError:
                     times[arch][key] = None  # beyond the model's context
-                else:
-                    states[arch] = model(token.expand(-1, position).contiguous())[1]
-                    model(token, states[arch])  # warm-up
+                    continue
+                model(*states[arch])  # warm-up
             samples = {arch: [] for arch in states}
             archs = list(states)
-            for round_index in range(args.repeats * 4):
+            for round_index in range(args.repeats * 4 if archs else 0):
                 shift = round_index % len(archs)  # each model goes first in turn: no order bias
                 for arch in archs[shift:] + archs[:shift]:
-                    state = states[arch]
+                    token, state = states[arch]
                     sync(device)
                     start = time.perf_counter()
                     models[arch](token, state)

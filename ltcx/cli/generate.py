@@ -39,6 +39,10 @@ def generate_main(argv: list[str]) -> None:
         "folder the checkpoint names is only loaded when given here)",
     )
     parser.add_argument("--device", default=None)  # None: cuda if torch sees one, else cpu
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32",
+        help="the weights' type while sampling (bfloat16: half the memory and bytes read per token; on a GPU)",
+    )
     args = parser.parse_args(argv)
     if not os.path.exists(args.ckpt_path):
         raise missing_checkpoint(args.ckpt_path)
@@ -53,7 +57,7 @@ def generate_main(argv: list[str]) -> None:
     device = _device(("cuda" if torch.cuda.is_available() else "cpu") if args.device is None else args.device)
 
     model, _, tokenizer = load_model_and_tokenizer(args.ckpt_path, args.tokenizer, map_location=device)
-    backbone = model.backbone.to(device)
+    backbone = model.backbone.to(device=device, dtype=getattr(torch, args.dtype))
     generator = torch.Generator(device=device)
     if args.seed is not None:
         generator.manual_seed(args.seed)

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["CATALOG", "Architecture", "add_to_catalog", "build_tiny", "config_path", "get", "names"]
+__all__ = ["CATALOG", "Architecture", "add_to_catalog", "build_configured", "build_tiny", "config_path", "get", "names"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,6 +105,28 @@ def get(name: str) -> Architecture:
 
 def build_tiny(name: str, vocab_size: int, **overrides) -> Any:
     return get(name).build_tiny(vocab_size, **overrides)
+
+
+def build_configured(spec: str, vocab_size: int, min_context: int = 0) -> Any:
+    """The backbone of an architecture's YAML (its ``model.backbone`` block), float32, training mode.
+
+    ``spec`` is a catalogue name, optionally with init_args overrides after a colon
+    (``titans_mag:memory_chunk_size=64,window=256``, values read as YAML); a context (``block_size``) smaller than
+    ``min_context`` is raised to it, and a null one (the data's length in a fit) is ``min_context``. ``KeyError``
+    naming the known architectures for an unknown name.
+    """
+    import yaml
+
+    name, _, overrides = spec.partition(":")
+    config = yaml.safe_load(config_path(name).read_text())["model.backbone"]
+    module_name, class_name = config["class_path"].rsplit(".", 1)
+    init_args = {**config.get("init_args", {}), "vocab_size": vocab_size}
+    for assignment in filter(None, overrides.split(",")):
+        key, _, value = assignment.partition("=")
+        init_args[key] = yaml.safe_load(value)
+    if "block_size" in init_args:
+        init_args["block_size"] = max(init_args["block_size"] or 0, min_context)
+    return getattr(importlib.import_module(module_name), class_name)(**init_args)
 
 
 def config_path(name: str) -> Path:
