@@ -23,5 +23,11 @@ setup(
         "tqdm>=4.60",  # ltcx prepare's progress bar
         "safetensors>=0.4",  # `ltcx export` and its loader
     ],
+    extras_require={
+        # `mlstm_backend: kernels`: NX-AI's TFLA Triton kernels for the xLSTM's mLSTM on CUDA (Triton comes with
+        # PyTorch's CUDA build); Python >= 3.11. NXAI Community License (attribution; a commercial licence above
+        # EUR 100M yearly revenue).
+        "kernels": ["mlstm_kernels>=2.0.6,<3"],
+    },
     entry_points={"console_scripts": ["ltcx=ltcx.cli:main"]},
 )
