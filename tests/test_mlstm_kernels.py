@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from helpers import assert_rel, mlstm_inputs, relative_error, run_in_pieces
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models import xlstm as xlstm_module
+from ltcx.models.registry import class_path
 from ltcx.models.xlstm import XLSTM, XLSTMConfig, mlstm_kernel_for
 from ltcx.ops.mlstm import EPS, mlstm_chunkwise, mlstm_init_state, mlstm_parallel, mlstm_recurrent, mlstm_step
 from ltcx.ops.mlstm_kernels import (
@@ -35,6 +36,7 @@ from ltcx.ops.mlstm_kernels import (
     padded_length,
 )
 from ltcx.ops.naive.mlstm import mlstm_parallel_naive
+from ltcx.persist.fit import check_same_backbone
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
 
@@ -241,6 +243,16 @@ def test_kernels_unavailable_names_what_is_missing():
 def test_kernels_backend_needs_the_sigmoid_forget_gate():
     with pytest.raises(ConfigError, match=r"mlstm_backend 'kernels' needs forget_gate 'sigmoid'"):
         XLSTMConfig(mlstm_backend="kernels", forget_gate="exp")
+
+
+def test_a_checkpoint_resumes_on_another_mlstm_backend():
+    """The backend and chunk size compute the same function of the same weights: a chunkwise checkpoint resumes on the
+    kernels (and back); a change of width is still another model."""
+    stored = _tiny_model(mlstm_backend="chunkwise", chunk_size=4)
+    meta = {"backbone_class": class_path(XLSTM), "backbone_config": stored.config_dict()}
+    check_same_backbone(meta, _tiny_model(mlstm_backend="kernels", chunk_size=16), "last.ckpt")
+    with pytest.raises(LtcxError, match=r"is of another model \(embedding_dim: 32 in the file, 64 configured\)"):
+        check_same_backbone(meta, _tiny_model(mlstm_backend="kernels", embedding_dim=64), "last.ckpt")
 
 
 @needs_package
