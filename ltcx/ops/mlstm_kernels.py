@@ -20,10 +20,11 @@ how this module bridges them (``tests/test_mlstm_kernels.py`` checks each agains
   ``max(ltcx's m, sum of log f so far)``, so their eps term can be larger: the outputs differ by about
   eps relative (they agree to rounding with eps = 0). A carried state with m = -inf (the empty state, C = n = 0)
   is handed over with m = 0, the same memory.
-* **Lengths.** TFLA needs 16, 32 or 64 steps, or a multiple of 128 (its chunk). Other lengths are padded as NX-AI's
-  inference wrapper pads them: q = k = v = 0, f~ = 25, i~ = -25 after the last step. The padded steps come after
-  every real one, so the real steps' outputs are exact; they write nothing (k = 0) and keep f = sigmoid(25) = 1 in
-  float32 (1 - 1.4e-11 a step in float64), so the state after them is the state after the real steps.
+* **Lengths.** TFLA needs 16, 32 or 64 steps, or a multiple of 128 (its chunk). Other lengths are padded after the
+  last step, as NX-AI's inference wrapper pads them, with steps that write nothing and forget nothing: q = k = v = 0,
+  f~ = 50, i~ = -50 (the wrapper's 25 gives f = sigmoid(25) = 1 in float32 but 1 - 1.4e-11 a step in float64; 50
+  gives 1 in both). The padded steps come after every real one, so the real steps' outputs are exact, and the state
+  after them is the state after the real steps (m rises to -50 if it was below: the same memory).
 * **Backward.** TFLA's backward passes no gradient to the carried-in n and m and takes none from the returned n
   and m (only C's). ltcx never needs one: training blocks start from the empty state and the returned state is
   used only for generation, without gradients.
