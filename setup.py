@@ -24,7 +24,13 @@ setup(
         "safetensors>=0.4",  # `ltcx export` and its loader
         "matplotlib>=3.5",  # `ltcx evaluate`'s plot
     ],
-    # `ltcx lm-eval` (lm-evaluation-harness tasks): pip install -e .[eval]
-    extras_require={"eval": ["lm_eval>=0.4.13,<0.5"]},
+    extras_require={
+        # `ltcx lm-eval` (lm-evaluation-harness tasks): pip install -e .[eval]
+        "eval": ["lm_eval>=0.4.13,<0.5"],
+        # `mlstm_backend: kernels`: NX-AI's TFLA Triton kernels for the xLSTM's mLSTM on CUDA (Triton comes with
+        # PyTorch's CUDA build); Python >= 3.11. NXAI Community License (attribution; a commercial licence above
+        # EUR 100M yearly revenue), so it is not in requirements.txt.
+        "kernels": ["mlstm_kernels>=2.0.6,<3"],
+    },
     entry_points={"console_scripts": ["ltcx=ltcx.cli:main"]},
 )

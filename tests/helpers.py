@@ -1,8 +1,9 @@
 """Helpers shared by several test modules (imported as ``from helpers import ...``, like ``fault_injection``):
-relative errors of tensors against a reference, documents of a fixed byte length, feeding a backbone in pieces,
-a small text corpus, TensorBoard events and a generation check for CLI runs, the arguments of a tiny `ltcx fit`
-run (in process, as a `run.py` subprocess, or as 2 gloo processes under DDP or FSDP2), one-line user errors and
-small checkpoints written without training. Fixtures live in conftest.py; no test module imports another."""
+relative errors of tensors against a reference, seeded mLSTM inputs, documents of a fixed byte length, feeding a
+backbone in pieces, a small text corpus, TensorBoard events and a generation check for CLI runs, the arguments of a
+tiny `ltcx fit` run (in process, as a `run.py` subprocess, or as 2 gloo processes under DDP or FSDP2), one-line user
+errors and small checkpoints written without training. Fixtures live in conftest.py; no test module imports
+another."""
 
 from __future__ import annotations
 
@@ -54,6 +55,16 @@ def run_in_pieces(model, idx: torch.Tensor, sizes) -> tuple[torch.Tensor, object
         start += size
     assert start == idx.shape[1], (start, idx.shape)
     return torch.cat(outputs, dim=1), state
+
+
+def mlstm_inputs(B=2, H=3, T=37, D=8, f_bias=0.0, dtype=torch.float64, seed=0):
+    """Seeded mLSTM inputs: q, k, v ``[B, H, T, D]`` ~ N(0, 1), input-gate pre-activations ~ N(0, 4) and forget-gate
+    pre-activations ~ N(f_bias, 1) ``[B, H, T]``."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, T, D, generator=g, dtype=dtype) for _ in range(3))
+    i_pre = 2.0 * torch.randn(B, H, T, generator=g, dtype=dtype)
+    f_pre = torch.randn(B, H, T, generator=g, dtype=dtype) + f_bias
+    return q, k, v, i_pre, f_pre
 
 
 def write_corpus(folder: Path, train_docs: int = 300, val_docs: int = 30) -> Path:

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import run_in_pieces
+from helpers import mlstm_inputs, run_in_pieces
 from ltcx.errors import ConfigError
 from ltcx.models import xlstm as xlstm_module
 from ltcx.models.xlstm import XLSTM, CausalConv1d, XLSTMConfig
@@ -38,14 +38,6 @@ F32_REL_TOL = 5e-4  # float32 forms vs the float64 recurrence: max |err| <= 5e-4
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
-
-
-def _mlstm_inputs(B=2, H=3, T=37, D=8, f_bias=0.0, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, H, T, D, generator=g, dtype=dtype) for _ in range(3))
-    i_pre = 2.0 * torch.randn(B, H, T, generator=g, dtype=dtype)
-    f_pre = torch.randn(B, H, T, generator=g, dtype=dtype) + f_bias
-    return q, k, v, i_pre, f_pre
 
 
 def _assert_states_close(a, b, **tol):
@@ -73,10 +65,10 @@ def _tiny_model(dtype=torch.float64, **overrides) -> XLSTM:
 @pytest.mark.parametrize("f_bias", [8.0, -3.0, 0.0], ids=["strong-forget", "weak-forget", "mid-forget"])
 @pytest.mark.parametrize("with_state", [False, True], ids=["empty-state", "initial-state"])
 def test_mlstm_forms_agree_float64(f_bias, with_state):
-    q, k, v, i_pre, f_pre = _mlstm_inputs(f_bias=f_bias)
+    q, k, v, i_pre, f_pre = mlstm_inputs(f_bias=f_bias)
     state = None
     if with_state:  # a realistic non-zero state: the recurrence run over an unrelated prefix
-        pq, pk, pv, pi, pf = _mlstm_inputs(T=9, f_bias=f_bias, seed=1)
+        pq, pk, pv, pi, pf = mlstm_inputs(T=9, f_bias=f_bias, seed=1)
         _, state = mlstm_recurrent(pq, pk, pv, pi, pf)
         assert state[0].abs().max() > 0 and torch.isfinite(state[2]).all()
     h_rec, s_rec = mlstm_recurrent(q, k, v, i_pre, f_pre, state)
@@ -90,7 +82,7 @@ def test_mlstm_forms_agree_float64(f_bias, with_state):
 
 
 def test_mlstm_exponential_forget_gate_forms_agree():
-    q, k, v, i_pre, f_pre = _mlstm_inputs(f_bias=-0.5)
+    q, k, v, i_pre, f_pre = mlstm_inputs(f_bias=-0.5)
     h_rec, s_rec = mlstm_recurrent(q, k, v, i_pre, f_pre, forget_gate="exp")
     for h, s in (mlstm_parallel(q, k, v, i_pre, f_pre, forget_gate="exp"),
                  mlstm_chunkwise(q, k, v, i_pre, f_pre, chunk_size=5, forget_gate="exp")):
@@ -100,7 +92,7 @@ def test_mlstm_exponential_forget_gate_forms_agree():
 
 @pytest.mark.parametrize("f_bias", [8.0, -3.0])
 def test_mlstm_forms_float32_within_tolerance(f_bias):
-    args64 = _mlstm_inputs(T=150, D=16, f_bias=f_bias)
+    args64 = mlstm_inputs(T=150, D=16, f_bias=f_bias)
     h_ref, s_ref = mlstm_recurrent(*args64)
     args32 = [x.float() for x in args64]
     scale = h_ref.abs().max()
@@ -112,7 +104,7 @@ def test_mlstm_forms_float32_within_tolerance(f_bias):
 
 
 def test_mlstm_bf16_inputs_keep_float32_state():
-    q, k, v, i_pre, f_pre = _mlstm_inputs(T=20, dtype=torch.float32)
+    q, k, v, i_pre, f_pre = mlstm_inputs(T=20, dtype=torch.float32)
     h, (C, n, m) = mlstm_chunkwise(*(x.bfloat16() for x in (q, k, v)), i_pre, f_pre, chunk_size=8)
     assert h.dtype == torch.bfloat16 and C.dtype == n.dtype == m.dtype == torch.float32
     h_ref, _ = mlstm_chunkwise(q, k, v, i_pre, f_pre, chunk_size=8)
@@ -122,7 +114,7 @@ def test_mlstm_bf16_inputs_keep_float32_state():
 def test_mlstm_parallel_equals_formula_written_out():
     """log D_ij = sum_{l=j+1..i} log f_l + i~_j, m_i = max_j log D_ij, C = (q k^T/sqrt(d)) exp(log D - m),
     h_i = sum_j C_ij v_j / (max(|sum_j C_ij|, exp(-m_i)) + eps), built with plain loops."""
-    q, k, v, i_pre, f_pre = _mlstm_inputs(B=1, H=1, T=6, D=3, f_bias=1.0, seed=3)
+    q, k, v, i_pre, f_pre = mlstm_inputs(B=1, H=1, T=6, D=3, f_bias=1.0, seed=3)
     q, k, v, i_pre, f_pre = q[0, 0], k[0, 0], v[0, 0], i_pre[0, 0], f_pre[0, 0]
     h_ref = mlstm_parallel_naive(q, k, v, i_pre, f_pre)
     h, _ = mlstm_parallel(q[None, None], k[None, None], v[None, None], i_pre[None, None], f_pre[None, None])
@@ -162,7 +154,7 @@ def test_mlstm_stabilised_equals_unstabilised_recurrence_and_normaliser_uses_abs
 
 
 def test_mlstm_step_matches_one_token_parallel():
-    q, k, v, i_pre, f_pre = _mlstm_inputs(T=1)
+    q, k, v, i_pre, f_pre = mlstm_inputs(T=1)
     h_step, s_step = mlstm_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], i_pre[:, :, 0], f_pre[:, :, 0])
     h_par, s_par = mlstm_parallel(q, k, v, i_pre, f_pre)
     torch.testing.assert_close(h_step, h_par[:, :, 0], **F64)
@@ -170,7 +162,7 @@ def test_mlstm_step_matches_one_token_parallel():
 
 
 def test_mlstm_chunkwise_long_float32_is_finite_with_finite_gradients():
-    q, k, v, i_pre, f_pre = (x.requires_grad_() for x in _mlstm_inputs(B=1, H=2, T=300, D=8, f_bias=6.0,
+    q, k, v, i_pre, f_pre = (x.requires_grad_() for x in mlstm_inputs(B=1, H=2, T=300, D=8, f_bias=6.0,
                                                                       dtype=torch.float32))
     h, (C, n, m) = mlstm_chunkwise(q, k, v, 5.0 * i_pre, f_pre, chunk_size=64)
     (h.square().mean() + C.mean()).backward()

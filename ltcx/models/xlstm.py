@@ -35,28 +35,38 @@ std), the sLSTM input weights with the head width, R ~ N(0, 0.02) and the sLSTM 
 
 State (per block, a tuple): mLSTM ``(C, n, m, conv_buffer)``; sLSTM ``(c, n, h, m, conv_buffer)``;
 the conv buffer holds the block's last ``conv_kernel_size - 1`` conv inputs ``[B, K-1, channels]``.
-Training (T > 1) uses the chunkwise (or parallel) mLSTM; one token uses the recurrent step.
+Training (T > 1) uses the chunkwise (or parallel) mLSTM, or on CUDA NX-AI's TFLA kernels (``mlstm_backend:
+kernels``, :func:`mlstm_kernel_for` says when); one token uses the recurrent step.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from lightning_utilities.core.rank_zero import rank_zero_only
 from torch import Tensor
 
-from ltcx.errors import ConfigError
+from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.config import ConfiguredModule
 from ltcx.models.state import reorder_state
 from ltcx.ops.conv import causal_depthwise_conv
 from ltcx.ops.mlstm import FORGET_GATES, mlstm_chunkwise, mlstm_parallel, mlstm_step
+from ltcx.ops.mlstm_kernels import (
+    KERNEL_CHUNK,
+    TRITON_KERNEL,
+    kernels_unavailable,
+    mlstm_chunkwise_kernels,
+    padded_length,
+)
 from ltcx.ops.slstm import slstm_scan
 
-MLSTM_BACKENDS = ("chunkwise", "parallel")
+MLSTM_BACKENDS = ("chunkwise", "parallel", "kernels")
 
 
 @dataclass
@@ -90,9 +100,10 @@ class XLSTMConfig:
     conv_kernel_size: int = 4
     """Kernel of the causal depthwise convolution over time."""
     chunk_size: int = 64
-    """Chunk length of the chunkwise mLSTM used for training (T > 1)."""
-    mlstm_backend: Literal["chunkwise", "parallel"] = "chunkwise"
-    """mLSTM form for T > 1: 'chunkwise' (O(T chunk) memory) or 'parallel' (O(T^2))."""
+    """Chunk length of ltcx's chunkwise mLSTM used for training (T > 1); the kernels tile with their own (128)."""
+    mlstm_backend: Literal["chunkwise", "parallel", "kernels"] = "chunkwise"
+    """mLSTM form for T > 1: 'chunkwise' (O(T chunk) memory), 'parallel' (O(T^2)) or 'kernels' (NX-AI's TFLA
+    Triton kernels on CUDA, `pip install ltcx[kernels]`; on other devices ltcx's chunkwise form, with one notice)."""
     forget_gate: Literal["sigmoid", "exp"] = "sigmoid"
     """Forget-gate activation: 'sigmoid' (bounded, default) or 'exp'."""
     tie_embeddings: bool = True
@@ -178,6 +189,11 @@ class XLSTMConfig:
             raise ConfigError(f"mlstm_backend ({self.mlstm_backend!r}) must be one of {list(MLSTM_BACKENDS)}")
         if self.forget_gate not in FORGET_GATES:
             raise ConfigError(f"forget_gate ({self.forget_gate!r}) must be one of {list(FORGET_GATES)}")
+        if self.mlstm_backend == "kernels" and self.forget_gate != "sigmoid":
+            raise ConfigError(
+                f"mlstm_backend 'kernels' needs forget_gate 'sigmoid' (NX-AI's kernels have no {self.forget_gate!r} "
+                "forget gate): set forget_gate: sigmoid or mlstm_backend: chunkwise"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout ({self.dropout}) must be in [0, 1)")
 
@@ -250,6 +266,40 @@ def slstm_forget_bias(head_dim: int, block_index: int, num_blocks: int) -> Tenso
     return 5.0 - 12.0 * torch.linspace(0.0, 1.0, head_dim) ** (0.3 + 1.3 * depth)
 
 
+_notices_given: set[str] = set()
+
+
+def _notice_once(text: str) -> None:
+    """One ``ltcx:`` line on stderr, once per process, from the first process only."""
+    if text not in _notices_given and getattr(rank_zero_only, "rank", 0) == 0:
+        _notices_given.add(text)
+        print(f"ltcx: {text}", file=sys.stderr)
+
+
+def mlstm_kernel_for(device: torch.device, training: bool) -> str | None:
+    """The ``mlstm_kernels`` kernel that an mLSTM block with ``mlstm_backend: kernels`` runs on ``device``, or None for
+    ltcx's chunkwise form (the same function: ``tests/test_mlstm_kernels.py``).
+
+    * not CUDA: None, with one notice, so that one YAML runs on a CPU as on a GPU;
+    * CUDA without the package (or Triton): training is an error naming ``pip install 'ltcx[kernels]'`` (a run that
+      asked for the kernels should not silently train at another speed); evaluation and generation use ltcx's form,
+      with one notice, so that a checkpoint trained with the kernels stays usable where they are not installed.
+    """
+    if device.type != "cuda":
+        _notice_once(f"mlstm_backend 'kernels' runs on CUDA only; on {device.type} the mLSTM runs ltcx's chunkwise "
+                     "form (the same function)")
+        return None
+    missing = kernels_unavailable()
+    if missing is None:
+        return TRITON_KERNEL
+    if training:
+        raise LtcxError(f"mlstm_backend 'kernels': {missing}: pip install 'ltcx[kernels]', "
+                        "or set mlstm_backend: chunkwise")
+    _notice_once(f"mlstm_backend 'kernels': {missing}; evaluating with ltcx's chunkwise mLSTM (the same function; "
+                 "pip install 'ltcx[kernels]' for NX-AI's kernels)")
+    return None
+
+
 class MLSTMBlock(nn.Module):
     """Pre-LayerNorm residual mLSTM block. forward(x ``[B, T, E]``, state) -> (x', state)."""
 
@@ -304,6 +354,8 @@ class MLSTMBlock(nn.Module):
             h = h.unsqueeze(2)
         elif self.backend == "parallel":
             h, cell = mlstm_parallel(heads(q), heads(k), heads(v), i_pre, f_pre, cell, forget_gate=self.forget_gate)
+        elif self.backend == "kernels" and (kernel := mlstm_kernel_for(x.device, self.training)) is not None:
+            h, cell = mlstm_chunkwise_kernels(heads(q), heads(k), heads(v), i_pre, f_pre, cell, kernel=kernel)
         else:
             h, cell = mlstm_chunkwise(heads(q), heads(k), heads(v), i_pre, f_pre, cell,
                                       chunk_size=self.chunk_size, forget_gate=self.forget_gate)
@@ -369,6 +421,9 @@ class XLSTM(ConfiguredModule):
 
     config_class = XLSTMConfig
     max_seq_len = None  # recurrent: no context limit
+    # what a resumed run may change (ltcx/persist/fit.py): dropout, and how the mLSTM is computed (the same function
+    # of the same weights), e.g. to continue a chunkwise run on NX-AI's kernels
+    resumable_fields = frozenset({"dropout", "mlstm_backend", "chunk_size"})
 
     def __init__(self, **fields) -> None:
         super().__init__()
@@ -425,7 +480,8 @@ class XLSTM(ConfiguredModule):
           k^T v (2 L d^2), the read of the carried state q C and q n (2 L d^2 + 2 L d) and the whole L x L
           intra-chunk products q k^T and S v (4 L^2 d, computed whole and masked by multiplication); a
           trailing chunk of r < L tokens costs 4 r^2 d + 2 r d^2 + 2 r d plus its final state k^T v
-          (2 r d^2). The parallel form is one such chunk of T tokens.
+          (2 r d^2). The parallel form is one such chunk of T tokens; the kernels (``mlstm_backend: kernels``, as
+          on CUDA) run the padded length S (``padded_length``) in chunks of min(S, 128), the padding counted.
         * sLSTM block (Hs heads of d_s = E / Hs): headwise input projections, 2 streams each E -> 2E in
           blocks d_s x 2 d_s (2 E 2 d_s), block-diagonal recurrence 4 gates x 2 E d_s, feed-forward 2 E 2F + 2 F E.
         * head: 2 E V (tied with the embedding: counted once).
@@ -433,8 +489,13 @@ class XLSTM(ConfiguredModule):
         cfg = self.config
         E, inner, V, T = cfg.embedding_dim, cfg.mlstm_inner_dim, cfg.vocab_size, seq_len
         d = inner // cfg.num_heads
-        L = T if cfg.mlstm_backend == "parallel" else cfg.chunk_size
-        full, rest = divmod(T, L)
+        if cfg.mlstm_backend == "kernels":
+            S = padded_length(T)
+            L = min(S, KERNEL_CHUNK)
+            full, rest = S // L, 0  # S is a multiple of L
+        else:
+            L = T if cfg.mlstm_backend == "parallel" else cfg.chunk_size
+            full, rest = divmod(T, L)
         cell = full * (4 * L * d * d + 4 * L * L * d + 2 * L * d)
         if rest:
             cell += 4 * rest * rest * d + 4 * rest * d * d + 2 * rest * d
