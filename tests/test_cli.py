@@ -133,6 +133,7 @@ def test_unreachable_hub_names_the_offline_fix(tmp_path, monkeypatch, capsys):
     assert not list(tmp_path.glob("lightning_logs/*/*/config.yaml"))
 
 
+@pytest.mark.quick
 def test_smoke_config_trains_on_the_builtin_sample(tmp_path, monkeypatch, capsys):
     """The README's quickstart, shrunk: smoke.yaml alone (no --data.path, no hub) fits, validates, samples, saves."""
     monkeypatch.chdir(tmp_path)

@@ -200,6 +200,7 @@ CORE_CHECKS = [
 ALL = sorted(CATALOG)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ALL)
 def test_constructor_is_the_config_declared_once(name):
     """The backbone's signature (what the CLI and checkpoints read) is its config dataclass's init fields, with the
@@ -212,47 +213,56 @@ def test_constructor_is_the_config_declared_once(name):
     assert all(f"    {n}: " in inspect.getdoc(cls.__init__) for n in fields)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ALL)
 def test_pieces_equal_whole(name):
     check_pieces_equal_whole(CATALOG[name])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ALL)
 def test_cached_decode_equals_full_forward(name):
     check_cached_decode_equals_full_forward(CATALOG[name])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ALL)
 def test_reorder_cache_equals_running_the_reordered_batch(name):
     check_reorder_cache(CATALOG[name])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ALL)
 def test_causality(name):
     check_causality(CATALOG[name])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ALL)
 def test_batch_independence(name):
     check_batch_independence(CATALOG[name])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ALL)
 def test_gradients_reach_every_parameter(name):
     check_gradients_reach_every_parameter(CATALOG[name])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ALL)
 def test_config_dict_rebuilds(name):
     check_config_dict_rebuilds(CATALOG[name])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("mode", ["bf16 weights", "autocast"])
 @pytest.mark.parametrize("name", ALL)
 def test_bf16_generation(name, mode):
     check_bf16_generation(CATALOG[name], mode)
 
 
+@pytest.mark.quick
 def test_catalogue_entries_have_their_yaml_and_class():
     for name, entry in CATALOG.items():
         assert config_path(name).is_file(), name

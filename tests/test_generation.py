@@ -8,6 +8,8 @@ from ltcx.errors import LtcxError
 from ltcx.generation import filter_logits, generate, stream_tokens
 from ltcx.models.gpt import GPT
 
+pytestmark = pytest.mark.quick  # `pytest -m quick`: the equations, a first check
+
 
 @pytest.fixture
 def model():

@@ -11,6 +11,8 @@ from ltcx.models.gpt import GPT, GPTConfig
 from ltcx.ops.attention import causal_gqa_attention
 from ltcx.ops.naive.attention import naive_attention
 
+pytestmark = pytest.mark.quick  # `pytest -m quick`: the equations, a first check
+
 REFERENCE = dict(block_size=512, vocab_size=50304, n_layer=6, n_head=6, n_kv_head=2, n_embd=384, dropout=0.0,
                  bias=False)
 

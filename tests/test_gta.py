@@ -16,6 +16,8 @@ from ltcx.models.derived import DERIVED_NOT_KEPT
 from ltcx.models.gpt import GPT, GQAAttention
 from ltcx.models.gta import GTAGPT, GTAAttention, GTAConfig
 
+pytestmark = pytest.mark.quick  # `pytest -m quick`: the equations, a first check
+
 F64 = torch.float64
 REFERENCE = dict(
     block_size=512, vocab_size=50304, n_layer=6, n_head=6, n_embd=384, bias=False,

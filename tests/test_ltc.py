@@ -17,6 +17,8 @@ from ltcx.models.ltc import LTCGPT, LTCAttention, LTCCache, LTCConfig
 from ltcx.ops import ltc as ltc_ops
 from ltcx.ops.naive.ltc import ltc_attention_reference
 
+pytestmark = pytest.mark.quick  # `pytest -m quick`: the equations, a first check
+
 F64 = torch.float64
 REFERENCE = dict(block_size=512, vocab_size=50304, n_layer=6, n_head=6, n_kv_head=2, n_embd=384, bias=False)
 SMALL = dict(block_size=32, vocab_size=61, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, bias=True)  # head_dim 8

@@ -16,7 +16,7 @@ from ltcx.ops.naive.attention import reference_attention, reference_rope, rope_m
 B, H, H_KV, D, N_P = 2, 4, 2, 8, 3
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
+pytestmark = [pytest.mark.quick, pytest.mark.usefixtures("one_thread")]  # tiny tensors: see conftest.py
 
 
 def _window(query_positions, key_positions, window):

@@ -31,7 +31,7 @@ B, H, T, DK, DM = 2, 2, 37, 8, 16  # T = 37 is a multiple of no chunk size used 
 FORMS = {"dual": neural_memory, "recurrent": neural_memory_recurrent}
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
+pytestmark = [pytest.mark.quick, pytest.mark.usefixtures("one_thread")]  # tiny tensors: see conftest.py
 
 
 # ----------------------------------------------------------------------------- inputs and comparisons

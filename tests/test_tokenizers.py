@@ -5,6 +5,8 @@ import pytest
 from ltcx.errors import LtcxError
 from ltcx.tokenizers import Tokenizer, get_tokenizer, padded_vocab_size
 
+pytestmark = pytest.mark.quick  # `pytest -m quick`: the equations, a first check
+
 TEXTS = [
     "Hello world",
     "",

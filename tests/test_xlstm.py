@@ -37,7 +37,7 @@ F32_REL_TOL = 5e-4  # float32 forms vs the float64 recurrence: max |err| <= 5e-4
 # ----------------------------------------------------------------------------- helpers
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
+pytestmark = [pytest.mark.quick, pytest.mark.usefixtures("one_thread")]  # tiny tensors: see conftest.py
 
 
 def _assert_states_close(a, b, **tol):
