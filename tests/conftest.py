@@ -46,3 +46,16 @@ def fit_env(tmp_path, monkeypatch):
 def checkpoint(tmp_path):
     """A small valid checkpoint of a tiny GPT (bytes tokenizer), written as ltcx writes them."""
     return write_checkpoint(tmp_path / "good.ckpt")
+
+
+@pytest.fixture
+def no_backoff(monkeypatch):
+    """For "fails at once" checks: records the sleeps of retries with back-off (huggingface_hub, datasets and
+    transformers sleep between attempts) and fails the test if they add up to a second, whatever the load of the
+    machine (a wall-clock bound would measure the load)."""
+    import time
+
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    yield slept
+    assert sum(slept) < 1, f"slept {slept} between retries"

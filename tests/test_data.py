@@ -1,7 +1,10 @@
+"""Streamed text (``TextDataModule`` on local files, ``sample`` and hub ids): packing into blocks, the validation
+split or hash hold-out, rank- and worker-disjoint reading under DDP, exact resume from stream positions, and each
+data error's one line."""
+
 import json
 import os
 import random
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -346,11 +349,9 @@ def test_error_mixed_types(tmp_path):
         make_dm(tmp_path)
 
 
-def test_error_unreachable_hub(hf_offline):
-    start = time.monotonic()
+def test_error_unreachable_hub(hf_offline, no_backoff):
     with pytest.raises(LtcxError) as info:
         TextDataModule(path="no-such-user/no-such-dataset").setup("fit")
-    assert time.monotonic() - start < 10
     msg = one_line(info)
     assert msg.startswith("cannot load data set 'no-such-user/no-such-dataset' from the Hugging Face hub (")
     assert msg.endswith(

@@ -456,7 +456,8 @@ def test_resume_is_exact_and_reads_nothing_it_skips(tmp_path, corpus, sampling):
     far = shard_dm(out, sampling=sampling).train_dataset(skip_batches=10**9)
     start = time.perf_counter()
     batch = next(iter(far))
-    assert time.perf_counter() - start < 0.5 and batch.shape == (2, B + 1)  # position arithmetic, not a replay
+    # Position arithmetic, not a replay: replaying 10^9 batches would take days; a minute is slack for any load.
+    assert time.perf_counter() - start < 60 and batch.shape == (2, B + 1)
 
 
 def test_random_offsets_stay_inside_shards(tmp_path, corpus):

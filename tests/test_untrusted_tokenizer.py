@@ -1,4 +1,4 @@
-"""Issue 17: a tokenizer name a file holds never runs code nor asks to, and a tokenizer of another vocabulary than
+"""A tokenizer name a file holds never runs code nor asks to, and a tokenizer of another vocabulary than
 the model's is refused."""
 
 import json
