@@ -110,3 +110,18 @@ def test_generate_reads_a_good_checkpoint(capsys, checkpoint):
     model, meta = load_language_model(checkpoint)
     assert type(model.backbone) is GPT and meta["tokenizer"] == "bytes"
 
+
+
+@pytest.mark.parametrize("flags", [["--optimizer", "torch.optim.SGD"], ["--optimizer=torch.optim.SGD"],
+                                   ["--lr_scheduler.class_path", "torch.optim.lr_scheduler.StepLR"]])
+def test_lightning_optimizer_flags_are_refused_not_silently_replacing_adamw(tmp_path, fit_env, capsys, flags):
+    line = one_error_line(fit_args(fit_env, *flags), capsys)
+    assert line.startswith("ltcx: error: --optimizer and --lr_scheduler are not ltcx options: every run trains with "
+                           "AdamW and a warmup + cosine schedule")
+
+
+def test_an_optimizer_section_in_a_yaml_is_refused(tmp_path, fit_env, capsys):
+    config = tmp_path / "sgd.yaml"
+    config.write_text("optimizer:\n  class_path: torch.optim.SGD\n  init_args:\n    lr: 0.1\n")
+    line = one_error_line(fit_args(fit_env, "--config", str(config)), capsys)
+    assert "--optimizer and --lr_scheduler are not ltcx options" in line

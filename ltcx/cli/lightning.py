@@ -44,6 +44,15 @@ DESCRIPTION = (
 )
 
 
+# LightningCLI's --optimizer / --lr_scheduler would silently replace ltcx's AdamW and its warmup + cosine schedule
+# (and the schedule's end kept in checkpoints): ltcx does not offer them.
+NO_OPTIMIZER_FLAGS = (
+    "--optimizer and --lr_scheduler are not ltcx options: every run trains with AdamW and a warmup + cosine "
+    "schedule by step; set --model.learning_rate, --model.min_lr, --model.warmup_steps, --model.decay_steps, "
+    "--model.weight_decay, --model.betas or --model.eps instead"
+)
+
+
 # How gloo and NCCL report a collective whose peer process is gone (its sockets closed: it exited, crashed or was
 # killed).
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "ncclRemoteError",
@@ -60,6 +69,8 @@ class LtcxArgumentParser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None):
         if not self.exit_on_error:
             super().error(message, ex)
+        if re.search(r"\b(optimizer|lr_scheduler)\b", message):  # e.g. `optimizer:` in a YAML
+            raise LtcxError(NO_OPTIMIZER_FLAGS) from ex
         parser = getattr(ex, "subcommand_parser", None) or self
         prog = parser.prog.replace(" [options]", "")
         raise LtcxError(f"{_one_line(message)}; see `{prog} --help`") from ex
@@ -112,6 +123,9 @@ class LtcxCLI(LightningCLI):
     def parse_arguments(self, parser, args) -> None:
         # The command line as given, to tell a flag the user typed from a value a YAML file set.
         self._command_line = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
+        for arg in self._command_line:
+            if arg.split("=", 1)[0].split(".", 1)[0] in ("--optimizer", "--lr_scheduler"):
+                raise LtcxError(NO_OPTIMIZER_FLAGS)
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         name_after_architecture(self.config[subcommand] if subcommand else self.config)
@@ -299,6 +313,7 @@ def cli_main(args: list[str] | None = None) -> LtcxCLI:
         LanguageModel,
         TextDataModule,
         save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,  # ltcx's AdamW and schedule (LanguageModel.configure_optimizers), always
         parser_kwargs={"description": DESCRIPTION},
         parser_class=LtcxArgumentParser,
         args=args,
