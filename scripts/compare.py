@@ -347,7 +347,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup_steps", type=int, default=None, help="override every config's warmup")
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--timing_rounds", type=int, default=5,
-                        help="rounds of the timing pass (each: one training step and four decode steps per model)")
+                        help="rounds of the timing pass (each: one training step and four decode steps per model); "
+                             "0 skips it (no speed columns)")
     parser.add_argument("--timing_device", default=None, help="device of the timing pass (default: cuda if any)")
     parser.add_argument("--retime", action="store_true", help="redo the timing pass even if it was done before")
     args = parser.parse_args(argv)
@@ -370,14 +371,20 @@ def main(argv: list[str] | None = None) -> None:
         for seed in args.seeds
         for config, name in zip(configs, names)
     ]
-    first_seed = {}  # model -> its lowest seed's run folder: the architecture, not the seed, sets the speed
-    for seed in sorted(args.seeds, reverse=True):
-        first_seed.update({name: out / "runs" / name / f"seed{seed}" for name in names})
-    timing = timing_pass(out, {name: Path(latest_checkpoint(folder)[-1]) for name, folder in first_seed.items()},
-                         args)
+    timing = None
+    if args.timing_rounds > 0:
+        checkpoints = {}  # model -> the checkpoint of its lowest seed that has one: the architecture sets the speed
+        for name in names:
+            found = [path for seed in sorted(args.seeds)
+                     for path in latest_checkpoint(out / "runs" / name / f"seed{seed}")[-1:]]
+            if not found:
+                fail(f"no last.ckpt is left under {out / 'runs' / name} for the timing pass: rerun one of its seeds "
+                     "(delete its result.json) or pass --timing_rounds 0 to leave the speed columns empty")
+            checkpoints[name] = Path(found[0])
+        timing = timing_pass(out, checkpoints, args)
     summary = {"baseline": args.baseline, "tokens": runs[0]["tokens"],
-               "models": summarize(runs, args.baseline, timing["models"]), "runs": runs,
-               "speed_unreliable": timing["speed_unreliable"], "timing": timing,
+               "models": summarize(runs, args.baseline, timing and timing["models"]), "runs": runs,
+               "speed_unreliable": timing and timing["speed_unreliable"], "timing": timing,
                "command": " ".join(["scripts/compare.py", *sys.argv[1:]])}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     table = markdown_table(summary["models"], args.baseline, timing)

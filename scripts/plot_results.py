@@ -89,7 +89,7 @@ def final_loss_figure(summary: dict, order: list[str], colours: dict) -> plt.Fig
 
 def throughput_figure(summary: dict, order: list[str], colours: dict) -> plt.Figure:
     """Training tokens/s and the cached decode step per model, from the comparison's timing pass, with a note in
-    red when that pass found the machine loaded (or when the summary predates the pass)."""
+    red when that pass found the machine loaded, when it was skipped, or when the summary predates it."""
     models = summary["models"]
     timing = summary.get("timing")
     figure, (left, right) = plt.subplots(1, 2, figsize=(max(10.0, 1.6 * len(order)), 4))
@@ -100,8 +100,10 @@ def throughput_figure(summary: dict, order: list[str], colours: dict) -> plt.Fig
         axes.set(title=title)
         axes.tick_params(axis="x", rotation=30)
         axes.grid(axis="y", alpha=0.3)
-    if timing is None:
+    if "timing" not in summary:
         note = "UNRELIABLE: each run timed itself at a different hour (a summary from before the timing pass)"
+    elif timing is None:
+        note = "not timed (compare.py --timing_rounds 0)"
     elif timing["speed_unreliable"]:
         note = (f"UNRELIABLE: load average {timing['load_average_max']:.1f} exceeded the "
                 f"{timing['usable_cores']} usable cores while timing")

@@ -123,12 +123,21 @@ def test_final_loss_is_points_with_sd_error_bars_and_none_for_one_seed():
     matplotlib.pyplot.close("all")
 
 
-@pytest.mark.parametrize("unreliable", [True, False])
-def test_throughput_figure_notes_a_loaded_machine(unreliable):
-    timing = {"speed_unreliable": unreliable, "load_average_max": 7.25, "usable_cores": 2}
-    figure = plot_results.throughput_figure(made_up_summary(timing), ["a", "b"], {"a": "red", "b": "blue"})
-    notes = [t.get_text() for t in figure.texts]
-    assert notes == (["UNRELIABLE: load average 7.2 exceeded the 2 usable cores while timing"] if unreliable else [])
+LOADED = {"speed_unreliable": True, "load_average_max": 7.25, "usable_cores": 2}
+
+
+@pytest.mark.parametrize("timing, notes", [
+    (LOADED, ["UNRELIABLE: load average 7.2 exceeded the 2 usable cores while timing"]),
+    ({**LOADED, "speed_unreliable": False}, []),
+    (None, ["not timed (compare.py --timing_rounds 0)"]),
+    ("absent", ["UNRELIABLE: each run timed itself at a different hour (a summary from before the timing pass)"]),
+])
+def test_throughput_figure_notes_a_loaded_machine(timing, notes):
+    summary = made_up_summary(None)
+    if timing != "absent":
+        summary["timing"] = timing
+    figure = plot_results.throughput_figure(summary, ["a", "b"], {"a": "red", "b": "blue"})
+    assert [t.get_text() for t in figure.texts] == notes
     matplotlib.pyplot.close("all")
 
 
