@@ -383,7 +383,9 @@ def main(argv: list[str] | None = None) -> None:
             checkpoints[name] = Path(found[0])
         timing = timing_pass(out, checkpoints, args)
     summary = {"baseline": args.baseline, "tokens": runs[0]["tokens"],
-               "models": summarize(runs, args.baseline, timing and timing["models"]), "runs": runs,
+               "models": summarize(runs, args.baseline, timing and timing["models"]),
+               # a result.json of an older compare.py holds the run's own timings: they measured the load, not kept
+               "runs": [{key: value for key, value in run.items() if key not in SPEED_KEYS} for run in runs],
                "speed_unreliable": timing and timing["speed_unreliable"], "timing": timing,
                "command": " ".join(["scripts/compare.py", *sys.argv[1:]])}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
