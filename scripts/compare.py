@@ -10,21 +10,29 @@ Each (config, seed) is an ordinary `run.py fit` in its own folder results/<name>
 to every run. A comparison that was stopped resumes where it stopped: finished runs (a `result.json`) are
 not redone, and an unfinished one continues from its `last.ckpt`.
 
+Once every run has finished, one timing pass in this process times the models against each other: one trained
+checkpoint per model (its lowest seed's), training steps at the comparison's batch and block and cached decode steps
+(batch 1) round after round, the models in turn, so a load that comes and goes on a shared machine slows all alike
+and the ratios measure the models. Timing each run inside its own training measured the machine's load at that
+hour instead. The pass records the load average while it runs; above the usable core count the speed columns are
+marked unreliable. Its result (timing.json) is reused while the checkpoints it timed are unchanged; --retime redoes
+it (e.g. on a quieter machine).
+
 Writes results/<name>/summary.json and summary.md: the final validation loss of every run, mean +- sd per
-model, the paired difference to the baseline (per seed, then mean +- sd over seeds), parameters, training
-tokens/s, the cached decode step (ms per token, batch 1) and the state or KV-cache bytes per token.
+model, the paired difference to the baseline (per seed, then mean +- sd over seeds), parameters, the state or
+KV-cache bytes per token, and from the timing pass training tokens/s and the cached decode step (ms per token).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,8 +52,10 @@ def mean_sd(values: list[float]) -> tuple[float, float | None]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
 
 
-def summarize(runs: list[dict], baseline: str | None) -> dict:
-    """Per-model statistics from the runs ({"model", "seed", "val_loss", ...}).
+def summarize(runs: list[dict], baseline: str | None, speeds: dict[str, dict] | None = None) -> dict:
+    """Per-model statistics from the runs ({"model", "seed", "val_loss", ...}) and the timing pass's ``speeds``
+    ({model: {"tokens_per_sec", "decode_ms_per_token"}}; a speed a run recorded itself is ignored: it measured the
+    load of its hour).
 
     The paired difference of a model is computed seed by seed against the baseline run of the same seed
     (same data order), then averaged: its sd measures how consistent the gap is, free of the seed-to-seed
@@ -64,9 +74,11 @@ def summarize(runs: list[dict], baseline: str | None) -> dict:
             "val_loss_mean": loss_mean,
             "val_loss_sd": loss_sd,
         }
-        for key in ("params", "tokens_per_sec", "decode_ms_per_token", "state_bytes_per_token"):
+        for key in ("params", "state_bytes_per_token"):
             values = [run[key] for run in model_runs if run.get(key) is not None]
             entry[key] = statistics.fmean(values) if values else None
+        for key in SPEED_KEYS:
+            entry[key] = (speeds or {}).get(model, {}).get(key)
         paired = [run["val_loss"] - base_by_seed[run["seed"]] for run in model_runs if run["seed"] in base_by_seed]
         if baseline is not None and model != baseline and paired:
             entry["diff_vs_baseline_mean"], entry["diff_vs_baseline_sd"] = mean_sd(paired)
@@ -75,13 +87,17 @@ def summarize(runs: list[dict], baseline: str | None) -> dict:
     return summary
 
 
-def markdown_table(summary: dict, baseline: str | None) -> str:
+def markdown_table(summary: dict, baseline: str | None, timing: dict | None = None) -> str:
+    """The table of ``summary`` (from ``summarize``) and, with the timing pass's record, a note on how the speed
+    columns were measured (and a warning in their headers when the load made them unreliable)."""
+
     def number(value, fmt):
         return "-" if value is None else format(value, fmt)
 
+    mark = " (unreliable)" if timing and timing["speed_unreliable"] else ""
     rows = [
         f"| model | seeds | val loss (mean +- sd) | vs {baseline or 'baseline'} (paired mean +- sd) | parameters | "
-        "train tokens/s | decode ms/token | state bytes/token |",
+        f"train tokens/s{mark} | decode ms/token{mark} | state bytes/token |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for model, s in sorted(summary.items(), key=lambda item: item[1]["val_loss_mean"]):
@@ -94,19 +110,35 @@ def markdown_table(summary: dict, baseline: str | None) -> str:
             f"{number(s['tokens_per_sec'], ',.0f')} | {number(s['decode_ms_per_token'], '.1f')} | "
             f"{number(s['state_bytes_per_token'], ',.0f')} |"
         )
+    if timing:
+        rows += ["", timing_note(timing)]
     return "\n".join(rows) + "\n"
+
+
+def timing_note(timing: dict) -> str:
+    """One paragraph: how the speed columns were timed and, when the load average passed the core count, that
+    they are unreliable."""
+    note = (f"Speed columns: one timing pass after training, in one process on {timing['device']} "
+            f"({timing['precision']}), {timing['rounds']} interleaved rounds over one checkpoint per model; training "
+            f"at batch {timing['batch_size']} x {timing['block_size']} tokens, decode at batch 1 after "
+            f"{timing['decode_position']} tokens. Load average (1 min) up to {timing['load_average_max']:.1f} on "
+            f"{timing['usable_cores']} usable cores.")
+    if timing["speed_unreliable"]:
+        note += (f"\n\n**The speed columns are unreliable**: the load average ({timing['load_average_max']:.1f}) "
+                 f"exceeded the {timing['usable_cores']} usable cores while they were timed, so other jobs took "
+                 "turns on the cores; rerun with --retime on a quieter machine.")
+    return note
 
 
 # ----------------------------------------------------------------------------- one run
 
 
-def read_logs(run_root: Path) -> tuple[list[tuple[int, float]], float | None]:
-    """(validation loss by step, median training tokens/s) from every TensorBoard version of a run (a resumed
-    run writes a new version; later versions win for the same step)."""
+def read_logs(run_root: Path) -> list[tuple[int, float]]:
+    """The validation loss by step from every TensorBoard version of a run (a resumed run writes a new version;
+    later versions win for the same step)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     curve: dict[int, float] = {}
-    speeds: list[float] = []
     versions = sorted(run_root.glob("lightning_logs/*/version_*"), key=lambda p: int(p.name.split("_")[1]))
     for version in versions:
         for events_file in sorted(version.glob("events.out.tfevents.*")):
@@ -115,14 +147,12 @@ def read_logs(run_root: Path) -> tuple[list[tuple[int, float]], float | None]:
             tags = events.Tags()["scalars"]
             if "val/loss" in tags:
                 curve.update({e.step: e.value for e in events.Scalars("val/loss")})
-            if "train/tokens_per_sec" in tags:
-                speeds += [e.value for e in events.Scalars("train/tokens_per_sec")]
-    return sorted(curve.items()), (statistics.median(speeds) if speeds else None)
+    return sorted(curve.items())
 
 
-def measure_checkpoint(checkpoint: Path, block_size: int, decode_steps: int = 16) -> dict:
-    """Parameters, the cached decode step (batch 1, after a 32-token prompt) and state bytes per token after
-    block_size tokens, from the trained checkpoint."""
+def measure_checkpoint(checkpoint: Path, block_size: int) -> dict:
+    """Parameters and state bytes per token after block_size tokens (batch 1), from the trained checkpoint: the
+    figures no load changes (speeds come from the timing pass)."""
     import torch
 
     from ltcx.models.state import map_state_tensors
@@ -133,22 +163,111 @@ def measure_checkpoint(checkpoint: Path, block_size: int, decode_steps: int = 16
     vocab = backbone.config.vocab_size  # every ltcx backbone has a config with its vocabulary
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        prompt = torch.randint(0, vocab, (1, min(32, block_size - decode_steps)), generator=generator)
-        logits, state = backbone(prompt)
-        times = []
-        for _ in range(decode_steps):
-            token = logits[:, -1:].argmax(-1)
-            start = time.perf_counter()
-            logits, state = backbone(token, state)
-            times.append(time.perf_counter() - start)
         _, state = backbone(torch.randint(0, vocab, (1, block_size), generator=generator))
         sizes: list[int] = []
         map_state_tensors(state, lambda t: sizes.append(t.numel() * t.element_size()) or t)
-    return {
-        "params": backbone.parameter_count(),
-        "decode_ms_per_token": 1e3 * statistics.median(times),
-        "state_bytes_per_token": sum(sizes) / block_size,
+    return {"params": backbone.parameter_count(), "state_bytes_per_token": sum(sizes) / block_size}
+
+
+# ----------------------------------------------------------------------------- the timing pass
+
+SPEED_KEYS = ("tokens_per_sec", "decode_ms_per_token")
+
+
+def interleaved_timings(backbones: dict, batch_size: int, block_size: int, device, rounds: int,
+                        autocast_factory=contextlib.nullcontext) -> tuple[dict[str, dict], list[float]]:
+    """({model: {"tokens_per_sec", "decode_ms_per_token"}}, the 1-minute load averages seen during the pass).
+
+    In every round each backbone takes one training step (AdamW, batch_size x block_size random tokens) and then
+    four cached decode steps (batch 1, after block_size // 2 tokens), the backbones in turn with the first one
+    rotating, so a load that drifts hits every model alike; each figure is the median of its samples. One untimed
+    step of each kind first (allocations, lazy initialisation). The backbones' weights change (they are copies
+    loaded for timing only). ``autocast_factory()`` makes the context the forward passes run in.
+    """
+    import torch
+
+    from ltcx.throughput import prefilled_state, timed, training_step
+
+    generator = torch.Generator().manual_seed(0)
+    train_steps, decode_steps = {}, {}
+    for name, backbone in backbones.items():
+        vocab = backbone.config.vocab_size  # every ltcx backbone has a config with its vocabulary
+        idx = torch.randint(0, vocab, (batch_size, block_size + 1), generator=generator).to(device)
+        optimizer = torch.optim.AdamW(backbone.parameters(), lr=1e-4)
+        train_steps[name] = training_step(lambda i, b=backbone: b(i)[0], idx, optimizer, autocast_factory())
+        with torch.no_grad(), autocast_factory():
+            token, state = prefilled_state(backbone.eval(), 1, block_size // 2, device)
+        decode_steps[name] = lambda b=backbone, t=token, s=state: b(t, s)
+
+    def train(name: str) -> float:
+        backbones[name].train()
+        return timed(train_steps[name], device, repeats=1, warmup=0)
+
+    def decode(name: str) -> float:
+        backbones[name].eval()
+        with torch.no_grad(), autocast_factory():
+            return timed(decode_steps[name], device, repeats=1, warmup=0)
+
+    names = list(backbones)
+    for name in names:  # warm-up
+        train(name)
+        decode(name)
+    train_s = {name: [] for name in names}
+    decode_s = {name: [] for name in names}
+    loads = [os.getloadavg()[0]]
+    for round_index in range(max(1, rounds)):
+        shift = round_index % len(names)
+        order = names[shift:] + names[:shift]
+        for name in order:
+            train_s[name].append(train(name))
+        for _ in range(4):  # a decode step is short: more samples
+            for name in order:
+                decode_s[name].append(decode(name))
+        loads.append(os.getloadavg()[0])
+    speeds = {name: {"tokens_per_sec": batch_size * block_size / statistics.median(train_s[name]),
+                     "decode_ms_per_token": 1e3 * statistics.median(decode_s[name])} for name in names}
+    return speeds, loads
+
+
+def timing_pass(out: Path, checkpoints: dict[str, Path], args) -> dict:
+    """Time the models of ``checkpoints`` ({model: trained checkpoint}) against each other (``interleaved_timings``)
+    and record it in out/timing.json, or reuse that record when it timed the same checkpoint files at the same
+    settings (and not --retime). An interrupted pass leaves no record and is redone whole: its ratios must come
+    from one process."""
+    import torch
+
+    from ltcx.cli.threads import usable_cores
+    from ltcx.persist import load_language_model
+
+    device = torch.device(args.timing_device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # a GPU trains in the recipe's bf16-mixed, so it is timed in bf16 autocast; a CPU in float32
+    bf16 = device.type == "cuda"
+    settings = {
+        "device": str(device), "precision": "bf16 autocast" if bf16 else "float32", "rounds": args.timing_rounds,
+        "batch_size": args.batch_size, "block_size": args.block_size, "decode_position": args.block_size // 2,
+        "checkpoints": {model: [str(path), path.stat().st_mtime_ns] for model, path in sorted(checkpoints.items())},
     }
+    timing_file = out / "timing.json"
+    if timing_file.is_file() and not args.retime:
+        stored = json.loads(timing_file.read_text())
+        if {key: stored.get(key) for key in settings} == settings:
+            print("compare: timing pass: done before for these checkpoints, reused (--retime to redo it)", flush=True)
+            return stored
+    print(f"compare: timing pass: {len(checkpoints)} models interleaved, {args.timing_rounds} rounds on {device}",
+          flush=True)
+    backbones = {model: load_language_model(path, map_location=device)[0].backbone.to(device)
+                 for model, path in checkpoints.items()}
+    speeds, loads = interleaved_timings(
+        backbones, args.batch_size, args.block_size, device, args.timing_rounds,
+        (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext,
+    )
+    cores = usable_cores()
+    timing = {**settings, "models": speeds, "load_averages": loads, "load_average_max": max(loads),
+              "usable_cores": cores, "speed_unreliable": max(loads) > cores}
+    temporary = timing_file.with_suffix(".tmp")
+    temporary.write_text(json.dumps(timing, indent=2))
+    os.replace(temporary, timing_file)
+    return timing
 
 
 def latest_checkpoint(run_root: Path) -> list[str]:
@@ -172,7 +291,8 @@ def run_one(config: Path, model: str, seed: int, run_root: Path, args, extra: li
         "--seed_everything", str(seed), "--data.seed", str(seed),
         "--data.batch_size", str(args.batch_size), "--data.block_size", str(args.block_size),
         "--trainer.max_steps", str(max_steps), "--trainer.val_check_interval", str(steps_per_eval),
-        "--trainer.default_root_dir", str(run_root), "--trainer.enable_progress_bar", "false",
+        # the progress bar stays on: its output is a file, so ltcx prints plain progress lines into run.log
+        "--trainer.default_root_dir", str(run_root),
     ]
     if args.warmup_steps is not None:
         command += ["--model.warmup_steps", str(args.warmup_steps)]
@@ -186,7 +306,7 @@ def run_one(config: Path, model: str, seed: int, run_root: Path, args, extra: li
         code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
     if code != 0:
         fail(f"{model} seed {seed} stopped with exit code {code}; see {run_root / 'run.log'} (rerun to resume)")
-    curve, tokens_per_sec = read_logs(run_root)
+    curve = read_logs(run_root)
     if not curve:
         fail(f"{model} seed {seed} logged no validation loss; see {run_root / 'run.log'}")
     checkpoints = latest_checkpoint(run_root)
@@ -197,10 +317,9 @@ def run_one(config: Path, model: str, seed: int, run_root: Path, args, extra: li
     result = {
         "model": model, "seed": seed, "config": str(config), "steps": max_steps,
         "tokens": max_steps * tokens_per_step, "val_loss": curve[-1][1],
-        # Lightning logs a validation inside fit one step early (before its step counter moves past the
-        # optimizer step just taken): the loss logged at step s was measured after s + 1 steps.
-        "curve": [[(step + 1) * tokens_per_step, loss] for step, loss in curve],
-        "tokens_per_sec": tokens_per_sec, **measure_checkpoint(checkpoint, args.block_size),
+        # ltcx logs the validation after optimizer step s at step s (LanguageModel logs "step" with it)
+        "curve": [[step * tokens_per_step, loss] for step, loss in curve],
+        **measure_checkpoint(checkpoint, args.block_size),
     }
     temporary = result_file.with_suffix(".tmp")
     temporary.write_text(json.dumps(result, indent=2))
@@ -227,6 +346,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--evals", type=int, default=8, help="validations per run (the last one is at the end)")
     parser.add_argument("--warmup_steps", type=int, default=None, help="override every config's warmup")
     parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--timing_rounds", type=int, default=5,
+                        help="rounds of the timing pass (each: one training step and four decode steps per model); "
+                             "0 skips it (no speed columns)")
+    parser.add_argument("--timing_device", default=None, help="device of the timing pass (default: cuda if any)")
+    parser.add_argument("--retime", action="store_true", help="redo the timing pass even if it was done before")
     args = parser.parse_args(argv)
     from ltcx.models.catalog import CATALOG, config_path
 
@@ -247,10 +371,25 @@ def main(argv: list[str] | None = None) -> None:
         for seed in args.seeds
         for config, name in zip(configs, names)
     ]
-    summary = {"baseline": args.baseline, "tokens": runs[0]["tokens"], "models": summarize(runs, args.baseline),
-               "runs": runs, "command": " ".join(["scripts/compare.py", *sys.argv[1:]])}
+    timing = None
+    if args.timing_rounds > 0:
+        checkpoints = {}  # model -> the checkpoint of its lowest seed that has one: the architecture sets the speed
+        for name in names:
+            found = [path for seed in sorted(args.seeds)
+                     for path in latest_checkpoint(out / "runs" / name / f"seed{seed}")[-1:]]
+            if not found:
+                fail(f"no last.ckpt is left under {out / 'runs' / name} for the timing pass: rerun one of its seeds "
+                     "(delete its result.json) or pass --timing_rounds 0 to leave the speed columns empty")
+            checkpoints[name] = Path(found[0])
+        timing = timing_pass(out, checkpoints, args)
+    summary = {"baseline": args.baseline, "tokens": runs[0]["tokens"],
+               "models": summarize(runs, args.baseline, timing and timing["models"]),
+               # a result.json of an older compare.py holds the run's own timings: they measured the load, not kept
+               "runs": [{key: value for key, value in run.items() if key not in SPEED_KEYS} for run in runs],
+               "speed_unreliable": timing and timing["speed_unreliable"], "timing": timing,
+               "command": " ".join(["scripts/compare.py", *sys.argv[1:]])}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    table = markdown_table(summary["models"], args.baseline)
+    table = markdown_table(summary["models"], args.baseline, timing)
     (out / "summary.md").write_text(table)
     print(table)
     print(f"compare: wrote {out / 'summary.json'} and {out / 'summary.md'}")
