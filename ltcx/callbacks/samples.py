@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import lightning as L
 import torch
@@ -16,7 +17,8 @@ class SampleGeneration(L.Callback):
     logger that holds text (TensorBoard, Weights & Biases, MLflow, Comet); with none such (CSVLogger, no logger)
     append it to ``samples.txt`` in the run's log folder.
 
-    Runs on global rank 0 only; the model is put back in train mode afterwards.
+    Runs on global rank 0 only; the model is put back in train mode afterwards. Data without a tokenizer (a recall
+    task, ``RecallDataModule``) has no text to sample: the callback then says so once and does nothing.
 
     Args:
         prompts: texts to complete.
@@ -39,9 +41,16 @@ class SampleGeneration(L.Callback):
         self.temperature = temperature
         self.top_k = top_k
         self.seed = seed
+        self._told_no_text = False
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or not trainer.is_global_zero or not self.prompts:
+            return
+        if not hasattr(trainer.datamodule, "tokenizer_obj"):
+            if not self._told_no_text:
+                print(f"ltcx: no sample generations: {type(trainer.datamodule).__name__} has no tokenizer (its tokens "
+                      "are not text); remove SampleGeneration from the callbacks to silence this", file=sys.stderr)
+                self._told_no_text = True
             return
         tokenizer = trainer.datamodule.tokenizer_obj
         backbone = pl_module.backbone

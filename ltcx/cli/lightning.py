@@ -14,6 +14,7 @@ import shutil
 import sys
 from typing import Optional
 
+import lightning as L
 import torch
 import yaml
 from lightning.pytorch.callbacks.progress import ProgressBar
@@ -27,7 +28,7 @@ from ltcx.callbacks.preemption import Preemption
 from ltcx.cli.predict import write_predictions
 from ltcx.cli.run_folders import find_last_checkpoint, name_after_architecture, resolve_under_root
 from ltcx.cli.threads import set_cpu_threads
-from ltcx.data import TextDataModule
+from ltcx.data import RecallDataModule, TextDataModule  # noqa: F401 - the --data classes fit --help lists
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.lm import LanguageModel
 from ltcx.persist.checkpoint import SafeCheckpointIO, read_checkpoint
@@ -97,8 +98,14 @@ def _one_line(message: str) -> str:
 
 
 class LtcxCLI(LightningCLI):
+    def __init__(self, *args, subclass_mode_data: bool = True, **kwargs) -> None:
+        # --data takes TextDataModule's arguments as before (no class_path needed), or another data module by
+        # class_path: ltcx.data.RecallDataModule (configs/data/mqar.yaml).
+        super().__init__(*args, subclass_mode_data=subclass_mode_data, **kwargs)
+
     def add_arguments_to_parser(self, parser) -> None:
         # The model's vocabulary always matches the data's tokenizer: nobody keeps vocab_size by hand.
+        parser.set_defaults({"data": {"class_path": "ltcx.data.TextDataModule"}})
         parser.link_arguments("data.padded_vocab_size", "model.backbone.init_args.vocab_size", apply_on="instantiate")
         parser.add_argument(
             "--num_threads", type=Optional[int], default=None,
@@ -278,7 +285,7 @@ def _notice(text: str) -> None:
 def cli_main(args: list[str] | None = None) -> LtcxCLI:
     return LtcxCLI(
         LanguageModel,
-        TextDataModule,
+        L.LightningDataModule,
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"description": DESCRIPTION},
         parser_class=LtcxArgumentParser,
