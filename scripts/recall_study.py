@@ -188,6 +188,8 @@ def plot(best: list[dict], archs: list[str], path: Path) -> None:
             if points:
                 ax.plot(*zip(*points), marker="o", label=arch)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["pairs"] for r in best}), [str(p) for p in sorted({r["pairs"] for r in best})])
+        ax.minorticks_off()
         ax.set_ylim(-0.02, 1.02)
         ax.set_title(f"length {seq_len}, width {width}", fontsize=9)
         ax.set_xlabel("key-value pairs")

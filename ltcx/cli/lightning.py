@@ -103,6 +103,17 @@ class LtcxCLI(LightningCLI):
         # class_path: ltcx.data.RecallDataModule (configs/data/mqar.yaml).
         super().__init__(*args, subclass_mode_data=subclass_mode_data, **kwargs)
 
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as error:
+            # A data module is built inside jsonargparse's check of the --data union (subclass mode), which wraps
+            # its one-line LtcxError in a many-line "Does not validate against any of the Union subtypes".
+            cause = _ltcx_error_in(error)
+            if cause is None:
+                raise
+            raise cause from None
+
     def add_arguments_to_parser(self, parser) -> None:
         # The model's vocabulary always matches the data's tokenizer: nobody keeps vocab_size by hand.
         parser.set_defaults({"data": {"class_path": "ltcx.data.TextDataModule"}})
@@ -274,6 +285,17 @@ class LtcxCLI(LightningCLI):
                         os.rmdir(parent)
                     except OSError:
                         break
+
+
+def _ltcx_error_in(error: BaseException) -> LtcxError | None:
+    """The first ``LtcxError`` in the chain of causes and contexts of ``error``, if any."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, LtcxError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _notice(text: str) -> None:
