@@ -87,6 +87,12 @@ def _one_line(message: str) -> str:
     key = re.match(r'Parser key "([^"]+)":\s*(.*)', lines[0])
     if key is None:
         return lines[0]
+    for at, line in enumerate(lines[:-1]):  # a class's own argument (--data.block_size): its reason, not the union's
+        if line.startswith("- Problem with given class_path "):
+            inner = re.match(r'Parser key "([^"]+)":\s*(.*)', lines[at + 1])
+            reason = (inner.group(2) or (lines[at + 2] if at + 2 < len(lines) else "")) if inner else lines[at + 1]
+            name = f"{key.group(1)}.{inner.group(1)}" if inner else key.group(1)
+            return re.sub(r"<class '([\w.]+)'>", r"\1", f"--{name}: {reason or 'invalid value'}")
     rest = ([key.group(2)] if key.group(2) else []) + lines[1:]
     text = f"--{key.group(1)}: {rest[0] if rest else 'invalid value'}"
     for line in rest[1:]:
