@@ -166,3 +166,13 @@ def step_and_weights(path: Path) -> tuple[int, dict]:
 
     state = read_checkpoint(path)
     return state["global_step"], state["state_dict"]
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (the scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from helpers import one_error_line, read_events
+from helpers import load_script, one_error_line, read_events
 from ltcx.data import RecallDataModule
 from ltcx.data.recall import RecallBatches, mqar_batch, query_gap_probabilities
 from ltcx.errors import ConfigError
@@ -218,3 +218,23 @@ def test_a_tiny_gpt_learns_the_easiest_cell():
 
 
 STEPS_TO_LEARN = 600
+
+
+def test_study_keeps_the_best_learning_rate_per_cell_and_names_where_each_falls_below_the_anchor(tmp_path):
+    study = load_script("recall_study")
+    runs = [dict(arch=a, seq_len=t, pairs=p, width=64, lr=lr, recall_acc=acc, val_loss=loss)
+            for a, t, p, lr, acc, loss in [
+                ("gpt", 64, 4, 1e-3, 0.995, 0.1), ("gpt", 64, 4, 3e-3, 0.999, 0.05), ("gpt", 64, 8, 1e-3, 0.9, 0.4),
+                ("gpt", 64, 8, 3e-3, 0.9, 0.3), ("xlstm", 64, 4, 1e-3, 0.5, 1.0), ("xlstm", 64, 4, 3e-3, 0.7, 0.9)]]
+    best = study.best_per_cell(runs)
+    assert [(r["arch"], r["pairs"], r["lr"]) for r in best] == [("gpt", 4, 3e-3), ("gpt", 8, 3e-3), ("xlstm", 4, 3e-3)]
+    lines = study.anchor_lines(best, ["gpt", "xlstm"])
+    assert lines[0].startswith("Sanity anchor: gpt on the easiest cell (T=64, P=4, d=64) reaches 0.9990 "
+                               "(>= 0.99: passes")
+    assert lines[1:] == ["- gpt: below 0.99 at T=64 P=8 d=64 (0.900)", "- xlstm: below 0.99 at T=64 P=4 d=64 (0.700)"]
+    table = study.markdown_table(best, ["gpt", "xlstm"], [4, 8])
+    assert table.splitlines()[2] == "| gpt | 64 | 64 | 0.999 (lr 0.003) | 0.900 (lr 0.003) |"
+    assert table.splitlines()[3] == "| xlstm | 64 | 64 | 0.700 (lr 0.003) | - |"
+    study.plot(best, ["gpt", "xlstm"], tmp_path / "recall.png")
+    assert (tmp_path / "recall.png").stat().st_size > 0
+    assert study.cells(dict(seq_lens=[16, 64], pairs=[4, 8], widths=[64])) == [(16, 4, 64), (64, 4, 64), (64, 8, 64)]
