@@ -198,9 +198,9 @@ def test_cli_fit_on_mqar_logs_recall_and_checkpoints_the_position(tmp_path, monk
 
 def test_a_tiny_gpt_learns_the_easiest_cell():
     """A deterministic learning test (a fixed seed and number of steps, not a timed one): a 2-layer GPT of width
-    64 recalls MQAR at length 32 with 2 pairs. Its weights are drawn N(0, 1/fan_in) here: with the GPT's own
-    N(0, 0.02) (GPT-2's, for width 768) a width-64 GPT stays at 1/P accuracy for thousands of steps (docs/recall.md,
-    "initialisation"); this test is about the task and the pipeline, not that init."""
+    64 recalls MQAR at length 32 with 2 pairs. Its matrices are drawn N(0, 1/d) here, d their second dimension
+    (a Linear's fan-in): with the GPT's own N(0, 0.02) (GPT-2's, for width 768) a width-64 GPT stays at 1/P accuracy
+    for thousands of steps (docs/recall.md, "Initialisation"); this test is about the task and the pipeline."""
     L.seed_everything(0, verbose=False)
     dm = RecallDataModule(vocab_size=64, block_size=32, num_kv_pairs=2, random_fillers=False, batch_size=32,
                           val_batches=4, seed=0, pad_vocab_to_multiple_of=1)
