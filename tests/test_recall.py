@@ -3,6 +3,7 @@ disjointness, one-line errors; LanguageModel's loss and ``val/recall_acc`` on pa
 architecture training on it through Lightning; the CLI with ``configs/data/mqar.yaml``; a tiny GPT learning the
 easiest cell (a deterministic learning test)."""
 
+import json
 import math
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from helpers import load_script, one_error_line, read_events
+from helpers import load_script, one_error_line, read_events, run_cli
 from ltcx.data import RecallDataModule
 from ltcx.data.recall import RecallBatches, mqar_batch, query_gap_probabilities
 from ltcx.errors import ConfigError
@@ -194,6 +195,25 @@ def test_cli_fit_on_mqar_logs_recall_and_checkpoints_the_position(tmp_path, monk
     checkpoint = torch.load(tmp_path / "checkpoints/gpt/version_0/last.ckpt", weights_only=False)
     assert checkpoint["RecallDataModule"] == {"train_batches_consumed": 3}
     assert checkpoint["ltcx"]["tokenizer"] is None and checkpoint["ltcx"]["backbone_config"]["vocab_size"] == 64
+
+
+def test_ddp_two_cpu_processes_take_their_ranks_batches_and_log_recall_accuracy(tmp_path):
+    record = tmp_path / "record"
+    result = run_cli([
+        "fit", "--config", str(ROOT / "configs/gpt.yaml"), "--config", str(ROOT / "configs/data/mqar.yaml"),
+        *CATALOG["gpt"].tiny_cli(), "--data.vocab_size", "64", "--data.block_size", "32", "--data.batch_size", "4",
+        "--data.val_batches", "2", "--trainer.max_steps", "3", "--trainer.val_check_interval", "3",
+        "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp",
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.callbacks+=batch_recorder.RecordBatches", f"--trainer.callbacks.out_dir={record}",
+    ], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    dm = RecallDataModule(vocab_size=64, block_size=32, num_kv_pairs=4, batch_size=4)
+    for rank in range(2):
+        seen = json.loads((record / f"rank{rank}.json").read_text())
+        expected = torch.cat([x for x, _ in first(dm.train_dataset(rank, 2), 3)])
+        assert seen == expected.tolist()  # global batches rank, rank + 2, rank + 4: no sequence on both ranks
+    assert "val/recall_acc" in read_events(tmp_path / "lightning_logs/gpt/version_0").Tags()["scalars"]
 
 
 def test_a_tiny_gpt_learns_the_easiest_cell():
