@@ -131,17 +131,26 @@ class LanguageModel(L.LightningModule):
     def loss(self, batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """A batch (``split_batch``) -> mean cross-entropy over its targets (B*T for a block; the asked ones for a
         pair)."""
-        return self.loss_and_recall(batch)[0]
+        inputs, targets = split_batch(batch)
+        return self._cross_entropy(self(inputs)[0], targets)
+
+    @staticmethod
+    def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """logits [B, T, V], targets [B, T] -> mean cross-entropy (float32) over the targets not ``IGNORE_INDEX``."""
+        logits = logits.float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX)
 
     def loss_and_recall(
         self, batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(mean cross-entropy over the targets asked, correct [N] bool or None)``: ``correct`` says for each of
-        the N asked targets whether the argmax hit it, when the targets leave positions out (a recall task)."""
+        """``(loss, correct [N] bool or None)`` for evaluation: ``correct`` says for each of the N asked targets of a
+        pair batch whose targets leave positions out (a recall task) whether the argmax hit it; None for a block
+        (training calls ``loss``, which waits for nothing on a GPU)."""
         inputs, targets = split_batch(batch)
         logits, _ = self(inputs)
-        logits = logits.float()
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+        loss = self._cross_entropy(logits, targets)
+        if isinstance(batch, torch.Tensor):
+            return loss, None
         asked = targets != IGNORE_INDEX
         if bool(asked.all()):
             return loss, None
