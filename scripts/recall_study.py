@@ -143,7 +143,8 @@ def anchor_lines(best: list[dict], archs: list[str]) -> list[str]:
     anchor = [r for r in best if r["arch"] == arch and (r["seq_len"], r["pairs"], r["width"]) == cell]
     if anchor:
         acc = anchor[0]["recall_acc"]
-        verdict = "passes" if acc >= threshold else "FAILS: the task or the pipeline is wrong, or too few steps"
+        verdict = "passes" if acc >= threshold else ("FAILS: too few steps, or the task or the pipeline is wrong; "
+                                                     "docs/recall.md, Initialisation")
         lines.append(f"Sanity anchor: {arch} on the easiest cell (T={cell[0]}, P={cell[1]}, d={cell[2]}) reaches "
                      f"{acc:.4f} (>= {threshold}: {verdict}).")
     for name in archs:
