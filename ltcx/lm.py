@@ -1,5 +1,10 @@
 """LanguageModel: one LightningModule for every backbone that keeps the contract
-``logits [B, T, V], state = backbone(idx [B, T], state=None)``."""
+``logits [B, T, V], state = backbone(idx [B, T], state=None)``.
+
+A batch is either a block ``LongTensor[B, T + 1]`` (text: every next token is a target) or a pair
+``(inputs LongTensor[B, T], targets LongTensor[B, T])`` whose targets are ``IGNORE_INDEX`` where nothing is asked
+(a recall task, ``ltcx/data/recall.py``): the loss covers the targets asked, and validation then also logs
+``val/recall_acc``, the fraction of them predicted exactly (argmax)."""
 
 from __future__ import annotations
 
@@ -18,6 +23,17 @@ from torchmetrics import MeanMetric
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.registry import Backbone, class_path
 from ltcx.sharding import shard_backbone, unsharded_class
+
+IGNORE_INDEX = -100  # a target nothing is asked of: left out of the loss and the accuracy (F.cross_entropy's default)
+
+
+def split_batch(batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch -> ``(inputs [B, T], targets [B, T])``: a block ``[B, T + 1]`` is cut one token apart (targets are
+    the next tokens); an ``(inputs, targets)`` pair is returned as it is."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:, :-1], batch[:, 1:]
+    inputs, targets = batch
+    return inputs, targets
 
 
 def lr_at_step(step: int, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:
@@ -84,6 +100,8 @@ class LanguageModel(L.LightningModule):
         self.save_hyperparameters(ignore=["backbone"])
         self.backbone = backbone
         self.val_loss = MeanMetric()
+        self.val_recall_acc = MeanMetric()  # updated by batches whose targets leave positions out (recall tasks)
+        self._recall_scored = False
         self.tokens_seen = 0
         self._last_step_time: float | None = None
         self.start_step: int | None = None  # set when training starts
@@ -128,11 +146,33 @@ class LanguageModel(L.LightningModule):
             return self.__dict__["_compiled_logits"](idx), None
         return self.backbone(idx, state)
 
-    def loss(self, batch: torch.Tensor) -> torch.Tensor:
-        """batch [B, T+1] token blocks -> mean next-token cross-entropy over B*T predictions."""
-        inputs, targets = batch[:, :-1], batch[:, 1:]
+    def loss(self, batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """A batch (``split_batch``) -> mean cross-entropy over its targets (B*T for a block; the asked ones for a
+        pair)."""
+        inputs, targets = split_batch(batch)
+        return self._cross_entropy(self(inputs)[0], targets)
+
+    @staticmethod
+    def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """logits [B, T, V], targets [B, T] -> mean cross-entropy (float32) over the targets not ``IGNORE_INDEX``."""
+        logits = logits.float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+
+    def loss_and_recall(
+        self, batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(loss, correct [N] bool or None)`` for evaluation: ``correct`` says for each of the N asked targets of a
+        pair batch whose targets leave positions out (a recall task) whether the argmax hit it; None for a block
+        (training calls ``loss``, which waits for nothing on a GPU)."""
+        inputs, targets = split_batch(batch)
         logits, _ = self(inputs)
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss = self._cross_entropy(logits, targets)
+        if isinstance(batch, torch.Tensor):
+            return loss, None
+        asked = targets != IGNORE_INDEX
+        if bool(asked.all()):
+            return loss, None
+        return loss, logits.argmax(-1)[asked] == targets[asked]
 
     # -- training ------------------------------------------------------------------------------
     def on_fit_start(self) -> None:
@@ -154,8 +194,8 @@ class LanguageModel(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
-    def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
-        step_tokens = (batch.shape[1] - 1) * batch.shape[0] * self.trainer.world_size
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step_tokens = split_batch(batch)[0].numel() * self.trainer.world_size
         self.tokens_seen += step_tokens
         now = time.perf_counter()
         if self._last_step_time is not None:
@@ -168,26 +208,39 @@ class LanguageModel(L.LightningModule):
     def on_validation_start(self) -> None:
         self._last_step_time = None  # time spent validating is not training throughput
 
-    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        self.val_loss.update(self.loss(batch), weight=batch.shape[0])
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        loss, correct = self.loss_and_recall(batch)
+        self.val_loss.update(loss, weight=split_batch(batch)[0].shape[0])
+        if correct is not None:
+            self.val_recall_acc.update(correct.float().mean(), weight=correct.numel())
+            self._recall_scored = True
 
     def on_validation_epoch_end(self) -> None:
         val_loss = self.val_loss.compute()  # averaged over every rank's batches
         self.val_loss.reset()
         self.log("val/loss", val_loss, prog_bar=True)
         self.log("val/ppl", torch.exp(val_loss))
+        if self._recall_scored:  # every rank reads the same kind of batches: all of them take this branch
+            self.log("val/recall_acc", self.val_recall_acc.compute(), prog_bar=True)
+            self.val_recall_acc.reset()
+            self._recall_scored = False
         if self.trainer.state.fn == "fit":  # validation after step N is drawn at N (Lightning's default: N - 1)
             self.log("step", float(self.global_step))
 
-    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        self.log("test/loss", self.loss(batch), sync_dist=True, batch_size=batch.shape[0])
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        loss, correct = self.loss_and_recall(batch)
+        batch_size = split_batch(batch)[0].shape[0]
+        self.log("test/loss", loss, sync_dist=True, batch_size=batch_size)
+        if correct is not None:
+            self.log("test/recall_acc", correct.float().mean(), sync_dist=True, batch_size=batch_size)
 
-    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        """Mean next-token loss of each block [B] (scores text; `ltcx predict` returns them)."""
-        inputs, targets = batch[:, :-1], batch[:, 1:]
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """Mean loss over each block's targets [B] (scores text; `ltcx predict` returns them)."""
+        inputs, targets = split_batch(batch)
         logits, _ = self(inputs)
-        losses = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")  # [B, T]
-        return losses.mean(dim=1)
+        losses = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none",
+                                 ignore_index=IGNORE_INDEX)  # [B, T], 0 where nothing is asked
+        return losses.sum(dim=1) / (targets != IGNORE_INDEX).sum(dim=1).clamp(min=1)
 
     def configure_optimizers(self):
         decay_names, no_decay_names = weight_decay_groups(self.backbone)

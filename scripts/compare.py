@@ -133,9 +133,9 @@ def timing_note(timing: dict) -> str:
 # ----------------------------------------------------------------------------- one run
 
 
-def read_logs(run_root: Path) -> list[tuple[int, float]]:
-    """The validation loss by step from every TensorBoard version of a run (a resumed run writes a new version;
-    later versions win for the same step)."""
+def read_logs(run_root: Path, tag: str = "val/loss") -> list[tuple[int, float]]:
+    """``tag`` (the validation loss by default) by step from every TensorBoard version of a run (a resumed run writes
+    a new version; later versions win for the same step)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     curve: dict[int, float] = {}
@@ -144,9 +144,8 @@ def read_logs(run_root: Path) -> list[tuple[int, float]]:
         for events_file in sorted(version.glob("events.out.tfevents.*")):
             events = EventAccumulator(str(events_file), size_guidance={"scalars": 0})
             events.Reload()
-            tags = events.Tags()["scalars"]
-            if "val/loss" in tags:
-                curve.update({e.step: e.value for e in events.Scalars("val/loss")})
+            if tag in events.Tags()["scalars"]:
+                curve.update({e.step: e.value for e in events.Scalars(tag)})
     return sorted(curve.items())
 
 
@@ -278,6 +277,34 @@ def latest_checkpoint(run_root: Path) -> list[str]:
     return [path for folder in folders for path in latest_last_checkpoint(folder)]
 
 
+def train_run(command: list[str], run_root: Path, label: str, max_steps: int) -> Path:
+    """Run ``command`` (``run.py fit`` arguments, its logs and checkpoints under ``run_root``) to the end, continuing
+    from the run's last.ckpt if an earlier attempt left one; output, with ltcx's plain progress lines, to
+    ``run_root/run.log``. Returns the final last.ckpt; a failure stops the script with one line (rerunning it
+    resumes)."""
+    command = [sys.executable, str(ROOT / "run.py"), "fit", *command, "--trainer.default_root_dir", str(run_root)]
+    checkpoints = latest_checkpoint(run_root)
+    if checkpoints:
+        command += ["--ckpt_path", str(checkpoints[0])]  # a stopped run continues where it stopped
+    run_root.mkdir(parents=True, exist_ok=True)
+    print(f"{label}: training {max_steps} steps ({'resumed' if checkpoints else 'new'})", flush=True)
+    with open(run_root / "run.log", "a") as log:
+        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    if code != 0:
+        fail(f"{label} stopped with exit code {code}; see {run_root / 'run.log'} (rerun to resume)")
+    checkpoints = latest_checkpoint(run_root)
+    if not checkpoints:
+        fail(f"{label} left no last.ckpt; see {run_root / 'run.log'}")
+    return Path(checkpoints[-1])
+
+
+def write_result(result_file: Path, result: dict) -> None:
+    """``result`` as JSON, atomically: a run counts as done only once its result is whole."""
+    temporary = result_file.with_suffix(".tmp")
+    temporary.write_text(json.dumps(result, indent=2))
+    os.replace(temporary, result_file)
+
+
 def run_one(config: Path, model: str, seed: int, run_root: Path, args, extra: list[str]) -> dict:
     """Train one (config, seed) through the CLI unless it finished before; return its result."""
     result_file = run_root / "result.json"
@@ -287,32 +314,17 @@ def run_one(config: Path, model: str, seed: int, run_root: Path, args, extra: li
     steps_per_eval = max(1, math.ceil(args.tokens / (args.batch_size * args.block_size) / args.evals))
     max_steps = steps_per_eval * args.evals
     command = [
-        sys.executable, str(ROOT / "run.py"), "fit", "--config", str(config), *extra,
+        "--config", str(config), *extra,
         "--seed_everything", str(seed), "--data.seed", str(seed),
         "--data.batch_size", str(args.batch_size), "--data.block_size", str(args.block_size),
         "--trainer.max_steps", str(max_steps), "--trainer.val_check_interval", str(steps_per_eval),
-        # the progress bar stays on: its output is a file, so ltcx prints plain progress lines into run.log
-        "--trainer.default_root_dir", str(run_root),
     ]
     if args.warmup_steps is not None:
         command += ["--model.warmup_steps", str(args.warmup_steps)]
-    checkpoints = latest_checkpoint(run_root)
-    if checkpoints:
-        command += ["--ckpt_path", str(checkpoints[0])]  # a stopped run continues where it stopped
-    run_root.mkdir(parents=True, exist_ok=True)
-    print(f"compare: {model} seed {seed}: training {max_steps} steps ({'resumed' if checkpoints else 'new'})",
-          flush=True)
-    with open(run_root / "run.log", "a") as log:
-        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
-    if code != 0:
-        fail(f"{model} seed {seed} stopped with exit code {code}; see {run_root / 'run.log'} (rerun to resume)")
+    checkpoint = train_run(command, run_root, f"{model} seed {seed}", max_steps)
     curve = read_logs(run_root)
     if not curve:
         fail(f"{model} seed {seed} logged no validation loss; see {run_root / 'run.log'}")
-    checkpoints = latest_checkpoint(run_root)
-    if not checkpoints:
-        fail(f"{model} seed {seed} left no last.ckpt; see {run_root / 'run.log'}")
-    checkpoint = checkpoints[-1]
     tokens_per_step = args.batch_size * args.block_size
     result = {
         "model": model, "seed": seed, "config": str(config), "steps": max_steps,
@@ -321,9 +333,7 @@ def run_one(config: Path, model: str, seed: int, run_root: Path, args, extra: li
         "curve": [[step * tokens_per_step, loss] for step, loss in curve],
         **measure_checkpoint(checkpoint, args.block_size),
     }
-    temporary = result_file.with_suffix(".tmp")
-    temporary.write_text(json.dumps(result, indent=2))
-    os.replace(temporary, result_file)  # a run counts as done only once its result is whole
+    write_result(result_file, result)
     return result
 
 

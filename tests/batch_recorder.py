@@ -12,7 +12,8 @@ class RecordBatches(L.Callback):
         self.blocks: list[list[int]] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.blocks.extend(batch.tolist())
+        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch  # a recall task's (inputs, targets)
+        self.blocks.extend(inputs.tolist())
 
     def on_train_end(self, trainer, pl_module) -> None:
         os.makedirs(self.out_dir, exist_ok=True)

@@ -2,7 +2,6 @@
 the figures' axes and error bars, and a tiny real comparison (2 configs x 2 seeds) through the CLI to JSON,
 Markdown and PNG files, with progress in each run.log, resumed without rework."""
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -12,16 +11,9 @@ import pytest
 import torch
 import yaml
 
-from helpers import write_corpus
+from helpers import load_script, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 compare = load_script("compare")

@@ -43,7 +43,9 @@ def test_config_composes(model, piece, monkeypatch, capsys):
     assert resolved["seed_everything"] == 1337 and resolved["model"]["learning_rate"] == 6e-4
     assert resolved["model"]["warmup_steps"] == (10 if smoke else 1170)
     assert resolved["trainer"]["max_steps"] == (40 if smoke else 23404)
-    assert resolved["data"]["block_size"] == (128 if smoke else 512)
+    mqar = piece == "data/mqar.yaml"  # --data is a class: the recipe's TextDataModule, or MQAR's by class_path
+    assert resolved["data"]["class_path"] == ("ltcx.data.RecallDataModule" if mqar else "ltcx.data.TextDataModule")
+    assert resolved["data"]["init_args"]["block_size"] == (128 if smoke else 64 if mqar else 512)
     assert len(resolved["trainer"]["callbacks"]) == 4
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import lightning as L
 import torch
@@ -18,7 +19,8 @@ class SampleGeneration(L.Callback):
     append it to ``samples.txt`` in the run's log folder.
 
     Runs on global rank 0 only (from a gathered copy of a model sharded by FSDP2); the model is put back in train
-    mode afterwards.
+    mode afterwards. Data without a tokenizer (a recall task, ``RecallDataModule``) has no text to sample: the
+    callback then says so once and does nothing.
 
     Args:
         prompts: texts to complete.
@@ -41,6 +43,7 @@ class SampleGeneration(L.Callback):
         self.temperature = temperature
         self.top_k = top_k
         self.seed = seed
+        self._told_no_text = False
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or not self.prompts:
@@ -49,6 +52,12 @@ class SampleGeneration(L.Callback):
         if is_sharded(backbone):  # FSDP2: rank 0 samples from a gathered copy (every rank takes part in gathering it)
             backbone = unsharded_copy(backbone, pl_module.device)
         if not trainer.is_global_zero:
+            return
+        if not hasattr(trainer.datamodule, "tokenizer_obj"):
+            if not self._told_no_text:
+                print(f"ltcx: no sample generations: {type(trainer.datamodule).__name__} has no tokenizer (its tokens "
+                      "are not text); remove SampleGeneration from the callbacks to silence this", file=sys.stderr)
+                self._told_no_text = True
             return
         tokenizer = trainer.datamodule.tokenizer_obj
         budget = self.max_new_tokens

@@ -8,10 +8,10 @@ import sys
 import time
 
 import lightning as L
-import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ltcx.errors import LtcxError
+from ltcx.lm import split_batch
 from ltcx.throughput import default_peak_flops, model_flops_per_token
 
 
@@ -64,11 +64,11 @@ class MFUMonitor(L.Callback):
             rank_zero_info(f"ltcx: train/mfu against {self._peak:.3g} FLOP/s per device ({source})")
         self._last_end = None
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch: torch.Tensor, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         now = time.perf_counter()
         if self._peak is not None and self._last_end is not None and now > self._last_end:
-            length = batch.shape[1] - 1  # blocks of T + 1 tokens: T predictions each
-            flops = batch.shape[0] * length * model_flops_per_token(pl_module.backbone, length) / (now - self._last_end)
+            size, length = split_batch(batch)[0].shape  # the inputs [B, T] (a block holds T + 1 tokens)
+            flops = size * length * model_flops_per_token(pl_module.backbone, length) / (now - self._last_end)
             if flops > self._peak:
                 self._above_peak(trainer, flops)
             pl_module.log("train/flops_per_sec", flops)

@@ -14,6 +14,7 @@ import shutil
 import sys
 from typing import Optional
 
+import lightning as L
 import torch
 import yaml
 from lightning.pytorch.callbacks import LambdaCallback
@@ -29,7 +30,7 @@ from ltcx.cli.console import print_run_end, print_run_start, quiet_lightning
 from ltcx.cli.predict import write_predictions
 from ltcx.cli.run_folders import find_last_checkpoint, name_after_architecture, resolve_under_root
 from ltcx.cli.threads import set_cpu_threads
-from ltcx.data import TextDataModule
+from ltcx.data import RecallDataModule, TextDataModule  # noqa: F401 - the --data classes fit --help lists
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.lm import LanguageModel
 from ltcx.persist.checkpoint import SafeCheckpointIO, read_checkpoint
@@ -100,6 +101,12 @@ def _one_line(message: str) -> str:
     key = re.match(r'Parser key "([^"]+)":\s*(.*)', lines[0])
     if key is None:
         return lines[0]
+    for at, line in enumerate(lines[:-1]):  # a class's own argument (--data.block_size): its reason, not the union's
+        if line.startswith("- Problem with given class_path "):
+            inner = re.match(r'Parser key "([^"]+)":\s*(.*)', lines[at + 1])
+            reason = (inner.group(2) or (lines[at + 2] if at + 2 < len(lines) else "")) if inner else lines[at + 1]
+            name = f"{key.group(1)}.{inner.group(1)}" if inner else key.group(1)
+            return re.sub(r"<class '([\w.]+)'>", r"\1", f"--{name}: {reason or 'invalid value'}")
     rest = ([key.group(2)] if key.group(2) else []) + lines[1:]
     text = f"--{key.group(1)}: {rest[0] if rest else 'invalid value'}"
     for line in rest[1:]:
@@ -111,8 +118,25 @@ def _one_line(message: str) -> str:
 
 
 class LtcxCLI(LightningCLI):
+    def __init__(self, *args, subclass_mode_data: bool = True, **kwargs) -> None:
+        # --data takes TextDataModule's arguments as before (no class_path needed), or another data module by
+        # class_path: ltcx.data.RecallDataModule (configs/data/mqar.yaml).
+        super().__init__(*args, subclass_mode_data=subclass_mode_data, **kwargs)
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as error:
+            # A data module is built inside jsonargparse's check of the --data union (subclass mode), which wraps
+            # its one-line LtcxError in a many-line "Does not validate against any of the Union subtypes".
+            cause = _ltcx_error_in(error)
+            if cause is None:
+                raise
+            raise cause from None
+
     def add_arguments_to_parser(self, parser) -> None:
         # The model's vocabulary always matches the data's tokenizer: nobody keeps vocab_size by hand.
+        parser.set_defaults({"data": {"class_path": "ltcx.data.TextDataModule"}})
         parser.link_arguments("data.padded_vocab_size", "model.backbone.init_args.vocab_size", apply_on="instantiate")
         parser.add_argument(
             "--num_threads", type=Optional[int], default=None,
@@ -296,9 +320,21 @@ def context_from_data(config) -> None:
     length the model trains on, written once in the recipe (a learned position embedding past it would never be
     trained). A number, typed or from a resumed checkpoint, is kept."""
     init_args = getattr(getattr(config.get("model"), "backbone", None), "init_args", None)
-    block_size = getattr(config.get("data"), "block_size", None)
+    data = config.get("data")
+    block_size = getattr(getattr(data, "init_args", data), "block_size", None)  # a data class_path's, or flat
     if init_args is not None and "block_size" in init_args and init_args.block_size is None and block_size:
         init_args.block_size = block_size
+
+
+def _ltcx_error_in(error: BaseException) -> LtcxError | None:
+    """The first ``LtcxError`` in the chain of causes and contexts of ``error``, if any."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, LtcxError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _notice(text: str) -> None:
@@ -311,7 +347,7 @@ def cli_main(args: list[str] | None = None) -> LtcxCLI:
     quiet_lightning()
     return LtcxCLI(
         LanguageModel,
-        TextDataModule,
+        L.LightningDataModule,
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,  # ltcx's AdamW and schedule (LanguageModel.configure_optimizers), always
         parser_kwargs={"description": DESCRIPTION},
