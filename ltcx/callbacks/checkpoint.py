@@ -10,6 +10,7 @@ import re
 import sys
 
 import lightning as L
+import torch
 from lightning.pytorch import callbacks as pl_callbacks
 
 from ltcx.errors import ConfigError
@@ -69,6 +70,13 @@ class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
                 for version in run_versions(self._root_dirpath):
                     remove_stale_temps(os.path.join(self._root_dirpath, f"version_{version}"))
         super().setup(trainer, pl_module, stage)  # rank 0's folder is broadcast to every rank
+
+    def _monitor_candidates(self, trainer: L.Trainer) -> dict:
+        """Lightning's, with ``step`` always the trainer's global step: LanguageModel logs a ``step`` metric (the x
+        axis of its scalars), which Lightning would otherwise read here, one batch behind, into the file names."""
+        candidates = super()._monitor_candidates(trainer)
+        candidates["step"] = torch.tensor(trainer.global_step)
+        return candidates
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "earlier_runs": list(self._earlier_runs)}
