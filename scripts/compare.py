@@ -337,12 +337,16 @@ def run_one(config: Path, model: str, seed: int, run_root: Path, args, extra: li
     return result
 
 
+def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the script's own arguments, those after ``--``, which go to every run)."""
+    if "--" not in argv:
+        return list(argv), []
+    at = argv.index("--")
+    return argv[:at], argv[at + 1:]
+
+
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    extra: list[str] = []
-    if "--" in argv:
-        at = argv.index("--")
-        argv, extra = argv[:at], argv[at + 1:]
+    argv, extra = split_passthrough(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--name", required=True, help="results go to <out>/<name>/")
     parser.add_argument("--configs", nargs="+", required=True,

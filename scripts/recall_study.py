@@ -204,11 +204,7 @@ def plot(best: list[dict], archs: list[str], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    extra: list[str] = []
-    if "--" in argv:
-        at = argv.index("--")
-        argv, extra = argv[:at], argv[at + 1:]
+    argv, extra = compare.split_passthrough(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--name", required=True, help="results go to <out>/<name>/")
     parser.add_argument("--grid", choices=sorted(GRIDS), default="quick")
