@@ -20,3 +20,11 @@ ANOTHER_VERSION = "load it with the version that wrote it, or start a new run"
 def missing_checkpoint(name: str) -> LtcxError:
     """The one line for a ``--ckpt_path`` that names nothing (checked by the commands before their slow imports)."""
     return LtcxError(f"checkpoint '{name}' does not exist: pass --ckpt_path the path of a .ckpt file")
+
+
+def refuse_bad_settings(section: str, checks: list[tuple[bool, str, object, str]]) -> None:
+    """``checks``: ``(ok, key, value, rule)``; the first not ok is one ``ConfigError`` line naming
+    ``--{section}.{key}`` (e.g. ``data.batch_size=0 must be >= 1: fix --data.batch_size``)."""
+    for ok, key, value, rule in checks:
+        if not ok:
+            raise ConfigError(f"{section}.{key}={value!r} {rule}: fix --{section}.{key}")

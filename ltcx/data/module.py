@@ -21,7 +21,7 @@ from ltcx.data.shard_data import SAMPLING
 from ltcx.data.shard_source import ShardSource
 from ltcx.data.shards import META, VERIFY_MODES, holds_shards, is_prepared
 from ltcx.data.stream_source import SAMPLE_BY, StreamSource
-from ltcx.errors import ConfigError, LtcxError
+from ltcx.errors import ConfigError, LtcxError, refuse_bad_settings
 from ltcx.tokenizers import Tokenizer, get_tokenizer
 from ltcx.tokenizers import padded_vocab_size as _pad_vocab
 
@@ -89,9 +89,7 @@ class TextDataModule(L.LightningDataModule):
             (verify in VERIFY_MODES, "verify", verify, "must be 'fast', 'full' or 'none'"),
             (bool(path), "path", path, "must name a hub data set or local files"),
         ]
-        for ok, key, value, rule in checks:
-            if not ok:
-                raise ConfigError(f"data.{key}={value!r} {rule}: fix --data.{key}")
+        refuse_bad_settings("data", checks)
         self.save_hyperparameters()
         self.path = path
         self.name = name

@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ltcx.data.block_source import make_loader
-from ltcx.errors import ConfigError
+from ltcx.errors import ConfigError, refuse_bad_settings
 from ltcx.lm import IGNORE_INDEX
 from ltcx.tokenizers import padded_vocab_size as _pad_vocab
 
@@ -199,9 +199,7 @@ class RecallDataModule(L.LightningDataModule):
             (seed >= 0, "seed", seed, "must be >= 0"),
             (pad_vocab_to_multiple_of >= 1, "pad_vocab_to_multiple_of", pad_vocab_to_multiple_of, "must be >= 1"),
         ]
-        for ok, key, value, rule in checks:
-            if not ok:
-                raise ConfigError(f"data.{key}={value!r} {rule}: fix --data.{key}")
+        refuse_bad_settings("data", checks)
         check_mqar(vocab_size, block_size, num_kv_pairs, power_a)
         self.save_hyperparameters()
         self.vocab_size, self.block_size, self.num_kv_pairs = vocab_size, block_size, num_kv_pairs
