@@ -81,11 +81,17 @@ def test_config_dict_rebuilds_the_model():
     assert GPT.from_config(GPTConfig(**model.config_dict())).config == model.config
 
 
-def test_init_scales_residual_projections():
+@pytest.mark.parametrize("init_std", [None, 0.02, 0.125])
+def test_init_draws_matrices_at_init_std_and_scales_residual_projections(init_std):
     torch.manual_seed(0)
-    model = GPT(block_size=64, vocab_size=512, n_layer=8, n_head=4, n_embd=256)
-    assert abs(model.blocks[0].attn.c_proj.weight.std().item() - 0.02 / math.sqrt(16)) < 1e-3
-    assert abs(model.blocks[0].mlp.c_fc.weight.std().item() - 0.02) < 1e-3
+    std = init_std or 0.02  # the default is GPT-2's
+    model = GPT(block_size=64, vocab_size=512, n_layer=8, n_head=4, n_embd=256,
+                **({} if init_std is None else dict(init_std=init_std)))
+    assert model.blocks[0].attn.c_proj.weight.std().item() == pytest.approx(std / math.sqrt(16), rel=0.03)
+    assert model.blocks[0].mlp.c_proj.weight.std().item() == pytest.approx(std / math.sqrt(16), rel=0.03)
+    for weight in (model.blocks[0].mlp.c_fc.weight, model.blocks[0].attn.kv_proj.weight, model.wte.weight,
+                   model.wpe.weight):
+        assert weight.std().item() == pytest.approx(std, rel=0.03)
 
 
 @pytest.mark.parametrize(
@@ -96,6 +102,7 @@ def test_init_scales_residual_projections():
         (dict(n_layer=0), r"n_layer \(0\) must be a positive integer"),
         (dict(dropout=1.5), r"dropout \(1.5\) must be in \[0, 1\)"),
         (dict(mlp_hidden=0), r"mlp_hidden \(0\) must be a positive integer or null \(4 n_embd\)"),
+        (dict(init_std=0.0), r"init_std \(0.0\) must be a positive number"),
     ],
 )
 def test_config_errors_name_field_and_rule(overrides, message):

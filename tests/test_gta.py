@@ -392,13 +392,15 @@ def test_exact_parameter_counts(overrides, attention, total):
     assert model.lm_head.weight is model.wte.weight
 
 
-def test_init_matches_the_gpt():
+@pytest.mark.parametrize("init_std", [0.02, 0.125])
+def test_init_matches_the_gpt(init_std):
     torch.manual_seed(0)
-    model = GTAGPT(block_size=64, vocab_size=512, n_layer=8, n_head=4, n_embd=256, n_query_group=2)
+    model = GTAGPT(block_size=64, vocab_size=512, n_layer=8, n_head=4, n_embd=256, n_query_group=2,
+                   init_std=init_std)
     attn = model.blocks[0].attn
-    assert abs(attn.c_proj.weight.std().item() - 0.02 / math.sqrt(16)) < 1e-3  # residual projection
-    assert abs(attn.in_proj.weight.std().item() - 0.02) < 1e-3
-    assert abs(attn.decoder.std().item() - 0.02) < 2e-3  # D_g starts near [I I]
+    assert attn.c_proj.weight.std().item() == pytest.approx(init_std / math.sqrt(16), rel=0.05)  # residual
+    assert attn.in_proj.weight.std().item() == pytest.approx(init_std, rel=0.05)
+    assert attn.decoder.std().item() == pytest.approx(init_std, rel=0.1)  # D_g starts near [I I]
 
 
 @pytest.mark.parametrize(

@@ -218,17 +218,14 @@ def test_ddp_two_cpu_processes_take_their_ranks_batches_and_log_recall_accuracy(
 
 def test_a_tiny_gpt_learns_the_easiest_cell():
     """A deterministic learning test (a fixed seed and number of steps, not a timed one): a 2-layer GPT of width
-    64 recalls MQAR at length 32 with 2 pairs. Its matrices are drawn N(0, 1/d) here, d their second dimension
-    (a Linear's fan-in): with the GPT's own N(0, 0.02) (GPT-2's, for width 768) a width-64 GPT stays at 1/P accuracy
+    64 recalls MQAR at length 32 with 2 pairs. It draws its matrices N(0, 1/64) (``init_std``, as
+    scripts/recall_study.py does): with GPT-2's N(0, 0.02), made for width 768, a width-64 GPT stays at 1/P accuracy
     for thousands of steps (docs/recall.md, "Initialisation"); this test is about the task and the pipeline."""
     L.seed_everything(0, verbose=False)
     dm = RecallDataModule(vocab_size=64, block_size=32, num_kv_pairs=2, random_fillers=False, batch_size=32,
                           val_batches=4, seed=0, pad_vocab_to_multiple_of=1)
-    backbone = GPT(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_kv_head=1, n_embd=64, bias=False)
-    with torch.no_grad():
-        for param in backbone.parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, param.shape[1] ** -0.5)
+    backbone = GPT(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_kv_head=1, n_embd=64, bias=False,
+                   init_std=64 ** -0.5)
     model = LanguageModel(backbone, learning_rate=3e-3, min_lr=3e-3, warmup_steps=30, weight_decay=0.0)
     trainer = L.Trainer(max_steps=STEPS_TO_LEARN, val_check_interval=STEPS_TO_LEARN, accelerator="cpu", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -168,6 +168,21 @@ def test_reference_configs_have_the_exact_parameter_counts(variant, expected):
     assert type(model)(**model.config_dict()).parameter_count() == expected
 
 
+@pytest.mark.parametrize("init_std", [0.02, 0.125])
+def test_init_draws_at_init_std_and_keeps_the_memorys_own_scales(init_std):
+    torch.manual_seed(0)
+    model = Titans(vocab_size=512, n_embd=256, n_layer=8, variant="mag", n_head=4, n_kv_head=2, mem_heads=4,
+                   mem_head_dim=64, mem_hidden=128, n_persistent=64, init_std=init_std)
+    block = model.blocks[0]
+    for weight in (model.wte.weight, block.attn.q_proj.weight, block.mlp.c_fc.weight, block.memory.qkv.weight,
+                   block.attn.persistent_k):
+        assert weight.std().item() == pytest.approx(init_std, rel=0.05)
+    for weight in (block.out_proj.weight, block.mlp.c_proj.weight):  # residual projections: / sqrt(2 n_layer)
+        assert weight.std().item() == pytest.approx(init_std / 4, rel=0.05)
+    assert block.memory.w1_init.std().item() == pytest.approx(64 ** -0.5, rel=0.05)  # M_0: unit pre-activations
+    assert block.memory.w2_init.std().item() == pytest.approx(128 ** -0.5, rel=0.05)
+
+
 def test_no_weight_decay_covers_the_initial_memory_and_persistent_slots():
     names = tiny("mag").no_weight_decay_param_names()
     assert {"blocks.0.memory.w1_init", "blocks.0.memory.w2_init", "blocks.0.attn.persistent_k",
@@ -226,6 +241,7 @@ def test_state_size_is_constant_in_length(variant):
         ({"theta_mode": "fixed"}, "theta_mode ('fixed') must be one of"),
         ({"rho_max": 1.5}, "rho_max (1.5) must be in (0, 1]"),
         ({"dropout": 1.0}, "dropout (1.0) must be in [0, 1)"),
+        ({"init_std": -1.0}, "init_std (-1.0) must be a positive number"),
         ({"n_persistent": -1}, "n_persistent (-1) must be a non-negative integer"),
     ],
 )

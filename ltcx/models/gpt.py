@@ -1,7 +1,7 @@
 """nanoGPT-style GPT with grouped-query attention: the controlled baseline and the base of LTC GPT.
 
 Learned position embeddings, pre-LayerNorm blocks, GELU MLP (4x), tied input/output embeddings,
-optional biases, init N(0, 0.02) with residual projections scaled by 1/sqrt(2 n_layer).
+optional biases, init N(0, init_std) (0.02, GPT-2's) with residual projections scaled by 1/sqrt(2 n_layer).
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ class GPTConfig:
     """use biases in Linear and LayerNorm layers."""
     mlp_hidden: int | None = None  # kept None, not 4 n_embd, in config_dict: older files lack it
     """hidden width of each block's MLP; None means 4 n_embd."""
+    init_std: float = 0.02
+    """standard deviation of the normal draw of every matrix and embedding (residual output projections: init_std
+    / sqrt(2 n_layer)); 0.02 is GPT-2's, made for width 768. Narrow models learn faster from about n_embd ** -0.5
+    (docs/recall.md, Initialisation)."""
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -69,6 +73,10 @@ class GPTConfig:
             f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})",
         )
         _require(0.0 <= self.dropout < 1.0, f"dropout ({self.dropout}) must be in [0, 1)")
+        _require(
+            isinstance(self.init_std, (int, float)) and math.isfinite(self.init_std) and self.init_std > 0,
+            f"init_std ({self.init_std}) must be a positive number",
+        )
 
     @property
     def head_dim(self) -> int:
@@ -174,7 +182,7 @@ class GPT(ConfiguredModule):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied embeddings
         self.apply(self._init_weights)
-        residual_std = 0.02 / math.sqrt(2 * config.n_layer)
+        residual_std = config.init_std / math.sqrt(2 * config.n_layer)
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(param, mean=0.0, std=residual_std)
@@ -183,14 +191,13 @@ class GPT(ConfiguredModule):
         """The attention of one block; subclasses swap in another kind."""
         return GQAAttention(config)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
 
     @property
     def max_seq_len(self) -> int:

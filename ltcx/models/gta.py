@@ -120,8 +120,8 @@ class GTAAttention(nn.Module):
         if config.gate:
             self.widths.append(config.n_embd)
         self.in_proj = nn.Linear(config.n_embd, sum(self.widths), bias=config.bias)
-        # B_g ~ N(0, 0.02) like every matrix (the official init), so D_g starts near [I ... I].
-        self.decoder = nn.Parameter(torch.randn(self.groups, self.latent_dim, width) * 0.02)
+        # B_g ~ N(0, init_std) like every matrix (the official init), so D_g starts near [I ... I].
+        self.decoder = nn.Parameter(torch.randn(self.groups, self.latent_dim, width) * config.init_std)
         self.register_buffer("identity", gta_ops.expand_identity(self.groups, self.latent_dim, width), persistent=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout

@@ -131,7 +131,7 @@ class LTCAttention(GQAAttention):
         else:
             self.controller = nn.Linear(config.n_embd, out)
         # Initial time constants spread log-uniformly from 2 tau_min (r = 0) up to 16 block_size (nearly
-        # no decay), like ALiBi's spread of slopes; the controller (init N(0, 0.02)) then moves them.
+        # no decay), like ALiBi's spread of slopes; the controller (init N(0, init_std)) then moves them.
         low = min(0.5, config.tau_min / (16 * config.block_size))
         rate = torch.logspace(math.log10(0.5), math.log10(low), modes) if modes > 1 else torch.tensor([0.5])
         self.tau_offset = nn.Parameter(torch.logit(rate).repeat(groups, 1))

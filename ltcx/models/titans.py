@@ -108,6 +108,10 @@ class TitansConfig:
     """biases in attention/MLP Linear layers and LayerNorms."""
     tie_embeddings: bool = True
     """share the token embedding with the output head."""
+    init_std: float = 0.02
+    """standard deviation of the normal draw of the embeddings, linear maps, memory projections and persistent
+    slots (residual output projections: init_std / sqrt(2 n_layer)); 0.02 is the spec's (A.2). Narrow models learn
+    faster from about n_embd ** -0.5 (docs/recall.md, Initialisation). M_0 keeps its own unit-scale draw."""
 
     def __post_init__(self) -> None:
         if self.mlp_hidden is None:
@@ -155,6 +159,8 @@ class TitansConfig:
         require(self.theta_max > 0, f"theta_max ({self.theta_max}) must be > 0")
         require(self.rope_base > 0, f"rope_base ({self.rope_base}) must be > 0")
         require(0.0 <= self.dropout < 1.0, f"dropout ({self.dropout}) must be in [0, 1)")
+        require(isinstance(self.init_std, (int, float)) and math.isfinite(self.init_std) and self.init_std > 0,
+                f"init_std ({self.init_std!r}) must be a positive number")
 
 
 # ----------------------------------------------------------------------------- state
@@ -223,11 +229,11 @@ class NeuralMemory(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Spec A.2: projections N(0, 0.02); conv U(+-1/sqrt(K)); gate weights 0 with biases -6 (alpha, a
+        """Spec A.2: projections N(0, init_std = 0.02); conv U(+-1/sqrt(K)); gate weights 0 with biases -6 (alpha, a
         retention of 0.28 over 512 tokens), 0 (eta = 0.5), 0 (rho = 0.5); M_0 with unit-scale
         pre-activations for unit queries: W1 ~ N(0, 1/dk), W2 ~ N(0, 1/dm)."""
         config = self.config
-        nn.init.normal_(self.qkv.weight, std=0.02)
+        nn.init.normal_(self.qkv.weight, std=config.init_std)
         bound = 1.0 / math.sqrt(config.conv_kernel)
         nn.init.uniform_(self.conv_weight, -bound, bound)
         nn.init.zeros_(self.conv_bias)
@@ -297,8 +303,9 @@ class TitansAttention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         self.q_proj = nn.Linear(config.n_embd, config.n_head * self.head_dim, bias=config.bias)
         self.kv_proj = nn.Linear(config.n_embd, 2 * config.n_kv_head * self.head_dim, bias=config.bias)
-        self.persistent_k = nn.Parameter(torch.randn(config.n_kv_head, config.n_persistent, self.head_dim) * 0.02)
-        self.persistent_v = nn.Parameter(torch.randn(config.n_kv_head, config.n_persistent, self.head_dim) * 0.02)
+        slots = (config.n_kv_head, config.n_persistent, self.head_dim)
+        self.persistent_k = nn.Parameter(torch.randn(slots) * config.init_std)
+        self.persistent_v = nn.Parameter(torch.randn(slots) * config.init_std)
 
     def queries(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """x [B, T, C] -> (q, RoPE(q)) [B, H, T, D]."""
@@ -488,12 +495,13 @@ class Titans(ConfiguredModule):
         self._init_weights()
 
     def _init_weights(self) -> None:
-        """N(0, 0.02) for embeddings and linear maps, residual output projections N(0, 0.02 / sqrt(2 n_layer))
-        (GPT-2's rule), then each memory's own initialisation (gates, conv, M_0)."""
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        """N(0, init_std) for embeddings and linear maps, residual output projections N(0, init_std / sqrt(2
+        n_layer)) (GPT-2's rule), then each memory's own initialisation (gates, conv, M_0)."""
+        init_std = self.config.init_std
+        residual_std = init_std / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = residual_std if name.endswith(("out_proj", "c_proj")) else 0.02
+                std = residual_std if name.endswith(("out_proj", "c_proj")) else init_std
                 nn.init.normal_(module.weight, std=std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
