@@ -247,7 +247,9 @@ def bench_data(args) -> list[dict]:
 
 STARTUP_COMMANDS = [
     ["--help"], ["generate", "--help"], ["export", "--help"], ["prepare", "--help"], ["fit", "--help"],
-    ["generate", "--ckpt_path", "no-such.ckpt"], ["fit", "--config", "configs/gpt.yaml", "--trainer.max_steps", "x"],
+    ["generate", "--ckpt_path", "no-such.ckpt"], ["fit", "--config", "configs/no-such.yaml"],
+    ["fit", "--config", "configs/gpt.yaml", "--ckpt_path", "no-such.ckpt"],
+    ["fit", "--config", "configs/gpt.yaml", "--trainer.max_steps", "x"],
 ]
 
 

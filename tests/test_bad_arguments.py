@@ -1,6 +1,8 @@
 """Bad flags and config files for fit and generate: one line naming the problem and the fix, exit 2, nothing written;
 `--help` and `--print_config` still work."""
 
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -125,3 +127,25 @@ def test_an_optimizer_section_in_a_yaml_is_refused(tmp_path, fit_env, capsys):
     config.write_text("optimizer:\n  class_path: torch.optim.SGD\n  init_args:\n    lr: 0.1\n")
     line = one_error_line(fit_args(fit_env, "--config", str(config)), capsys)
     assert "--optimizer and --lr_scheduler are not ltcx options" in line
+
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--config", "configs/no-such.yaml"], "ltcx: error: --config: File does not exist: '{root}/configs/no-such.yaml'; "
+                                            "see `ltcx fit --help`"),
+    (["--config=no-such.yaml"], "ltcx: error: --config: File does not exist: '{root}/no-such.yaml'; see `ltcx fit "
+                                "--help`"),
+    (["--config", "configs/gpt.yaml", "--ckpt_path", "no-such.ckpt"],
+     "ltcx: error: checkpoint 'no-such.ckpt' does not exist: pass --ckpt_path the path of a .ckpt file"),
+    (["--optimizer", "torch.optim.SGD"], "ltcx: error: --optimizer and --lr_scheduler are not ltcx options"),
+], ids=["config", "config=", "ckpt_path", "optimizer"])
+def test_a_missing_file_or_refused_flag_is_answered_before_lightning_is_imported(flags, message):
+    """The parser's own line for these, without the ~8 CPU-s of importing Lightning (scripts/benchmark.py --startup
+    measures it): neither torch nor Lightning is imported."""
+    code = ("import sys; sys.argv = ['ltcx']\nfrom ltcx.cli import main\n"
+            "try:\n    main(['fit', *sys.stdin.read().split('\\0')])\n"
+            "except SystemExit as stop:\n    print(stop.code, 'torch' in sys.modules, 'lightning' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], input="\0".join(flags), cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.stdout.split() == ["2", "False", "False"], done.stdout + done.stderr
+    assert done.stderr.splitlines()[0].startswith(message.format(root=ROOT)), done.stderr

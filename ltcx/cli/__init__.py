@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> None:
 
             harness_main(command_line[1:])
         elif command in LIGHTNING_COMMANDS:
+            from ltcx.cli.early_checks import check_lightning_command_line
+
+            check_lightning_command_line(command_line[1:], f"{_prog()} {command}")
             from ltcx.cli.lightning import cli_main
 
             cli_main(argv)  # None: LightningCLI reads sys.argv itself
@@ -99,6 +102,13 @@ def main(argv: list[str] | None = None) -> None:
         if type(stop).__name__ == "SIGTERMException":
             sys.exit(stop.code or 128 + signal.SIGTERM)
         raise
+
+
+def _prog() -> str:
+    """The program's name as the parsers print it (``ltcx``, ``run.py``)."""
+    import os
+
+    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "ltcx"
 
 
 def _rank() -> int:

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar, _launcher_outlives_workers
 from ltcx.callbacks.preemption import Preemption
 from ltcx.cli.console import print_run_end, print_run_start, quiet_lightning
+from ltcx.cli.early_checks import NO_OPTIMIZER_FLAGS
 from ltcx.cli.predict import write_predictions
 from ltcx.cli.run_folders import find_last_checkpoint, name_after_architecture, resolve_under_root
 from ltcx.cli.threads import set_cpu_threads
@@ -42,15 +43,6 @@ DESCRIPTION = (
     "ltcx: train and evaluate language models (`ltcx generate --help` samples from a checkpoint, `ltcx export --help` "
     "writes a weights-only copy, `ltcx prepare --help` makes token shards, `ltcx evaluate --help` scores loss by "
     "position, `ltcx lm-eval --help` runs lm-evaluation-harness tasks)"
-)
-
-
-# LightningCLI's --optimizer / --lr_scheduler would silently replace ltcx's AdamW and its warmup + cosine schedule
-# (and the schedule's end kept in checkpoints): ltcx does not offer them.
-NO_OPTIMIZER_FLAGS = (
-    "--optimizer and --lr_scheduler are not ltcx options: every run trains with AdamW and a warmup + cosine "
-    "schedule by step; set --model.learning_rate, --model.min_lr, --model.warmup_steps, --model.decay_steps, "
-    "--model.weight_decay, --model.betas or --model.eps instead"
 )
 
 
@@ -147,9 +139,6 @@ class LtcxCLI(LightningCLI):
     def parse_arguments(self, parser, args) -> None:
         # The command line as given, to tell a flag the user typed from a value a YAML file set.
         self._command_line = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
-        for arg in self._command_line:
-            if arg.split("=", 1)[0].split(".", 1)[0] in ("--optimizer", "--lr_scheduler"):
-                raise LtcxError(NO_OPTIMIZER_FLAGS)
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         name_after_architecture(self.config[subcommand] if subcommand else self.config)

@@ -1,0 +1,51 @@
+"""Mistakes in a Lightning command's line that are found before Lightning is imported (whose import alone is most
+of the CPU time of ``fit``'s answer): a ``--config`` or ``--ckpt_path`` naming no file, and LightningCLI's
+``--optimizer`` / ``--lr_scheduler``, which ltcx does not offer. Each is the one line the full parser would give."""
+
+from __future__ import annotations
+
+import os
+
+from ltcx.errors import LtcxError, missing_checkpoint
+
+# LightningCLI's --optimizer / --lr_scheduler would silently replace ltcx's AdamW and its warmup + cosine schedule
+# (and the schedule's end kept in checkpoints): ltcx does not offer them.
+NO_OPTIMIZER_FLAGS = (
+    "--optimizer and --lr_scheduler are not ltcx options: every run trains with AdamW and a warmup + cosine "
+    "schedule by step; set --model.learning_rate, --model.min_lr, --model.warmup_steps, --model.decay_steps, "
+    "--model.weight_decay, --model.betas or --model.eps instead"
+)
+# The names Lightning itself gives a meaning to as --ckpt_path (``last`` is also ltcx's: the latest run's).
+CKPT_KEYWORDS = ("last", "best", "hpc", "registry", "null", "None")
+
+
+def flag_values(args: list[str], *flags: str) -> list[tuple[str, str]]:
+    """``(flag, value)`` for each ``--flag value`` or ``--flag=value`` of ``flags`` in ``args``."""
+    found = []
+    for i, arg in enumerate(args):
+        name, equals, value = arg.partition("=")
+        if name in flags:
+            if equals:
+                found.append((name, value))
+            elif i + 1 < len(args):
+                found.append((name, args[i + 1]))
+    return found
+
+
+def _is_inline_yaml(value: str) -> bool:
+    """jsonargparse also takes a config's text as ``--config``."""
+    return "\n" in value or ": " in value or value.lstrip().startswith(("{", "["))
+
+
+def check_lightning_command_line(args: list[str], prog: str) -> None:
+    """``args`` (after the command) of ``prog`` (``ltcx fit``): raise the ``LtcxError`` the parser would, for the
+    mistakes that need no parser."""
+    for arg in args:
+        if arg.split("=", 1)[0].split(".", 1)[0] in ("--optimizer", "--lr_scheduler"):
+            raise LtcxError(NO_OPTIMIZER_FLAGS)
+    for _, path in flag_values(args, "--config", "-c"):
+        if not _is_inline_yaml(path) and not os.path.isfile(path):
+            raise LtcxError(f"--config: File does not exist: '{os.path.abspath(path)}'; see `{prog} --help`")
+    for _, path in flag_values(args, "--ckpt_path"):
+        if path not in CKPT_KEYWORDS and not os.path.exists(path) and "://" not in path:
+            raise missing_checkpoint(path)
