@@ -199,9 +199,9 @@ class LanguageModel(L.LightningModule):
         self.tokens_seen += step_tokens
         now = time.perf_counter()
         if self._last_step_time is not None:
-            self.log("train/tokens_per_sec", step_tokens / (now - self._last_step_time), prog_bar=True)
+            self.log("work/tokens_per_sec", step_tokens / (now - self._last_step_time), prog_bar=True)
         self._last_step_time = now
-        self.log("train/tokens_seen", float(self.tokens_seen))
+        self.log("work/tokens_seen", float(self.tokens_seen))
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         self.log("step", float(self.global_step))  # the x axis: optimizer steps done, as checkpoints and samples
 

@@ -75,8 +75,8 @@ def _fit_tiny(callback: MFUMonitor, steps: int = 3) -> L.Trainer:
 def test_mfu_is_model_flops_per_second_over_the_configured_peak():
     trainer = _fit_tiny(MFUMonitor(peak_flops=1e9))
     metrics = trainer.callback_metrics
-    assert metrics["train/flops_per_sec"] > 0
-    torch.testing.assert_close(metrics["train/mfu"], metrics["train/flops_per_sec"] / 1e9)
+    assert metrics["work/flops_per_sec"] > 0
+    torch.testing.assert_close(metrics["work/mfu"], metrics["work/flops_per_sec"] / 1e9)
 
 
 def test_mfu_peak_defaults_to_the_measured_cpu_matmul_rate(monkeypatch):
@@ -85,7 +85,7 @@ def test_mfu_peak_defaults_to_the_measured_cpu_matmul_rate(monkeypatch):
     monkeypatch.setattr(ltcx.throughput, "measured_matmul_flops", lambda threads: 1e15)  # never exceeded
     trainer = _fit_tiny(MFUMonitor())
     metrics = trainer.callback_metrics
-    torch.testing.assert_close(metrics["train/mfu"], metrics["train/flops_per_sec"] / 1e15)
+    torch.testing.assert_close(metrics["work/mfu"], metrics["work/flops_per_sec"] / 1e15)
 
 
 def test_mfu_peak_must_be_positive():
@@ -164,18 +164,18 @@ def test_a_step_above_a_measured_peak_raises_it_with_one_line(monkeypatch, capsy
 
     monkeypatch.setattr(ltcx.throughput, "measured_matmul_flops", lambda threads: 1e9)  # read low
     steps = _mfu_steps(MFUMonitor(), [0.0, 0.1, 0.12, 0.135, 0.235], monkeypatch)  # 0.64, 3.2, 4.27, 0.64 GFLOP/s
-    mfu = [s["train/mfu"] for s in steps]
+    mfu = [s["work/mfu"] for s in steps]
     assert mfu == pytest.approx([0.64, 1.0, 1.0, 0.64 / 4.2667], rel=1e-3)
     assert max(mfu) <= 1.0
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["ltcx: step 3 ran at 3.2e+09 FLOP/s, above the measured CPU peak of 1e+09 (the machine was busier "
-                     "while measuring): train/mfu is against the fastest rate seen from now on; set MFUMonitor's "
+                     "while measuring): work/mfu is against the fastest rate seen from now on; set MFUMonitor's "
                      "peak_flops for a fixed figure"]
 
 
 def test_a_step_above_a_configured_peak_keeps_it_and_says_so_once(monkeypatch, capsys):
     steps = _mfu_steps(MFUMonitor(peak_flops=1e9), [0.0, 0.02, 0.04], monkeypatch)  # 3.2 GFLOP/s twice
-    assert [s["train/mfu"] for s in steps] == pytest.approx([3.2, 3.2])
+    assert [s["work/mfu"] for s in steps] == pytest.approx([3.2, 3.2])
     lines = capsys.readouterr().err.splitlines()
-    assert lines == ["ltcx: train/mfu 3.2 > 1 at step 2: 3.2e+09 FLOP/s is above the peak of 1e+09; check MFUMonitor's "
+    assert lines == ["ltcx: work/mfu 3.2 > 1 at step 2: 3.2e+09 FLOP/s is above the peak of 1e+09; check MFUMonitor's "
                      "peak_flops and the backbone's flops_per_token"]

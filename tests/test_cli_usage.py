@@ -165,7 +165,7 @@ def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path, monkeypatch, cap
                   "--trainer.log_every_n_steps", "2"))
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert [line.split("  ")[0] for line in lines] == ["step 2/4 (50%)"] * 2 + ["step 4/4 (100%)"] * 2
-    assert "train/loss " in lines[0] and "train/tokens_per_sec " in lines[0] and lines[0].endswith(" s")
+    assert "train/loss " in lines[0] and "work/tokens_per_sec " in lines[0] and lines[0].endswith(" s")
     assert "val/loss " in lines[1] and "val/ppl " in lines[1]
 
 

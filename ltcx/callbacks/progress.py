@@ -10,7 +10,7 @@ from lightning.pytorch import callbacks as pl_callbacks
 
 # What the bars show, by the name it is logged under: the short label and the format.
 BAR_METRICS = {
-    "train/loss": ("loss", "{:.3f}"), "val/loss": ("val", "{:.3f}"), "train/tokens_per_sec": ("tok/s", "{:.0f}"),
+    "train/loss": ("loss", "{:.3f}"), "val/loss": ("val", "{:.3f}"), "work/tokens_per_sec": ("tok/s", "{:.0f}"),
 }
 
 
@@ -69,7 +69,7 @@ class LineProgress(pl_callbacks.ProgressBar):
     prints nothing until the end or fills the file with redraws: one line every ``trainer.log_every_n_steps``
     optimizer steps and one after each validation, flushed at once.
 
-        step 20/40 (50%)  train/loss 5.1234  train/tokens_per_sec 702.1  12.3 s
+        step 20/40 (50%)  train/loss 5.1234  work/tokens_per_sec 702.1  12.3 s
     """
 
     def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""``MFUMonitor``: the model FLOPs utilisation (``train/mfu``) and FLOP/s (``train/flops_per_sec``) of each training
+"""``MFUMonitor``: the model FLOPs utilisation (``work/mfu``) and FLOP/s (``work/flops_per_sec``) of each training
 step, against a GPU's data-sheet peak or a CPU's measured one."""
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from ltcx.throughput import default_peak_flops, model_flops_per_token
 
 
 class MFUMonitor(L.Callback):
-    """Log ``train/mfu``, the model FLOPs utilisation of each training step, and ``train/flops_per_sec``.
+    """Log ``work/mfu``, the model FLOPs utilisation of each training step, and ``work/flops_per_sec``.
 
     mfu = (B x T tokens of this device's batch) x backbone.flops_per_token(T) / (step time x peak_flops),
     the step time being the wall time between two training batch ends (data loading and the optimizer step
     included, validation excluded). A backbone without ``flops_per_token`` counts 6 N.
 
     A CPU's peak is measured (the best of a few short matmuls), and on a shared machine it can read low; a step
-    that runs faster than it raises the peak to that step's rate, with one notice line, so ``train/mfu`` never
+    that runs faster than it raises the peak to that step's rate, with one notice line, so ``work/mfu`` never
     goes above 1. A peak set in the config or a GPU's data-sheet peak is kept: a step above it logs its MFU
     above 1 with one warning line, since that points at a wrong ``peak_flops`` or ``flops_per_token``.
 
@@ -59,9 +59,9 @@ class MFUMonitor(L.Callback):
         self._measured = self.peak_flops is None and pl_module.device.type == "cpu"
         self._told = False
         if self._peak is None:
-            rank_zero_warn(f"ltcx: no train/mfu: {source}; set MFUMonitor's peak_flops (FLOP/s of one device)")
+            rank_zero_warn(f"ltcx: no work/mfu: {source}; set MFUMonitor's peak_flops (FLOP/s of one device)")
         else:
-            rank_zero_info(f"ltcx: train/mfu against {self._peak:.3g} FLOP/s per device ({source})")
+            rank_zero_info(f"ltcx: work/mfu against {self._peak:.3g} FLOP/s per device ({source})")
         self._last_end = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
@@ -71,8 +71,8 @@ class MFUMonitor(L.Callback):
             flops = size * length * model_flops_per_token(pl_module.backbone, length) / (now - self._last_end)
             if flops > self._peak:
                 self._above_peak(trainer, flops)
-            pl_module.log("train/flops_per_sec", flops)
-            pl_module.log("train/mfu", flops / self._peak)
+            pl_module.log("work/flops_per_sec", flops)
+            pl_module.log("work/mfu", flops / self._peak)
         self._last_end = now
 
     def _above_peak(self, trainer, flops: float) -> None:
@@ -80,11 +80,11 @@ class MFUMonitor(L.Callback):
         one is kept. Either way one line, the first time."""
         if self._measured:
             text = (f"step {trainer.global_step} ran at {flops:.3g} FLOP/s, above the measured CPU peak of "
-                    f"{self._peak:.3g} (the machine was busier while measuring): train/mfu is against the fastest rate "
+                    f"{self._peak:.3g} (the machine was busier while measuring): work/mfu is against the fastest rate "
                     "seen from now on; set MFUMonitor's peak_flops for a fixed figure")
             self._peak = flops
         else:
-            text = (f"train/mfu {flops / self._peak:.3g} > 1 at step {trainer.global_step}: {flops:.3g} FLOP/s is "
+            text = (f"work/mfu {flops / self._peak:.3g} > 1 at step {trainer.global_step}: {flops:.3g} FLOP/s is "
                     f"above the peak of {self._peak:.3g}; check MFUMonitor's peak_flops and the backbone's "
                     "flops_per_token")
         if not self._told and getattr(trainer, "is_global_zero", True):
