@@ -198,6 +198,8 @@ class LanguageModel(L.LightningModule):
         step_tokens = split_batch(batch)[0].numel() * self.trainer.world_size
         self.tokens_seen += step_tokens
         now = time.perf_counter()
+        # The rates go under work/: TensorBoard lays its groups out alphabetically, and train/ and val/ first make
+        # its first view the loss curves (docs/training.md).
         if self._last_step_time is not None:
             self.log("work/tokens_per_sec", step_tokens / (now - self._last_step_time), prog_bar=True)
         self._last_step_time = now
