@@ -77,6 +77,17 @@ class BlockSource(Protocol):
         ...
 
 
+def loader_checks(batch_size: int, val_batches: int, num_workers: int,
+                  pad_vocab_to_multiple_of: int) -> list[tuple[bool, str, object, str]]:
+    """The settings every data module has, as ``refuse_bad_settings`` checks (``ltcx.errors``)."""
+    return [
+        (batch_size >= 1, "batch_size", batch_size, "must be >= 1"),
+        (val_batches >= 0, "val_batches", val_batches, "must be >= 0"),
+        (num_workers >= 0, "num_workers", num_workers, "must be >= 0"),
+        (pad_vocab_to_multiple_of >= 1, "pad_vocab_to_multiple_of", pad_vocab_to_multiple_of, "must be >= 1"),
+    ]
+
+
 def make_loader(dataset: IterableDataset, *, batch_size: int | None, num_workers: int) -> DataLoader:
     """A DataLoader of ``dataset``; ``batch_size`` None when the data set yields whole batches."""
     return DataLoader(

@@ -15,7 +15,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from ltcx.data.block_source import BlockSource
+from ltcx.data.block_source import BlockSource, loader_checks
 from ltcx.data.files import local_path
 from ltcx.data.shard_data import SAMPLING
 from ltcx.data.shard_source import ShardSource
@@ -78,13 +78,10 @@ class TextDataModule(L.LightningDataModule):
         super().__init__()
         checks = [
             (block_size >= 1, "block_size", block_size, "must be >= 1"),
-            (batch_size >= 1, "batch_size", batch_size, "must be >= 1"),
-            (val_batches >= 0, "val_batches", val_batches, "must be >= 0"),
-            (num_workers >= 0, "num_workers", num_workers, "must be >= 0"),
+            *loader_checks(batch_size, val_batches, num_workers, pad_vocab_to_multiple_of),
             (shuffle_buffer >= 0, "shuffle_buffer", shuffle_buffer, "must be >= 0 (0 = no shuffle)"),
             (0.0 <= holdout_fraction < 1.0, "holdout_fraction", holdout_fraction, "must be in [0, 1)"),
             (txt_sample_by in SAMPLE_BY, "txt_sample_by", txt_sample_by, "must be 'line', 'paragraph' or 'document'"),
-            (pad_vocab_to_multiple_of >= 1, "pad_vocab_to_multiple_of", pad_vocab_to_multiple_of, "must be >= 1"),
             (sampling in SAMPLING, "sampling", sampling, "must be 'blocks' or 'random'"),
             (verify in VERIFY_MODES, "verify", verify, "must be 'fast', 'full' or 'none'"),
             (bool(path), "path", path, "must name a hub data set or local files"),

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from ltcx.data.block_source import make_loader
+from ltcx.data.block_source import loader_checks, make_loader
 from ltcx.errors import ConfigError, refuse_bad_settings
 from ltcx.lm import IGNORE_INDEX
 from ltcx.tokenizers import padded_vocab_size as _pad_vocab
@@ -192,14 +192,8 @@ class RecallDataModule(L.LightningDataModule):
         pad_vocab_to_multiple_of: int = 64,
     ) -> None:
         super().__init__()
-        checks = [
-            (batch_size >= 1, "batch_size", batch_size, "must be >= 1"),
-            (val_batches >= 0, "val_batches", val_batches, "must be >= 0"),
-            (num_workers >= 0, "num_workers", num_workers, "must be >= 0"),
-            (seed >= 0, "seed", seed, "must be >= 0"),
-            (pad_vocab_to_multiple_of >= 1, "pad_vocab_to_multiple_of", pad_vocab_to_multiple_of, "must be >= 1"),
-        ]
-        refuse_bad_settings("data", checks)
+        checks = loader_checks(batch_size, val_batches, num_workers, pad_vocab_to_multiple_of)
+        refuse_bad_settings("data", [*checks, (seed >= 0, "seed", seed, "must be >= 0")])
         check_mqar(vocab_size, block_size, num_kv_pairs, power_a)
         self.save_hyperparameters()
         self.vocab_size, self.block_size, self.num_kv_pairs = vocab_size, block_size, num_kv_pairs
