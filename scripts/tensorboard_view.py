@@ -22,6 +22,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -45,11 +46,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_until_serving(url: str, server: subprocess.Popen, timeout: float) -> None:
+def wait_until_serving(url: str, server: subprocess.Popen, log, timeout: float) -> None:
+    """Until ``server`` answers on ``url``; ``log`` is the file its output goes to (a pipe nobody read could fill)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            fail(f"tensorboard exited ({server.returncode}) before serving: {server.stderr.read().strip()[-500:]}")
+            log.seek(0)
+            fail(f"tensorboard exited ({server.returncode}) before serving: {log.read().strip()[-500:]}")
         try:
             with urllib.request.urlopen(url + "data/runs", timeout=5) as reply:
                 if reply.status == 200:
@@ -95,15 +98,15 @@ def main(argv: list[str] | None = None) -> None:
         fail("no Playwright: pip install playwright (the browser is the machine's own; no download)")
     port = free_port()
     url = f"http://127.0.0.1:{port}/"
-    server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(args.logdir), "--host",
-                               "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True)
-    try:
-        wait_until_serving(url, server, timeout=120)
-        shown = first_view(url, browser, args.out, args.settle_ms)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    with tempfile.TemporaryFile("w+") as log:
+        server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(args.logdir), "--host",
+                                   "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_until_serving(url, server, log, timeout=120)
+            shown = first_view(url, browser, args.out, args.settle_ms)
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
     print(f"tensorboard_view: {args.out}: charts on screen: {', '.join(shown) or 'none'}")
     missing = [tag for tag in EXPECTED if tag not in shown]
     unwanted = [tag for tag in shown if tag in UNWANTED]
