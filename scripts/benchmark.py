@@ -249,6 +249,8 @@ STARTUP_COMMANDS = [
     ["--help"], ["generate", "--help"], ["export", "--help"], ["prepare", "--help"], ["fit", "--help"],
     ["generate", "--ckpt_path", "no-such.ckpt"], ["fit", "--config", "configs/no-such.yaml"],
     ["fit", "--config", "configs/gpt.yaml", "--ckpt_path", "no-such.ckpt"],
+    ["fit", "--config", "configs/gpt.yaml", "--trainer.max_stepz", "5"],
+    ["fit", "--config", "configs/gpt.yaml", "--help"],
     ["fit", "--config", "configs/gpt.yaml", "--trainer.max_steps", "x"],
 ]
 

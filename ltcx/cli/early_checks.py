@@ -1,11 +1,16 @@
 """Mistakes in a Lightning command's line that are found before Lightning is imported (whose import alone is most
-of the CPU time of ``fit``'s answer): a ``--config`` or ``--ckpt_path`` naming no file, and LightningCLI's
-``--optimizer`` / ``--lr_scheduler``, which ltcx does not offer. Each is the one line the full parser would give."""
+of the CPU time of ``fit``'s answer): a ``--config`` or ``--ckpt_path`` naming no file, LightningCLI's
+``--optimizer`` / ``--lr_scheduler``, which ltcx does not offer, and a flag the command does not have (from its stored
+help page, ``help_pages``). Each is the one line the full parser would give; an unknown flag's also names the option
+it most resembles."""
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 
+from ltcx.cli.help_pages import current_page, page_options
 from ltcx.errors import LtcxError, missing_checkpoint
 
 # LightningCLI's --optimizer / --lr_scheduler would silently replace ltcx's AdamW and its warmup + cosine schedule
@@ -37,8 +42,29 @@ def _is_inline_yaml(value: str) -> bool:
     return "\n" in value or ": " in value or value.lstrip().startswith(("{", "["))
 
 
-def check_lightning_command_line(args: list[str], prog: str) -> None:
-    """``args`` (after the command) of ``prog`` (``ltcx fit``): raise the ``LtcxError`` the parser would, for the
+def unknown_flag(args: list[str], options: frozenset[str]) -> str | None:
+    """The first flag in ``args`` that the parser whose option strings are ``options`` would not recognise, judged
+    no deeper than the option it starts with: below an option that takes a class (``--model.backbone``,
+    ``--data``, ``--trainer.logger``) the names depend on the class and are the parser's to check. argparse takes a
+    unique start of an option (``--trainer.max_step``) as that option."""
+    for arg in args:
+        flag = re.match(r"--[A-Za-z_][\w.]*", arg)  # not a value such as -1 or a YAML text
+        if flag is None or flag.group() != arg.split("=", 1)[0].rstrip("+"):
+            continue
+        name = flag.group()
+        if any(option.startswith(name) for option in options):
+            continue
+        parts = name.split(".")
+        known = next((".".join(parts[:n]) for n in range(len(parts) - 1, 0, -1)
+                      if ".".join(parts[:n]) in options), None)
+        if known is not None and (known.count(".") > 0 or f"{known}.help" in options):
+            continue  # under --model.backbone or --data: the class's own arguments
+        return name
+    return None
+
+
+def check_lightning_command_line(command: str, args: list[str], prog: str) -> None:
+    """``args`` (after ``command``) of ``prog`` (``ltcx fit``): raise the ``LtcxError`` the parser would, for the
     mistakes that need no parser."""
     for arg in args:
         if arg.split("=", 1)[0].split(".", 1)[0] in ("--optimizer", "--lr_scheduler"):
@@ -49,3 +75,11 @@ def check_lightning_command_line(args: list[str], prog: str) -> None:
     for _, path in flag_values(args, "--ckpt_path"):
         if path not in CKPT_KEYWORDS and not os.path.exists(path) and "://" not in path:
             raise missing_checkpoint(path)
+    page = current_page(command)
+    if page is not None:
+        options = page_options(page)
+        flag = unknown_flag(args, options)
+        if flag is not None:
+            close = difflib.get_close_matches(flag, [o for o in options if not o.endswith(".help")], n=1, cutoff=0.6)
+            like = f" (did you mean {close[0]}?)" if close else ""
+            raise LtcxError(f"unrecognized arguments: {flag}{like}; see `{prog} --help`")

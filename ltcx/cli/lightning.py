@@ -44,6 +44,8 @@ DESCRIPTION = (
     "writes a weights-only copy, `ltcx prepare --help` makes token shards, `ltcx evaluate --help` scores loss by "
     "position, `ltcx lm-eval --help` runs lm-evaluation-harness tasks)"
 )
+# A command's usage in one line: argparse's own lists every flag (about 45 lines for fit) before the list of options.
+COMMAND_USAGE = "%(prog)s [-c CONFIG] [--print_config] [--KEY VALUE ...]"
 
 
 # How gloo and NCCL report a collective whose peer process is gone (its sockets closed: it exited, crashed or was
@@ -339,7 +341,7 @@ def cli_main(args: list[str] | None = None) -> LtcxCLI:
         L.LightningDataModule,
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,  # ltcx's AdamW and schedule (LanguageModel.configure_optimizers), always
-        parser_kwargs={"description": DESCRIPTION},
+        parser_kwargs={"description": DESCRIPTION, **{c: {"usage": COMMAND_USAGE} for c in LtcxCLI.subcommands()}},
         parser_class=LtcxArgumentParser,
         args=args,
     )
