@@ -7,7 +7,7 @@ setup(
     packages=find_packages(include=["ltcx", "ltcx.*"]),
     # the TinyStories sample behind `--data.path sample` (ltcx/data/sample/README.md: source and licence)
     package_data={"ltcx.data": ["sample/*.txt", "sample/README.md"],
-                  "ltcx.cli": ["help_pages/*.txt", "help_pages/versions.json"]},  # fit --help without Lightning
+                  "ltcx.cli": ["help_pages/*.txt", "help_pages/parsers.json"]},  # fit --help without Lightning
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.5",

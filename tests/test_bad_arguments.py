@@ -140,8 +140,10 @@ def test_an_optimizer_section_in_a_yaml_is_refused(tmp_path, fit_env, capsys):
     (["--optimizer", "torch.optim.SGD"], "ltcx: error: --optimizer and --lr_scheduler are not ltcx options"),
     (["--config", "configs/gpt.yaml", "--trainer.max_stepz", "5"],
      "ltcx: error: unrecognized arguments: --trainer.max_stepz (did you mean --trainer.max_steps?)"),
-], ids=["config", "config=", "ckpt_path", "optimizer", "unknown flag"])
-def test_a_missing_file_or_unknown_flag_is_answered_before_lightning_is_imported(flags, message):
+    (["--config", "configs/gpt.yaml", "--trainer.max_steps", "x"],
+     "ltcx: error: --trainer.max_steps: Expected a int. Got value: x; see `ltcx fit --help`"),
+], ids=["config", "config=", "ckpt_path", "optimizer", "unknown flag", "wrong type"])
+def test_a_missing_file_unknown_flag_or_wrong_value_is_answered_before_lightning_is_imported(flags, message):
     """The parser's own line for these, without the ~8 CPU-s of importing Lightning (scripts/benchmark.py --startup
     measures it): neither torch nor Lightning is imported."""
     code = ("import sys; sys.argv = ['ltcx']\nfrom ltcx.cli import main\n"

@@ -1,7 +1,9 @@
-"""The Lightning commands' bare ``--help`` and unknown flags, answered from the stored help pages without importing
-Lightning: the pages are what the parser prints, their options are the parser's, and a flag refused early is one the
-parser refuses too."""
+"""The Lightning commands' bare ``--help``, unknown flags and values of the wrong type, answered from the stored
+pages and options without importing Lightning: the pages are what the parser prints, the options and their types are
+the parser's, a flag or value refused early is refused by the parser with the same line, and one it takes is left
+to it."""
 
+import json
 import subprocess
 import sys
 
@@ -9,21 +11,22 @@ import pytest
 
 from helpers import ROOT, fit_args, one_error_line
 from ltcx.cli import help_pages
-from ltcx.cli.early_checks import unknown_flag
-from ltcx.cli.help_pages import COMMANDS, current_page, installed_versions, page_options, stored_page
+from ltcx.cli.early_checks import check_typed_values, unknown_flag
+from ltcx.cli.help_pages import COMMANDS, INDEX, current_page, installed_versions, stored_options, stored_page
 from ltcx.cli.lightning import LtcxCLI, cli_main
 from ltcx.errors import LtcxError
 
 REWRITE = "stale help pages: rewrite them with `python -m ltcx.cli.help_pages` and commit ltcx/cli/help_pages/"
 
 
-def test_the_stored_pages_are_what_the_parser_prints():
-    """After a change to an argument, its help or a pinned version, this fails until the pages are rewritten."""
+def test_the_stored_pages_and_options_are_what_the_parser_has():
+    """After a change to an argument, its help or a pinned version, this fails until they are rewritten."""
     assert current_page("fit") is not None, REWRITE  # the stored versions are the installed ones
-    rendered = help_pages.render_pages()
+    pages, options = help_pages.render()
+    assert options == json.loads(INDEX.read_text())["commands"], REWRITE
     for command in COMMANDS:
-        assert rendered[command] == current_page(command), f"{command}: {REWRITE}"
-        assert rendered[command].startswith(f"usage: ltcx [options] {command} [-c CONFIG] ")
+        assert pages[command] == current_page(command), f"{command}: {REWRITE}"
+        assert pages[command].startswith(f"usage: ltcx [options] {command} [-c CONFIG] ")
 
 
 class _Built(Exception):
@@ -47,10 +50,16 @@ def parsers():
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_a_pages_options_are_its_parsers(parsers, command):
-    """``--trainer.callbacks+`` (append) is the page's ``--trainer.callbacks``."""
-    real = {name.rstrip("+") for action in parsers[command]._actions for name in action.option_strings}
-    assert page_options(current_page(command)) == real
+def test_the_stored_options_and_types_are_the_parsers(parsers, command):
+    """Every option string (``--trainer.callbacks+``, the append form, is ``--trainer.callbacks``), and the type of
+    each whose type is made of builtins, read back as the very type hint the parser holds."""
+    stored = stored_options(command)
+    actions = {name.rstrip("+"): action for action in parsers[command]._actions for name in action.option_strings}
+    assert set(stored) == set(actions)
+    typed = {option for option, kind in stored.items() if kind is not None}
+    assert {"--trainer.max_steps", "--trainer.precision", "--model.learning_rate", "--num_threads"} <= typed
+    for option in typed:
+        assert stored[option] == actions[option]._typehint, option
 
 
 def test_the_bare_help_answers_without_importing_torch_or_lightning():
@@ -75,7 +84,13 @@ def test_any_other_help_goes_to_the_parser(monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     assert stored_page("fit", ["--help"], "ltcx") is not None
     monkeypatch.setattr(help_pages, "installed_versions", lambda: {**installed_versions(), "lightning": "2.7.0"})
-    assert stored_page("fit", ["--help"], "ltcx") is None and current_page("fit") is None
+    help_pages._current_index.cache_clear()  # read once per process
+    try:
+        assert stored_page("fit", ["--help"], "ltcx") is None and current_page("fit") is None
+        assert stored_options("fit") is None  # nor are flags judged early
+    finally:
+        monkeypatch.undo()
+        help_pages._current_index.cache_clear()
 
 
 # A refused flag's line, and a flag only the parser judges (argparse takes a unique start of an option for it; the
@@ -103,8 +118,36 @@ def test_an_unknown_flag_is_refused_before_lightning_with_the_closest_option(fit
 
 @pytest.mark.parametrize("flags", KNOWN, ids=lambda flags: flags[0])
 def test_a_flag_the_parser_takes_is_left_to_it(fit_env, capsys, flags):
-    assert unknown_flag(list(flags), page_options(current_page("fit"))) is None
+    assert unknown_flag(list(flags), stored_options("fit")) is None
+    check_typed_values(list(flags), stored_options("fit"), "ltcx fit")
     with pytest.raises(SystemExit) as stop:  # the parser takes it: --print_config prints and exits 0
+        cli_main(fit_args(fit_env, *flags, "--print_config"))
+    assert stop.value.code == 0
+    capsys.readouterr()
+
+
+# Values of the wrong type, each refused early with the parser's own line, and values it takes.
+BAD_VALUES = [("--trainer.max_steps", "x"), ("--trainer.max_steps=1e3",), ("--model.learning_rate", "nan"),
+              ("--trainer.precision", "7"), ("--model.betas", "[0.9]"), ("--model.decay_steps", "abc"),
+              ("--trainer.enable_checkpointing", "maybe"), ("--seed_everything", "x"), ("--num_threads", "1.5"),
+              ("--trainer.max_steps", "5", "--trainer.limit_val_batches", "a")]
+GOOD_VALUES = [("--trainer.max_steps", "5"), ("--trainer.precision", "bf16-mixed"), ("--model.betas", "[0.9,0.99]"),
+               ("--model.decay_steps", "null"), ("--trainer.devices+", "3"), ("--trainer.max_time", "00:01:00:00"),
+               ("--num_threads=2",), ("--trainer.limit_val_batches", "0.5"), ("--seed_everything", "true")]
+
+
+@pytest.mark.parametrize("flags", BAD_VALUES, ids=lambda flags: flags[-2] if len(flags) > 1 else flags[0])
+def test_a_value_of_the_wrong_type_is_refused_before_lightning_with_the_parsers_line(fit_env, capsys, flags):
+    early = one_error_line(fit_args(fit_env, *flags), capsys)
+    with pytest.raises(LtcxError) as full:  # the full parser, Lightning's
+        cli_main(fit_args(fit_env, *flags))
+    assert early == f"ltcx: error: {full.value}"
+
+
+@pytest.mark.parametrize("flags", GOOD_VALUES, ids=lambda flags: flags[0])
+def test_a_value_the_parser_takes_passes_the_early_check(fit_env, capsys, flags):
+    check_typed_values(list(flags), stored_options("fit"), "ltcx fit")
+    with pytest.raises(SystemExit) as stop:
         cli_main(fit_args(fit_env, *flags, "--print_config"))
     assert stop.value.code == 0
     capsys.readouterr()

@@ -1,8 +1,8 @@
 """Mistakes in a Lightning command's line that are found before Lightning is imported (whose import alone is most
 of the CPU time of ``fit``'s answer): a ``--config`` or ``--ckpt_path`` naming no file, LightningCLI's
-``--optimizer`` / ``--lr_scheduler``, which ltcx does not offer, and a flag the command does not have (from its stored
-help page, ``help_pages``). Each is the one line the full parser would give; an unknown flag's also names the option
-it most resembles."""
+``--optimizer`` / ``--lr_scheduler``, which ltcx does not offer, and, from the command's stored options
+(``help_pages``), a flag it does not have or a value of the wrong type. Each is the one line the full parser would
+give; an unknown flag's also names the option it most resembles."""
 
 from __future__ import annotations
 
@@ -10,16 +10,10 @@ import difflib
 import os
 import re
 
-from ltcx.cli.help_pages import current_page, page_options
+from ltcx.cli.help_pages import stored_options
+from ltcx.cli.one_line_errors import NO_OPTIMIZER_FLAGS, OneLineErrors
 from ltcx.errors import LtcxError, missing_checkpoint
 
-# LightningCLI's --optimizer / --lr_scheduler would silently replace ltcx's AdamW and its warmup + cosine schedule
-# (and the schedule's end kept in checkpoints): ltcx does not offer them.
-NO_OPTIMIZER_FLAGS = (
-    "--optimizer and --lr_scheduler are not ltcx options: every run trains with AdamW and a warmup + cosine "
-    "schedule by step; set --model.learning_rate, --model.min_lr, --model.warmup_steps, --model.decay_steps, "
-    "--model.weight_decay, --model.betas or --model.eps instead"
-)
 # The names Lightning itself gives a meaning to as --ckpt_path (``last`` is also ltcx's: the latest run's).
 CKPT_KEYWORDS = ("last", "best", "hpc", "registry", "null", "None")
 
@@ -42,7 +36,7 @@ def _is_inline_yaml(value: str) -> bool:
     return "\n" in value or ": " in value or value.lstrip().startswith(("{", "["))
 
 
-def unknown_flag(args: list[str], options: frozenset[str]) -> str | None:
+def unknown_flag(args: list[str], options: dict[str, object]) -> str | None:
     """The first flag in ``args`` that the parser whose option strings are ``options`` would not recognise, judged
     no deeper than the option it starts with: below an option that takes a class (``--model.backbone``,
     ``--data``, ``--trainer.logger``) the names depend on the class and are the parser's to check. argparse takes a
@@ -75,11 +69,39 @@ def check_lightning_command_line(command: str, args: list[str], prog: str) -> No
     for _, path in flag_values(args, "--ckpt_path"):
         if path not in CKPT_KEYWORDS and not os.path.exists(path) and "://" not in path:
             raise missing_checkpoint(path)
-    page = current_page(command)
-    if page is not None:
-        options = page_options(page)
-        flag = unknown_flag(args, options)
-        if flag is not None:
-            close = difflib.get_close_matches(flag, [o for o in options if not o.endswith(".help")], n=1, cutoff=0.6)
-            like = f" (did you mean {close[0]}?)" if close else ""
-            raise LtcxError(f"unrecognized arguments: {flag}{like}; see `{prog} --help`")
+    options = stored_options(command)
+    if options is None:  # other versions than the stored parsers': the parser answers
+        return
+    flag = unknown_flag(args, options)
+    if flag is not None:
+        close = difflib.get_close_matches(flag, [o for o in options if not o.endswith(".help")], n=1, cutoff=0.6)
+        like = f" (did you mean {close[0]}?)" if close else ""
+        raise LtcxError(f"unrecognized arguments: {flag}{like}; see `{prog} --help`")
+    if "--help" not in args and "-h" not in args:  # argparse would print the help where it comes in the line
+        check_typed_values(args, options, prog)
+
+
+def check_typed_values(args: list[str], options: dict[str, object], prog: str) -> None:
+    """A value of the wrong type for an option whose type is made of builtins (``--trainer.max_steps x``), judged by
+    jsonargparse itself: the flags of those options, with their values, go through a parser of just them, whose
+    types are the stored ones (the full parser's)."""
+    typed, at = [], 0
+    while at < len(args):
+        name, equals, _ = args[at].partition("=")
+        step = 1 if equals else 2
+        if name.startswith("--") and options.get(name.rstrip("+")) is not None:
+            typed += args[at:at + step]
+            at += step
+        else:
+            at += 1
+    if not typed:
+        return
+    from jsonargparse import ArgumentParser
+
+    class TypedFlags(OneLineErrors, ArgumentParser):
+        pass
+
+    parser = TypedFlags(prog=prog)
+    for name in dict.fromkeys(arg.partition("=")[0].rstrip("+") for arg in typed if arg.startswith("--")):
+        parser.add_argument(name, type=options[name])
+    parser.parse_args(typed)

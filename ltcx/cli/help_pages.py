@@ -1,35 +1,46 @@
-"""``ltcx fit --help`` (and ``validate``, ``test``, ``predict``) without importing Lightning.
+"""What the parsers of ``fit``, ``validate``, ``test`` and ``predict`` answer without importing Lightning.
 
 LightningCLI builds these commands' parser from the Trainer's signature, so its answer needs ``import lightning``,
-most of the CPU time of ``fit --help``. The bare page (``<command> --help``, no other argument) depends only on
-ltcx's classes and the installed Lightning, jsonargparse, torch and Python, so it is stored in
-``help_pages/<command>.txt`` as the parser prints it at 80 columns, with the versions it was made with in
-``help_pages/versions.json``, and printed from there when those versions are the installed ones and the terminal
-has 80 columns or more. Anything else (``--config x.yaml --help``, which shows that file's values, or
-``--model.backbone.help GPT``) goes to the parser. ``tests/test_help_pages.py`` holds the stored pages to what the
-parser prints; after changing an argument, its help or a pinned version, rewrite them:
+most of the CPU time of ``fit --help``. What the parser holds depends only on ltcx's classes and the installed
+Lightning, jsonargparse, torch and Python, so it is stored, with those versions, and used while they are the installed
+ones:
+
+- ``help_pages/<command>.txt``: the bare ``<command> --help`` page as the parser prints it at 80 columns, printed
+  when asked for exactly it on a terminal of 80 columns or more. Any other ``--help`` (``--config x.yaml --help``,
+  which shows that file's values, or ``--model.backbone.help GPT``) goes to the parser.
+- ``help_pages/parsers.json``: the versions, and each command's option strings with their types where the type is
+  made of builtins (``int``, ``Optional[float]``, ``Literal[...]``, ...; ``None`` where it names a class):
+  ``early_checks`` refuses an unknown flag or a value of the wrong type from them.
+
+``tests/test_help_pages.py`` holds both to the parser; after changing an argument, its help or a pinned version (or
+adding a backbone, which ``fit --help`` lists), rewrite them:
 
     python -m ltcx.cli.help_pages
 """
 
 from __future__ import annotations
 
+import datetime
+import functools
 import json
+import operator
 import os
-import re
+import pathlib
 import shutil
 import subprocess
 import sys
-from pathlib import Path
+import types
+import typing
 
-PAGES = Path(__file__).with_name("help_pages")
+PAGES = pathlib.Path(__file__).with_name("help_pages")
+INDEX = PAGES / "parsers.json"
 COMMANDS = ("fit", "validate", "test", "predict")
 COLUMNS = 80
 PROG = "ltcx"  # the program name the pages are written with; the first line is given the one that runs
 
 
 def installed_versions() -> dict[str, str]:
-    """The versions a page depends on: Python's (its argparse lays the page out) and the packages that make it."""
+    """The versions the stored parsers depend on: Python's (its argparse lays the page out) and the packages'."""
     from importlib.metadata import PackageNotFoundError, version
 
     versions = {"python": f"{sys.version_info.major}.{sys.version_info.minor}"}
@@ -41,16 +52,24 @@ def installed_versions() -> dict[str, str]:
     return versions
 
 
-def current_page(command: str) -> str | None:
-    """``command``'s stored page if it is what the parser would print with the installed versions, else ``None``."""
-    if command not in COMMANDS:
-        return None
+@functools.lru_cache(maxsize=1)
+def _current_index() -> dict | None:
+    """``parsers.json``'s commands if it was written with the installed versions, else ``None``."""
     try:
-        recorded = json.loads((PAGES / "versions.json").read_text())
-        page = (PAGES / f"{command}.txt").read_text()
+        index = json.loads(INDEX.read_text())
     except (OSError, ValueError):
         return None
-    return page if recorded == installed_versions() else None
+    return index.get("commands") if index.get("versions") == installed_versions() else None
+
+
+def current_page(command: str) -> str | None:
+    """``command``'s stored page if it is what the parser would print with the installed versions, else ``None``."""
+    if command not in COMMANDS or _current_index() is None:
+        return None
+    try:
+        return (PAGES / f"{command}.txt").read_text()
+    except OSError:
+        return None
 
 
 def stored_page(command: str, args: list[str], prog: str) -> str | None:
@@ -67,47 +86,104 @@ def stored_page(command: str, args: list[str], prog: str) -> str | None:
     return first.replace(f"usage: {PROG} ", f"usage: {prog} ", 1) + newline + rest
 
 
-def page_options(page: str) -> frozenset[str]:
-    """The option strings a help page lists (``-c``, ``--config``, ``--trainer.max_steps``, ``--data.help``): the
-    start of each line that begins an option, before the two spaces that begin its help."""
-    options = set()
-    for line in page.splitlines():
-        if line.startswith("  -"):
-            invocation = line[2:].split("  ")[0]
-            options.update(re.findall(r"(?:^|, )(-{1,2}[\w.]+)", invocation))
-    return frozenset(options)
+def stored_options(command: str) -> dict[str, object] | None:
+    """``command``'s option strings (``-c``, ``--trainer.max_steps``; an append form ``--trainer.callbacks+`` is its
+    option's), each with its type where that is made of builtins, else ``None``; ``None`` if not current."""
+    commands = _current_index()
+    if commands is None or command not in commands:
+        return None
+    return {option: _type_from_json(kind) for option, kind in commands[command].items()}
 
 
-def render_pages() -> dict[str, str]:
-    """Each command's ``--help`` as LightningCLI prints it, in one fresh interpreter (the known subclasses it lists
-    are those its imports define, not a test session's)."""
-    script = (
-        "import contextlib, io, json, sys\n"
-        "from ltcx.cli.lightning import cli_main\n"
-        "pages = {}\n"
-        f"for command in {list(COMMANDS)!r}:\n"
-        "    out = io.StringIO()\n"
-        "    with contextlib.redirect_stdout(out):\n"
-        "        try:\n"
-        "            cli_main([command, '--help'])\n"
-        "        except SystemExit:\n"
-        "            pass\n"
-        "    pages[command] = out.getvalue()\n"
-        "sys.__stdout__.write(json.dumps(pages))\n"
-    )
+# Types as JSON: a name for a plain type, {"Union" | "UnionType" | "Literal" | "list" | "tuple" | "dict": [...]}.
+_PLAIN = {"int": int, "float": float, "bool": bool, "str": str, "None": type(None), "Path": pathlib.Path,
+          "timedelta": datetime.timedelta}
+
+
+def _type_to_json(hint):
+    """``hint`` as JSON if it is made of ``_PLAIN`` types, unions, literals and builtin containers, else ``None``."""
+    for name, plain in _PLAIN.items():
+        if hint is plain:
+            return name
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return {"Literal": list(args)} if all(isinstance(a, (int, str)) for a in args) else None
+    kinds = {typing.Union: "Union", types.UnionType: "UnionType", list: "list", tuple: "tuple", dict: "dict"}
+    if origin not in kinds or not args:
+        return None
+    members = [_type_to_json(a) for a in args]
+    return None if any(m is None for m in members) else {kinds[origin]: members}
+
+
+def _type_from_json(kind):
+    if kind is None:
+        return None
+    if isinstance(kind, str):
+        return _PLAIN[kind]
+    [(name, members)] = kind.items()
+    if name == "Literal":
+        return typing.Literal[tuple(members)]
+    members = [_type_from_json(m) for m in members]
+    if name == "UnionType":  # int | None, as the signature wrote it
+        return functools.reduce(operator.or_, members)
+    return {"Union": typing.Union, "list": list, "tuple": tuple, "dict": dict}[name][tuple(members)]
+
+
+def _render_here() -> None:
+    """In a fresh interpreter: print each command's ``--help`` and options as JSON (``render``)."""
+    import contextlib
+    import io
+
+    from ltcx.cli.lightning import LtcxCLI, cli_main
+
+    pages = {}
+    for command in COMMANDS:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            try:
+                cli_main([command, "--help"])
+            except SystemExit:
+                pass
+        pages[command] = out.getvalue()
+
+    class Built(Exception):
+        pass
+
+    def stop(cli, parser, args):  # the parsers, as cli_main builds them, before they parse
+        raise Built(cli._subcommand_parsers)
+
+    LtcxCLI.parse_arguments = stop
+    try:
+        cli_main(["fit"])
+    except Built as built:
+        parsers = built.args[0]
+    options = {command: {name.rstrip("+"): _type_to_json(getattr(action, "_typehint", None))
+                         for action in parsers[command]._actions for name in action.option_strings}
+               for command in COMMANDS}
+    sys.__stdout__.write(json.dumps({"pages": pages, "options": options}))
+
+
+def render() -> tuple[dict[str, str], dict]:
+    """``(pages, options)`` as the parser has them, from one fresh interpreter (the known subclasses a page lists are
+    those its imports define, not a test session's)."""
     env = {**os.environ, "COLUMNS": str(COLUMNS), "LINES": "50"}
-    done = subprocess.run([sys.executable, "-c", f"import sys; sys.argv = [{PROG!r}]\n{script}"], env=env,
-                          capture_output=True, text=True, check=True)
-    return json.loads(done.stdout)
+    code = f"import sys; sys.argv = [{PROG!r}]\nfrom ltcx.cli.help_pages import _render_here\n_render_here()"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    rendered = json.loads(done.stdout)
+    return rendered["pages"], rendered["options"]
 
 
 def write_pages() -> None:
     """Rewrite ``help_pages/`` from the parser and the installed versions."""
+    pages, options = render()
     PAGES.mkdir(exist_ok=True)
-    for command, page in render_pages().items():
+    for command, page in pages.items():
         (PAGES / f"{command}.txt").write_text(page)
-    (PAGES / "versions.json").write_text(json.dumps(installed_versions(), indent=2) + "\n")
-    print(f"wrote {', '.join(f'{c}.txt' for c in COMMANDS)} and versions.json to {PAGES}")
+    commands = ",\n".join(f"  {json.dumps(command)}: {{\n" + ",\n".join(
+        f"   {json.dumps(option)}: {json.dumps(kind)}" for option, kind in options[command].items()) + "\n  }"
+        for command in COMMANDS)
+    INDEX.write_text(f'{{\n "versions": {json.dumps(installed_versions())},\n "commands": {{\n{commands}\n }}\n}}\n')
+    print(f"wrote {', '.join(f'{c}.txt' for c in COMMANDS)} and {INDEX.name} to {PAGES}")
 
 
 if __name__ == "__main__":

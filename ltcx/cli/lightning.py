@@ -9,7 +9,6 @@ checkpoints are written through ``SafeCheckpointIO``; ``predict`` writes its los
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import sys
 from typing import Optional
@@ -27,7 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar, _launcher_outlives_workers
 from ltcx.callbacks.preemption import Preemption
 from ltcx.cli.console import print_run_end, print_run_start, quiet_lightning
-from ltcx.cli.early_checks import NO_OPTIMIZER_FLAGS
+from ltcx.cli.one_line_errors import OneLineErrors
 from ltcx.cli.predict import write_predictions
 from ltcx.cli.run_folders import find_last_checkpoint, name_after_architecture, resolve_under_root
 from ltcx.cli.threads import set_cpu_threads
@@ -54,21 +53,9 @@ PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pi
              "remote process exited")
 
 
-class LtcxArgumentParser(LightningArgumentParser):
-    """LightningCLI's parser, whose errors are one ``LtcxError`` line instead of its usage (~75 lines) and message.
-
-    jsonargparse calls ``error`` on the parser that failed, the subcommand's own (``fit``) included: that parser
-    inherits ``exit_on_error`` from the main one. The parsers jsonargparse makes inside for a class's arguments have
-    ``exit_on_error=False``: their errors are caught and reported by the parser above, so they stay as they are."""
-
-    def error(self, message: str, ex: Exception | None = None):
-        if not self.exit_on_error:
-            super().error(message, ex)
-        if re.search(r"\b(optimizer|lr_scheduler)\b", message):  # e.g. `optimizer:` in a YAML
-            raise LtcxError(NO_OPTIMIZER_FLAGS) from ex
-        parser = getattr(ex, "subcommand_parser", None) or self
-        prog = parser.prog.replace(" [options]", "")
-        raise LtcxError(f"{_one_line(message)}; see `{prog} --help`") from ex
+class LtcxArgumentParser(OneLineErrors, LightningArgumentParser):
+    """LightningCLI's parser, whose errors are one ``LtcxError`` line (``OneLineErrors``) instead of its usage (~75
+    lines) and message, a file that is not YAML included."""
 
     def parse_path(self, path, *args, **kwargs):
         try:
@@ -84,31 +71,6 @@ class LtcxArgumentParser(LightningArgumentParser):
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
             reason = getattr(problem, "problem", None) or str(problem).splitlines()[0]
             raise LtcxError(f"--config '{path}' is not valid YAML ({reason}{where}): fix the file") from None
-
-
-def _one_line(message: str) -> str:
-    """jsonargparse's message on one line: ``Parser key "k":`` becomes ``--k:``, followed by the first reason, the
-    types a union accepts and the value given; the rest (each union member's own error) is left out."""
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    if not lines:
-        return "invalid arguments"
-    key = re.match(r'Parser key "([^"]+)":\s*(.*)', lines[0])
-    if key is None:
-        return lines[0]
-    for at, line in enumerate(lines[:-1]):  # a class's own argument (--data.block_size): its reason, not the union's
-        if line.startswith("- Problem with given class_path "):
-            inner = re.match(r'Parser key "([^"]+)":\s*(.*)', lines[at + 1])
-            reason = (inner.group(2) or (lines[at + 2] if at + 2 < len(lines) else "")) if inner else lines[at + 1]
-            name = f"{key.group(1)}.{inner.group(1)}" if inner else key.group(1)
-            return re.sub(r"<class '([\w.]+)'>", r"\1", f"--{name}: {reason or 'invalid value'}")
-    rest = ([key.group(2)] if key.group(2) else []) + lines[1:]
-    text = f"--{key.group(1)}: {rest[0] if rest else 'invalid value'}"
-    for line in rest[1:]:
-        if line.startswith("Subtypes: "):
-            text += f" (accepted: {line[len('Subtypes: '):]})"
-        elif line.startswith("Given value: ") and "Got value" not in text:
-            text += f" (given: {line[len('Given value: '):]})"
-    return re.sub(r"<class '([\w.]+)'>", r"\1", text).replace("typing.", "")
 
 
 class LtcxCLI(LightningCLI):

@@ -1,0 +1,60 @@
+"""jsonargparse's errors as one ``LtcxError`` line naming the flag, the reason and ``--help``, instead of its usage
+(~75 lines for ``fit``) and message: ``OneLineErrors``, the ``error`` of LightningCLI's parser
+(``lightning.LtcxArgumentParser``) and of the parser ``early_checks`` makes of the stored options' types. Imports
+neither torch nor Lightning."""
+
+from __future__ import annotations
+
+import re
+
+from ltcx.errors import LtcxError
+
+# LightningCLI's --optimizer / --lr_scheduler would silently replace ltcx's AdamW and its warmup + cosine schedule
+# (and the schedule's end kept in checkpoints): ltcx does not offer them.
+NO_OPTIMIZER_FLAGS = (
+    "--optimizer and --lr_scheduler are not ltcx options: every run trains with AdamW and a warmup + cosine "
+    "schedule by step; set --model.learning_rate, --model.min_lr, --model.warmup_steps, --model.decay_steps, "
+    "--model.weight_decay, --model.betas or --model.eps instead"
+)
+
+
+class OneLineErrors:
+    """A jsonargparse parser whose errors are one ``LtcxError`` line.
+
+    jsonargparse calls ``error`` on the parser that failed, the subcommand's own (``fit``) included: that parser
+    inherits ``exit_on_error`` from the main one. The parsers jsonargparse makes inside for a class's arguments have
+    ``exit_on_error=False``: their errors are caught and reported by the parser above, so they stay as they are."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error:
+            super().error(message, ex)
+        if re.search(r"\b(optimizer|lr_scheduler)\b", message):  # e.g. `optimizer:` in a YAML
+            raise LtcxError(NO_OPTIMIZER_FLAGS) from ex
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "")
+        raise LtcxError(f"{one_line(message)}; see `{prog} --help`") from ex
+
+
+def one_line(message: str) -> str:
+    """jsonargparse's message on one line: ``Parser key "k":`` becomes ``--k:``, followed by the first reason, the
+    types a union accepts and the value given; the rest (each union member's own error) is left out."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return "invalid arguments"
+    key = re.match(r'Parser key "([^"]+)":\s*(.*)', lines[0])
+    if key is None:
+        return lines[0]
+    for at, line in enumerate(lines[:-1]):  # a class's own argument (--data.block_size): its reason, not the union's
+        if line.startswith("- Problem with given class_path "):
+            inner = re.match(r'Parser key "([^"]+)":\s*(.*)', lines[at + 1])
+            reason = (inner.group(2) or (lines[at + 2] if at + 2 < len(lines) else "")) if inner else lines[at + 1]
+            name = f"{key.group(1)}.{inner.group(1)}" if inner else key.group(1)
+            return re.sub(r"<class '([\w.]+)'>", r"\1", f"--{name}: {reason or 'invalid value'}")
+    rest = ([key.group(2)] if key.group(2) else []) + lines[1:]
+    text = f"--{key.group(1)}: {rest[0] if rest else 'invalid value'}"
+    for line in rest[1:]:
+        if line.startswith("Subtypes: "):
+            text += f" (accepted: {line[len('Subtypes: '):]})"
+        elif line.startswith("Given value: ") and "Got value" not in text:
+            text += f" (given: {line[len('Given value: '):]})"
+    return re.sub(r"<class '([\w.]+)'>", r"\1", text).replace("typing.", "")
