@@ -92,9 +92,9 @@ def main(argv: list[str] | None = None) -> None:
             from ltcx.cli.help_pages import stored_page
 
             page = stored_page(command, command_line[1:], _prog())
-            if page is not None:  # the bare --help, as the parser would print it, without importing Lightning
+            if page is not None:  # the bare --help, as the parser would print it (and exit), without Lightning
                 sys.stdout.write(page)
-                return
+                sys.exit(0)
             from ltcx.cli.lightning import cli_main
 
             cli_main(argv)  # None: LightningCLI reads sys.argv itself
