@@ -44,6 +44,10 @@ def test_fit_resume_and_generate(tmp_path):
     assert [e.step for e in events.Scalars("train/loss")][0] >= 1
     # The console: where the run writes, first and last; none of Lightning's lines that say nothing on a CPU.
     assert "ltcx: GPT, " in first.stderr and "logs lightning_logs/gpt/version_0" in first.stderr
+    notices = [line for line in first.stderr.splitlines() if line.startswith("ltcx: ")]
+    assert notices[-1].startswith("ltcx: step 4: ") and notices.index(next(
+        line for line in notices if line.startswith("ltcx: GPT, "))) < notices.index(next(
+            line for line in notices if line.startswith("ltcx: work/mfu against "))), notices  # the start line first
     assert "ltcx: step 4: checkpoint checkpoints/gpt/version_0/last.ckpt" in first.stderr
     for noise in ("GPU available", "TPU available", "Tip:", "LeafSpec", "Total FLOPs"):
         assert noise not in first.stderr + first.stdout, noise

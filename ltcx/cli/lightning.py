@@ -164,7 +164,8 @@ class LtcxCLI(LightningCLI):
         callbacks = config.get("callbacks") or []
         if not any(isinstance(c, Preemption) for c in callbacks):  # SIGTERM / Ctrl-C save the step in every run
             kwargs["callbacks"] = callbacks = [*callbacks, Preemption()]
-        kwargs["callbacks"] = callbacks = [*callbacks, LambdaCallback(on_train_start=print_run_start)]
+        # The run's first line (what trains, where it writes) before the other callbacks' notices at the start.
+        kwargs["callbacks"] = callbacks = [LambdaCallback(on_train_start=print_run_start), *callbacks]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             # Lightning would add its own bar, whose total is wrong after a resume; output to a file or a pipe gets
             # plain lines every log_every_n_steps instead of a bar that shows nothing there until the end.
