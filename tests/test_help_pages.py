@@ -4,6 +4,7 @@ the parser's, a flag or value refused early is refused by the parser with the sa
 to it."""
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -84,7 +85,16 @@ def test_any_other_help_goes_to_the_parser(monkeypatch):
     assert stored_page("fit", ["--help"], "ltcx") is None
     monkeypatch.setenv("COLUMNS", "200")
     assert stored_page("fit", ["--help"], "ltcx") is not None
-    monkeypatch.setattr(help_pages, "installed_versions", lambda: {**installed_versions(), "lightning": "2.7.0"})
+
+@pytest.mark.parametrize("change", ["another Lightning", "an edited LanguageModel"])
+def test_with_other_versions_or_sources_everything_goes_to_the_parser(monkeypatch, change):
+    """A researcher's own new argument (``ltcx/lm.py`` edited) is the parser's to judge, not refused as unknown."""
+    if change == "another Lightning":
+        monkeypatch.setattr(help_pages, "installed_versions", lambda: {**installed_versions(), "lightning": "2.7.0"})
+    else:
+        read_bytes = pathlib.Path.read_bytes
+        monkeypatch.setattr(pathlib.Path, "read_bytes", lambda path: read_bytes(path) + (
+            b"\n# an edit\n" if path.name == "lm.py" else b""))
     help_pages._current_index.cache_clear()  # read once per process
     try:
         assert stored_page("fit", ["--help"], "ltcx") is None and current_page("fit") is None

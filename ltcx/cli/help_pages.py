@@ -2,8 +2,8 @@
 
 LightningCLI builds these commands' parser from the Trainer's signature, so its answer needs ``import lightning``,
 most of the CPU time of ``fit --help``. What the parser holds depends only on ltcx's classes and the installed
-Lightning, jsonargparse, torch and Python, so it is stored, with those versions, and used while they are the installed
-ones:
+Lightning, jsonargparse, torch and Python, so it is stored, with those versions and a digest of the ltcx files that
+define the arguments (``PARSER_SOURCES``), and used while they are the installed ones:
 
 - ``help_pages/<command>.txt``: the bare ``<command> --help`` page as the parser prints it at 80 columns, printed
   when asked for exactly it on a terminal of 80 columns or more. Any other ``--help`` (``--config x.yaml --help``,
@@ -39,8 +39,16 @@ COLUMNS = 80
 PROG = "ltcx"  # the program name the pages are written with; the first line is given the one that runs
 
 
+# ltcx's files that define what the parsers hold: LanguageModel's arguments, the CLI's own (--num_threads, the
+# usage), the backbones --model.backbone lists. After an edit to one (a new argument of one's own) every command line
+# goes to the parser until the pages are rewritten, rather than a new flag being refused as unknown.
+PARSER_SOURCES = ("lm.py", "cli/lightning.py", "models/catalog.py", "models/registry.py")
+
+
 def installed_versions() -> dict[str, str]:
-    """The versions the stored parsers depend on: Python's (its argparse lays the page out) and the packages'."""
+    """What the stored parsers depend on: Python's version (its argparse lays the page out), the packages', and the
+    content of ``PARSER_SOURCES``."""
+    import hashlib
     from importlib.metadata import PackageNotFoundError, version
 
     versions = {"python": f"{sys.version_info.major}.{sys.version_info.minor}"}
@@ -49,6 +57,11 @@ def installed_versions() -> dict[str, str]:
             versions[package] = version(package).split("+")[0]  # 2.13.0+cpu: the CPU build of 2.13.0
         except PackageNotFoundError:
             versions[package] = "missing"
+    sources = hashlib.sha256()
+    package = pathlib.Path(__file__).parent.parent
+    for name in PARSER_SOURCES:
+        sources.update((package / name).read_bytes())
+    versions["ltcx sources"] = sources.hexdigest()[:16]
     return versions
 
 
