@@ -97,7 +97,8 @@ def default_peak_flops(device: torch.device) -> tuple[float | None, str]:
         return peak, f"dense bf16 peak of {torch.cuda.get_device_name(device)}"
     if device.type == "cpu":
         threads = torch.get_num_threads()
-        return measured_matmul_flops(threads), f"best of a few float32 1024^3 matmuls measured on {threads} CPU threads"
+        measured_on = f"{threads} CPU thread{'s' if threads != 1 else ''}"
+        return measured_matmul_flops(threads), f"best of a few float32 1024^3 matmuls measured on {measured_on}"
     return None, f"no known peak for a {device.type} device"
 
 
