@@ -19,7 +19,8 @@ ANOTHER_VERSION = "load it with the version that wrote it, or start a new run"
 
 def missing_checkpoint(name: str) -> LtcxError:
     """The one line for a ``--ckpt_path`` that names nothing (checked by the commands before their slow imports)."""
-    return LtcxError(f"checkpoint '{name}' does not exist: pass --ckpt_path the path of a .ckpt file")
+    shown = name if name.isprintable() else repr(name)[1:-1]  # a newline in it would break the one line
+    return LtcxError(f"checkpoint '{shown}' does not exist: pass --ckpt_path the path of a .ckpt file")
 
 
 def refuse_bad_settings(section: str, checks: list[tuple[bool, str, object, str]]) -> None:

@@ -23,6 +23,7 @@ from ltcx.persist import load_language_model
     (["--model.min_lr", "1e-2"], "model.min_lr (0.01) must be in [0, model.learning_rate=0.0006]"),
     (["--model.warmup_steps", "-1"], "model.warmup_steps (-1) must be >= 0"),
     (["--trainer.max_steps", "-2"], "trainer.max_steps (-2) must be >= -1 (-1: no limit)"),
+    (["--seed_everything", "-5"], "seed_everything (-5) must be in [0, 4294967295], or true for a random seed"),
 ])
 def test_bad_training_flags(tmp_path, fit_env, capsys, override, message):
     line = one_error_line(fit_args(fit_env, "--trainer.max_steps", "1", *override), capsys)

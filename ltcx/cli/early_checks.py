@@ -1,107 +1,169 @@
 """Mistakes in a Lightning command's line that are found before Lightning is imported (whose import alone is most
 of the CPU time of ``fit``'s answer): a ``--config`` or ``--ckpt_path`` naming no file, LightningCLI's
 ``--optimizer`` / ``--lr_scheduler``, which ltcx does not offer, and, from the command's stored options
-(``help_pages``), a flag it does not have or a value of the wrong type. Each is the one line the full parser would
-give; an unknown flag's also names the option it most resembles."""
+(``help_pages``), a flag it does not have or a value of the wrong type.
+
+A line is refused here only if the full parser refuses it too. The command line is read as argparse reads it (which
+words are options, which are values, abbreviations, ``--``), and in its order: a value of the wrong type or a
+missing config file is judged where it stands, as the parser does, and gets the parser's own line; unknown flags
+come after, as the parser reports them at the end, with the closest option; ``--ckpt_path`` last (the parser does
+not look at the file). A help flag (``-h``, ``--he``, ``--data.help``) ends the reading there: the parser prints
+the help at that point. The parser may still name another mistake first that is not judged here (a class's
+argument, a value inside a config file); it refuses the line all the same.
+"""
 
 from __future__ import annotations
 
 import difflib
 import os
 import re
+from dataclasses import dataclass
 
 from ltcx.cli.help_pages import stored_options
 from ltcx.cli.one_line_errors import NO_OPTIMIZER_FLAGS, OneLineErrors
 from ltcx.errors import LtcxError, missing_checkpoint
 
-# The names Lightning itself gives a meaning to as --ckpt_path (``last`` is also ltcx's: the latest run's).
-CKPT_KEYWORDS = ("last", "best", "hpc", "registry", "null", "None")
+# The names Lightning itself gives a meaning to as --ckpt_path (``last`` is also ltcx's: the latest run's), and the
+# spellings of YAML's null, which the parser reads as no checkpoint.
+CKPT_KEYWORDS = ("last", "best", "hpc", "registry", "null", "Null", "NULL", "None", "~", "")
+CONFIG_FLAGS = ("-c", "--config")
+# The options a command line is read against when no stored options fit the installed versions.
+BASIC_OPTIONS = {"-h": None, "--help": None, "-c": None, "--config": None, "--print_config": None, "--ckpt_path": None}
+NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")  # argparse's: a value, not an option
 
 
-def flag_values(args: list[str], *flags: str) -> list[tuple[str, str]]:
-    """``(flag, value)`` for each ``--flag value`` or ``--flag=value`` of ``flags`` in ``args``."""
-    found = []
-    for i, arg in enumerate(args):
-        name, equals, value = arg.partition("=")
-        if name in flags:
-            if equals:
-                found.append((name, value))
-            elif i + 1 < len(args):
-                found.append((name, args[i + 1]))
-    return found
+@dataclass
+class Word:
+    """One option of a command line as argparse reads it: ``flag`` as typed, the ``option`` it names (``None``:
+    unknown; an option that takes a class for a name under it), and its ``value`` (``None``: none follows)."""
+
+    flag: str
+    option: str | None
+    value: str | None
+    explicit: bool  # the value was part of the flag (--flag=value, -cFILE)
 
 
-def _is_inline_yaml(value: str) -> bool:
-    """jsonargparse also takes a config's text as ``--config``."""
-    return "\n" in value or ": " in value or value.lstrip().startswith(("{", "["))
+def read_command_line(args: list[str], options: dict[str, object], abbreviations: bool = True) -> list[Word]:
+    """The options of ``args`` with their values, as argparse's ``_parse_optional`` tells options from values: a
+    known option (or ``option=value``), a unique start of one (``--trainer.max_step``), a name under an option that
+    takes a class (``--model.backbone.n_layer``: jsonargparse's), else a negative number or a word with a space is a
+    value and any other word starting with ``-`` an unknown option. An option takes the next word as its value unless
+    that word is an option. Reading stops at ``--`` (after it, every word is a value the parser does not take)."""
+    words: list[Word] = []
+    at = 0
+    while at < len(args):
+        arg = args[at]
+        at += 1
+        if arg == "--":
+            break
+        if not arg.startswith("-") or arg == "-":
+            continue  # a value no option took
+        flag, explicit, value = arg, False, None
+        option = _option_named(arg, options, abbreviations)
+        if option is None and "=" in arg:
+            name, _, rest = arg.partition("=")
+            option = _option_named(name, options, abbreviations)
+            if option is not None:
+                flag, explicit, value = name, True, rest
+        if option is None and not arg.startswith("--") and arg[:2] in options:  # -cFILE
+            flag, option, explicit, value = arg[:2], arg[:2], True, arg[2:].removeprefix("=")
+        if option is None and (NEGATIVE_NUMBER.match(arg) or " " in arg):
+            continue  # a value no option took
+        if option is None:
+            flag = arg.partition("=")[0]
+        if not explicit and option not in ("-h", "--help") and at < len(args) and _is_value(args[at], options):
+            value = args[at]
+            at += 1
+        words.append(Word(flag, option, value, explicit))
+    return words
 
 
-def unknown_flag(args: list[str], options: dict[str, object]) -> str | None:
-    """The first flag in ``args`` that the parser whose option strings are ``options`` would not recognise, judged
-    no deeper than the option it starts with: below an option that takes a class (``--model.backbone``,
-    ``--data``, ``--trainer.logger``) the names depend on the class and are the parser's to check. argparse takes a
-    unique start of an option (``--trainer.max_step``) as that option."""
-    for arg in args:
-        flag = re.match(r"--[A-Za-z_][\w.]*", arg)  # not a value such as -1 or a YAML text
-        if flag is None or flag.group() != arg.split("=", 1)[0].rstrip("+"):
-            continue
-        name = flag.group()
-        if any(option.startswith(name) for option in options):
-            continue
-        parts = name.split(".")
-        known = next((".".join(parts[:n]) for n in range(len(parts) - 1, 0, -1)
-                      if ".".join(parts[:n]) in options), None)
-        if known is not None and (known.count(".") > 0 or f"{known}.help" in options):
-            continue  # under --model.backbone or --data: the class's own arguments
+def _option_named(flag: str, options: dict[str, object], abbreviations: bool) -> str | None:
+    """The option ``flag`` names: itself, the one option it is the start of, or the class-taking option it lies
+    under."""
+    if flag in options:
+        return flag
+    if not flag.startswith("--") or not re.fullmatch(r"--[A-Za-z_][\w.]*\+?", flag):
+        return None
+    name = flag.rstrip("+")
+    if name in options:
         return name
+    if abbreviations:
+        starts = [option for option in options if option.startswith(name)]
+        if len(starts) == 1:
+            return starts[0]
+        if len(starts) > 1:
+            return None  # ambiguous: the parser says so
+    parts = name.split(".")
+    for n in range(len(parts) - 1, 0, -1):
+        parent = ".".join(parts[:n])
+        if parent in options:
+            # under --model.backbone or --data (a class's own arguments), or deeper than an option: the parser's
+            return parent if n > 1 or f"{parent}.help" in options else None
     return None
+
+
+def _is_value(arg: str, options: dict[str, object]) -> bool:
+    return (not arg.startswith("-") or arg == "-" or NEGATIVE_NUMBER.match(arg) is not None
+            or (" " in arg and _option_named(arg.partition("=")[0], options, True) is None))
+
+
+def _is_help(word: Word) -> bool:
+    """``-h``, ``--help`` or a start of it (argparse's abbreviation), or a class's ``--data.help``."""
+    return (word.option in ("-h", "--help") or (len(word.flag) >= 3 and "--help".startswith(word.flag))
+            or word.flag.endswith(".help"))
 
 
 def check_lightning_command_line(command: str, args: list[str], prog: str) -> None:
     """``args`` (after ``command``) of ``prog`` (``ltcx fit``): raise the ``LtcxError`` the parser would, for the
     mistakes that need no parser."""
-    for arg in args:
-        if arg.split("=", 1)[0].split(".", 1)[0] in ("--optimizer", "--lr_scheduler"):
+    stored = stored_options(command)
+    options = stored if stored is not None else BASIC_OPTIONS
+    words = read_command_line(args, options, abbreviations=stored is not None)
+    helped = next((at for at, word in enumerate(words) if _is_help(word)), None)
+    for word in words[:helped]:  # where the parser meets them: a config file, a typed value
+        if word.option in CONFIG_FLAGS and word.value is not None:
+            _check_config_file(word.value, prog)
+        elif word.option is not None and options.get(word.option) is not None and word.option.startswith(
+                word.flag.rstrip("+")):  # the option or a start of it, not a name under it (the parser's)
+            _check_typed_value(word, options[word.option], prog)
+    if helped is not None:
+        return
+    for word in words:  # the unknown ones, as the parser reports them after reading the whole line
+        if word.flag.split(".", 1)[0] in ("--optimizer", "--lr_scheduler"):
             raise LtcxError(NO_OPTIMIZER_FLAGS)
-    for _, path in flag_values(args, "--config", "-c"):
-        if not _is_inline_yaml(path) and not os.path.isfile(path):
-            raise LtcxError(f"--config: File does not exist: '{os.path.abspath(path)}'; see `{prog} --help`")
-    for _, path in flag_values(args, "--ckpt_path"):
-        if path not in CKPT_KEYWORDS and not os.path.exists(path) and "://" not in path:
-            raise missing_checkpoint(path)
-    options = stored_options(command)
-    if options is None:  # other versions than the stored parsers': the parser answers
-        return
-    flag = unknown_flag(args, options)
-    if flag is not None:
-        close = difflib.get_close_matches(flag, [o for o in options if not o.endswith(".help")], n=1, cutoff=0.6)
-        like = f" (did you mean {close[0]}?)" if close else ""
-        raise LtcxError(f"unrecognized arguments: {flag}{like}; see `{prog} --help`")
-    if "--help" not in args and "-h" not in args:  # argparse would print the help where it comes in the line
-        check_typed_values(args, options, prog)
+        if word.option is None and stored is not None:
+            close = difflib.get_close_matches(word.flag, [o for o in options if not o.endswith(".help")], n=1)
+            like = f" (did you mean {close[0]}?)" if close else ""
+            raise LtcxError(f"unrecognized arguments: {word.flag}{like}; see `{prog} --help`")
+    for word in words:
+        if word.option == "--ckpt_path" and word.value is not None:
+            path = word.value
+            if path not in CKPT_KEYWORDS and "://" not in path and not os.path.exists(os.path.expanduser(path)):
+                raise missing_checkpoint(path)
 
 
-def check_typed_values(args: list[str], options: dict[str, object], prog: str) -> None:
-    """A value of the wrong type for an option whose type is made of builtins (``--trainer.max_steps x``), judged by
-    jsonargparse itself: the flags of those options, with their values, go through a parser of just them, whose
-    types are the stored ones (the full parser's)."""
-    typed, at = [], 0
-    while at < len(args):
-        name, equals, _ = args[at].partition("=")
-        step = 1 if equals else 2
-        if name.startswith("--") and options.get(name.rstrip("+")) is not None:
-            typed += args[at:at + step]
-            at += step
-        else:
-            at += 1
-    if not typed:
+def _check_config_file(path: str, prog: str) -> None:
+    """``--config`` names a file that is not there (the parser also takes a config's text, and YAML's null)."""
+    inline = "\n" in path or ": " in path or path.lstrip().startswith(("{", "["))
+    if inline or path in CKPT_KEYWORDS or os.path.exists(os.path.expanduser(path)):
         return
+    raise LtcxError(f"--config: File does not exist: '{os.path.abspath(os.path.expanduser(path))}'; "
+                    f"see `{prog} --help`")
+
+
+def _check_typed_value(word: Word, hint: object, prog: str) -> None:
+    """A value of the wrong type for an option whose type is made of builtins (``--trainer.max_steps x``), judged
+    by jsonargparse itself: a parser of just that option and its stored type (the full parser's) reads the flag and
+    its value, and its error is the full parser's line."""
     from jsonargparse import ArgumentParser
 
-    class TypedFlags(OneLineErrors, ArgumentParser):
+    class TypedFlag(OneLineErrors, ArgumentParser):
         pass
 
-    parser = TypedFlags(prog=prog)
-    for name in dict.fromkeys(arg.partition("=")[0].rstrip("+") for arg in typed if arg.startswith("--")):
-        parser.add_argument(name, type=options[name])
-    parser.parse_args(typed)
+    parser = TypedFlag(prog=prog, default_env=False)
+    parser.add_argument(word.option, type=hint)
+    if word.explicit:
+        parser.parse_args([f"{word.flag}={word.value}"])
+    else:
+        parser.parse_args([word.flag] + ([word.value] if word.value is not None else []))

@@ -5,9 +5,10 @@ most of the CPU time of ``fit --help``. What the parser holds depends only on lt
 Lightning, jsonargparse, torch and Python, so it is stored, with those versions and a digest of the ltcx files that
 define the arguments (``PARSER_SOURCES``), and used while they are the installed ones:
 
-- ``help_pages/<command>.txt``: the bare ``<command> --help`` page as the parser prints it at 80 columns, printed
-  when asked for exactly it on a terminal of 80 columns or more. Any other ``--help`` (``--config x.yaml --help``,
-  which shows that file's values, or ``--model.backbone.help GPT``) goes to the parser.
+- ``help_pages/<command>.txt``: the bare ``<command> --help`` page as the parser prints it (laid out for 80 columns
+  whatever the terminal's width, ``lightning.LtcxArgumentParser``), printed when asked for exactly it. Any other
+  ``--help`` (``--config x.yaml --help``, which shows that file's values, or ``--model.backbone.help GPT``) goes to
+  the parser.
 - ``help_pages/parsers.json``: the versions, and each command's option strings with their types where the type is
   made of builtins (``int``, ``Optional[float]``, ``Literal[...]``, ...; ``None`` where it names a class):
   ``early_checks`` refuses an unknown flag or a value of the wrong type from them.
@@ -26,7 +27,6 @@ import json
 import operator
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import types
@@ -35,7 +35,7 @@ import typing
 PAGES = pathlib.Path(__file__).with_name("help_pages")
 INDEX = PAGES / "parsers.json"
 COMMANDS = ("fit", "validate", "test", "predict")
-COLUMNS = 80
+COLUMNS = 80  # the width the Lightning commands' help is laid out for
 PROG = "ltcx"  # the program name the pages are written with; the first line is given the one that runs
 
 
@@ -89,8 +89,6 @@ def stored_page(command: str, args: list[str], prog: str) -> str | None:
     """The stored ``--help`` page of ``command`` when ``args`` asks for exactly it and the page is what the parser
     would print here; ``None`` sends the command line to the parser."""
     if args not in (["--help"], ["-h"]):
-        return None
-    if shutil.get_terminal_size().columns < COLUMNS:  # the parser wraps to the narrower terminal
         return None
     page = current_page(command)
     if page is None:
@@ -179,7 +177,7 @@ def _render_here() -> None:
 def render() -> tuple[dict[str, str], dict]:
     """``(pages, options)`` as the parser has them, from one fresh interpreter (the known subclasses a page lists are
     those its imports define, not a test session's)."""
-    env = {**os.environ, "COLUMNS": str(COLUMNS), "LINES": "50"}
+    env = {**os.environ, "COLUMNS": "132"}  # not the width of the page, which is always COLUMNS
     code = f"import sys; sys.argv = [{PROG!r}]\nfrom ltcx.cli.help_pages import _render_here\n_render_here()"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     rendered = json.loads(done.stdout)

@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar, _launcher_outlives_workers
 from ltcx.callbacks.preemption import Preemption
 from ltcx.cli.console import print_run_end, print_run_start, quiet_lightning
+from ltcx.cli.help_pages import COLUMNS as HELP_COLUMNS
 from ltcx.cli.one_line_errors import OneLineErrors
 from ltcx.cli.predict import write_predictions
 from ltcx.cli.run_folders import find_last_checkpoint, name_after_architecture, resolve_under_root
@@ -55,7 +56,11 @@ PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pi
 
 class LtcxArgumentParser(OneLineErrors, LightningArgumentParser):
     """LightningCLI's parser, whose errors are one ``LtcxError`` line (``OneLineErrors``) instead of its usage (~75
-    lines) and message, a file that is not YAML included."""
+    lines) and message, a file that is not YAML included, and whose help is laid out for 80 columns whatever the
+    terminal's width, as the stored pages are (``help_pages``)."""
+
+    def _get_formatter(self):
+        return self.formatter_class(prog=self.prog, width=HELP_COLUMNS - 2)  # what argparse makes of 80 columns
 
     def parse_path(self, path, *args, **kwargs):
         try:
@@ -106,6 +111,13 @@ class LtcxCLI(LightningCLI):
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         name_after_architecture(self.config[subcommand] if subcommand else self.config)
+
+    def _set_seed(self) -> None:
+        seed = self._get(self.config, "seed_everything")
+        if not isinstance(seed, bool) and isinstance(seed, int) and not 0 <= seed < 2**32:  # numpy's seeds
+            raise ConfigError(f"seed_everything ({seed}) must be in [0, {2**32 - 1}], or true for a random seed: fix "
+                              "--seed_everything")
+        super()._set_seed()
 
     def _on_command_line(self, key: str) -> bool:
         """Whether ``--key`` (``--key value`` or ``--key=value``) was typed on the command line."""

@@ -28,7 +28,7 @@ class OneLineErrors:
     def error(self, message: str, ex: Exception | None = None):
         if not self.exit_on_error:
             super().error(message, ex)
-        if re.search(r"\b(optimizer|lr_scheduler)\b", message):  # e.g. `optimizer:` in a YAML
+        if re.search(r"""(--|['"])(optimizer|lr_scheduler)\b""", message):  # a flag, or `optimizer:` in a YAML
             raise LtcxError(NO_OPTIMIZER_FLAGS) from ex
         parser = getattr(ex, "subcommand_parser", None) or self
         prog = parser.prog.replace(" [options]", "")
