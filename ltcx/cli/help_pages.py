@@ -59,9 +59,12 @@ def installed_versions() -> dict[str, str]:
             versions[package] = "missing"
     sources = hashlib.sha256()
     package = pathlib.Path(__file__).parent.parent
-    for name in PARSER_SOURCES:
-        sources.update((package / name).read_bytes())
-    versions["ltcx sources"] = sources.hexdigest()[:16]
+    try:
+        for name in PARSER_SOURCES:
+            sources.update((package / name).read_bytes())
+        versions["ltcx sources"] = sources.hexdigest()[:16]
+    except OSError:  # installed without its sources: nothing stored is known to fit
+        versions["ltcx sources"] = "unreadable"
     return versions
 
 
