@@ -135,6 +135,8 @@ CASES = {
     ("--model.learnig_rate=1e-3",): "unrecognized arguments: --model.learnig_rate (did you mean "
                                     "--model.learning_rate?)",
     ("--bogus_flag", "1"): "unrecognized arguments: --bogus_flag",
+    ("--model.lr", "3e-4"): "unrecognized arguments: --model.lr (did you mean --model.learning_rate?)",
+    ("--model.wd", "0"): "unrecognized arguments: --model.wd (did you mean --model.weight_decay?)",
     ("--trainer.foo", "1"): "refused",
     ("--data.path", "--bogus"): "refused",  # --data.path has no value, --bogus is unknown
     ("--optimizer", "torch.optim.SGD"): "refused",

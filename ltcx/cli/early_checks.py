@@ -133,14 +133,26 @@ def check_lightning_command_line(command: str, args: list[str], prog: str) -> No
         if word.flag.split(".", 1)[0] in ("--optimizer", "--lr_scheduler"):
             raise LtcxError(NO_OPTIMIZER_FLAGS)
         if word.option is None and stored is not None:
-            close = difflib.get_close_matches(word.flag, [o for o in options if not o.endswith(".help")], n=1)
-            like = f" (did you mean {close[0]}?)" if close else ""
+            close = _closest_option(word.flag, [o for o in options if not o.endswith(".help")])
+            like = f" (did you mean {close}?)" if close else ""
             raise LtcxError(f"unrecognized arguments: {word.flag}{like}; see `{prog} --help`")
     for word in words:
         if word.option == "--ckpt_path" and word.value is not None:
             path = word.value
             if path not in CKPT_KEYWORDS and "://" not in path and not os.path.exists(os.path.expanduser(path)):
                 raise missing_checkpoint(path)
+
+
+def _closest_option(flag: str, options: list[str]) -> str | None:
+    """The option ``flag`` was probably meant as: the one of the same group whose words' initials it spells
+    (``--model.lr``: ``--model.learning_rate``), else the closest by characters."""
+    group, _, last = flag.rpartition(".")
+    for option in options:
+        option_group, _, name = option.rpartition(".")
+        if option_group == group and len(last) > 1 and "".join(w[:1] for w in name.split("_")) == last:
+            return option
+    close = difflib.get_close_matches(flag, options, n=1)
+    return close[0] if close else None
 
 
 def _check_config_file(path: str, prog: str) -> None:
