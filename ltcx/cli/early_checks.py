@@ -15,6 +15,7 @@ argument, a value inside a config file); it refuses the line all the same.
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -23,9 +24,10 @@ from ltcx.cli.help_pages import stored_options
 from ltcx.cli.one_line_errors import NO_OPTIMIZER_FLAGS, OneLineErrors
 from ltcx.errors import LtcxError, missing_checkpoint
 
-# The names Lightning itself gives a meaning to as --ckpt_path (``last`` is also ltcx's: the latest run's), and the
-# spellings of YAML's null, which the parser reads as no checkpoint.
-CKPT_KEYWORDS = ("last", "best", "hpc", "registry", "null", "Null", "NULL", "None", "~", "")
+# YAML's nulls (and nothing), which the parser reads as no value: no file to look for.
+YAML_NULLS = ("null", "Null", "NULL", "~", "")
+# The names Lightning itself gives a meaning to as --ckpt_path (``last`` is also ltcx's: the latest run's).
+CKPT_KEYWORDS = ("last", "best", "hpc", "registry", "None", *YAML_NULLS)
 CONFIG_FLAGS = ("-c", "--config")
 # The options a command line is read against when no stored options fit the installed versions.
 BASIC_OPTIONS = {"-h": None, "--help": None, "-c": None, "--config": None, "--print_config": None, "--ckpt_path": None}
@@ -158,7 +160,7 @@ def _closest_option(flag: str, options: list[str]) -> str | None:
 def _check_config_file(path: str, prog: str) -> None:
     """``--config`` names a file that is not there (the parser also takes a config's text, and YAML's null)."""
     inline = "\n" in path or ": " in path or path.lstrip().startswith(("{", "["))
-    if inline or path in CKPT_KEYWORDS or os.path.exists(os.path.expanduser(path)):
+    if inline or path in YAML_NULLS or os.path.exists(os.path.expanduser(path)):
         return
     raise LtcxError(f"--config: File does not exist: '{os.path.abspath(os.path.expanduser(path))}'; "
                     f"see `{prog} --help`")
@@ -168,14 +170,20 @@ def _check_typed_value(word: Word, hint: object, prog: str) -> None:
     """A value of the wrong type for an option whose type is made of builtins (``--trainer.max_steps x``), judged
     by jsonargparse itself: a parser of just that option and its stored type (the full parser's) reads the flag and
     its value, and its error is the full parser's line."""
-    from jsonargparse import ArgumentParser
-
-    class TypedFlag(OneLineErrors, ArgumentParser):
-        pass
-
-    parser = TypedFlag(prog=prog, default_env=False)
+    parser = _typed_flag_parser()(prog=prog, default_env=False)
     parser.add_argument(word.option, type=hint)
     if word.explicit:
         parser.parse_args([f"{word.flag}={word.value}"])
     else:
         parser.parse_args([word.flag] + ([word.value] if word.value is not None else []))
+
+
+@functools.cache
+def _typed_flag_parser() -> type:
+    """jsonargparse's parser with ``OneLineErrors`` (jsonargparse imported only when a typed value is judged)."""
+    from jsonargparse import ArgumentParser
+
+    class TypedFlag(OneLineErrors, ArgumentParser):
+        pass
+
+    return TypedFlag

@@ -143,12 +143,33 @@ def _type_from_json(kind):
     return {"Union": typing.Union, "list": list, "tuple": tuple, "dict": dict}[name][tuple(members)]
 
 
+def command_parsers() -> dict:
+    """Each command's parser as ``cli_main`` builds it, stopped before it parses (imports Lightning)."""
+    from ltcx.cli.lightning import LtcxCLI, cli_main
+
+    class Built(Exception):
+        pass
+
+    def stop(cli, parser, args):
+        raise Built(cli._subcommand_parsers)
+
+    parse_arguments = LtcxCLI.parse_arguments
+    LtcxCLI.parse_arguments = stop
+    try:
+        cli_main(["fit"])
+    except Built as built:
+        return built.args[0]
+    finally:
+        LtcxCLI.parse_arguments = parse_arguments
+    raise AssertionError("cli_main parsed without building its parsers")
+
+
 def _render_here() -> None:
     """In a fresh interpreter: print each command's ``--help`` and options as JSON (``render``)."""
     import contextlib
     import io
 
-    from ltcx.cli.lightning import LtcxCLI, cli_main
+    from ltcx.cli.lightning import cli_main
 
     pages = {}
     for command in COMMANDS:
@@ -159,18 +180,7 @@ def _render_here() -> None:
             except SystemExit:
                 pass
         pages[command] = out.getvalue()
-
-    class Built(Exception):
-        pass
-
-    def stop(cli, parser, args):  # the parsers, as cli_main builds them, before they parse
-        raise Built(cli._subcommand_parsers)
-
-    LtcxCLI.parse_arguments = stop
-    try:
-        cli_main(["fit"])
-    except Built as built:
-        parsers = built.args[0]
+    parsers = command_parsers()
     options = {command: {name.rstrip("+"): _type_to_json(getattr(action, "_typehint", None))
                          for action in parsers[command]._actions for name in action.option_strings}
                for command in COMMANDS}
