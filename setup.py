@@ -6,8 +6,7 @@ setup(
     description="Train, sample from and compare small language models of new sequence architectures",
     packages=find_packages(include=["ltcx", "ltcx.*"]),
     # the TinyStories sample behind `--data.path sample` (ltcx/data/sample/README.md: source and licence)
-    package_data={"ltcx.data": ["sample/*.txt", "sample/README.md"],
-                  "ltcx.cli": ["help_pages/*.txt", "help_pages/parsers.json"]},  # fit --help without Lightning
+    package_data={"ltcx.data": ["sample/*.txt", "sample/README.md"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.5",

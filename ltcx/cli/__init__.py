@@ -11,10 +11,9 @@ and ``lm-eval``.
 ``lightning`` is the LightningCLI subclass and its hooks, ``generate``, ``export``, ``prepare``, ``evaluate`` and
 ``harness`` (``lm-eval``) the argparse front-ends, ``threads`` sizes torch's CPU threads, ``run_folders`` resolves
 the trainer's folders and ``--ckpt_path last``, ``predict`` writes ``predict``'s losses, ``console`` prints a run's
-first and last lines and quiets Lightning's start-up lines, ``help_pages`` holds the Lightning commands' bare
-``--help``. Each command imports what it needs when it runs: ``ltcx --help``, an unknown command, every command's
-bare ``--help`` and the argparse commands' argument errors answer without importing torch or Lightning (whose import
-alone is most of the CPU time of a Lightning command's answer).
+first and last lines and quiets Lightning's start-up lines. Each command imports what it needs when it runs:
+``ltcx --help``, an unknown command, the argparse commands' ``--help`` and argument errors, and a Lightning command's
+missing ``--config`` or ``--ckpt_path`` file (``early_checks``) answer without importing torch or Lightning.
 """
 
 from __future__ import annotations
@@ -88,13 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         elif command in LIGHTNING_COMMANDS:
             from ltcx.cli.early_checks import check_lightning_command_line
 
-            check_lightning_command_line(command, command_line[1:], f"{_prog()} {command}")
-            from ltcx.cli.help_pages import stored_page
-
-            page = stored_page(command, command_line[1:], _prog())
-            if page is not None:  # the bare --help, as the parser would print it (and exit), without Lightning
-                sys.stdout.write(page)
-                sys.exit(0)
+            check_lightning_command_line(command_line[1:], f"{_prog()} {command}")
             from ltcx.cli.lightning import cli_main
 
             cli_main(argv)  # None: LightningCLI reads sys.argv itself

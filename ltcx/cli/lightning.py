@@ -26,7 +26,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar, _launcher_outlives_workers
 from ltcx.callbacks.preemption import Preemption
 from ltcx.cli.console import print_run_end, print_run_start, quiet_lightning
-from ltcx.cli.help_pages import COLUMNS as HELP_COLUMNS
 from ltcx.cli.one_line_errors import OneLineErrors
 from ltcx.cli.predict import write_predictions
 from ltcx.cli.run_folders import find_last_checkpoint, name_after_architecture, resolve_under_root
@@ -56,11 +55,7 @@ PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pi
 
 class LtcxArgumentParser(OneLineErrors, LightningArgumentParser):
     """LightningCLI's parser, whose errors are one ``LtcxError`` line (``OneLineErrors``) instead of its usage (~75
-    lines) and message, a file that is not YAML included, and whose help is laid out for 80 columns whatever the
-    terminal's width, as the stored pages are (``help_pages``)."""
-
-    def _get_formatter(self):
-        return self.formatter_class(prog=self.prog, width=HELP_COLUMNS - 2)  # what argparse makes of 80 columns
+    lines) and message, a file that is not YAML included."""
 
     def parse_path(self, path, *args, **kwargs):
         try:

@@ -1,10 +1,11 @@
 """jsonargparse's errors as one ``LtcxError`` line naming the flag, the reason and ``--help``, instead of its usage
 (~75 lines for ``fit``) and message: ``OneLineErrors``, the ``error`` of LightningCLI's parser
-(``lightning.LtcxArgumentParser``) and of the parser ``early_checks`` makes of the stored options' types. Imports
-neither torch nor Lightning."""
+(``lightning.LtcxArgumentParser``); an unknown flag with the option it was probably meant as. Imports neither torch
+nor Lightning."""
 
 from __future__ import annotations
 
+import difflib
 import re
 
 from ltcx.errors import LtcxError
@@ -32,7 +33,25 @@ class OneLineErrors:
             raise LtcxError(NO_OPTIMIZER_FLAGS) from ex
         parser = getattr(ex, "subcommand_parser", None) or self
         prog = parser.prog.replace(" [options]", "")
-        raise LtcxError(f"{one_line(message)}; see `{prog} --help`") from ex
+        text = one_line(message)
+        unknown = re.match(r"unrecognized arguments: (-[^\s=]+)", text, re.IGNORECASE)
+        if unknown:
+            close = closest_option(unknown.group(1), list(getattr(parser, "_option_string_actions", {})))
+            text += f" (did you mean {close}?)" if close else ""
+        raise LtcxError(f"{text}; see `{prog} --help`") from ex
+
+
+def closest_option(flag: str, options: list[str]) -> str | None:
+    """The option ``flag`` was probably meant as: one of the same group whose words' initials it spells
+    (``--model.lr``: ``--model.learning_rate``), else the closest by characters."""
+    options = [option for option in options if option.startswith("--") and not option.endswith(".help")]
+    group, _, last = flag.rpartition(".")
+    for option in options:
+        option_group, _, name = option.rpartition(".")
+        if option_group == group and len(last) > 1 and "".join(w[:1] for w in name.split("_")) == last:
+            return option
+    close = difflib.get_close_matches(flag, options, n=1)
+    return close[0] if close else None
 
 
 def one_line(message: str) -> str:
