@@ -377,6 +377,50 @@ def test_ids_outside_the_vocabulary_stop_fit_before_training(tmp_path, monkeypat
     assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
 
 
+@pytest.fixture
+def gpt2_shards(tmp_path, monkeypatch) -> tuple[Path, dict]:
+    """A gpt2 folder of 64 training documents (about 30 blocks of 33 tokens), in a working folder for `ltcx fit`."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ltcx"])
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", [f"{d} {d}" for d in unit_docs(80)])
+    return tmp_path / "shards", prepare(str(corpus), str(tmp_path / "shards"), tokenizer="gpt2", val_fraction=0.2,
+                                        num_proc=1)
+
+
+@pytest.mark.parametrize("damage,workers", [("padding_id", 0), ("padding_id", 2), ("65535", 0), ("no_max_id", 2)])
+def test_ids_edited_in_place_stop_fit_at_the_batch(tmp_path, gpt2_shards, capsys, damage, workers):
+    """A shard edited in place passes the fast start-up check (size, header, meta.json's max_id); the batch holding
+    the edit stops the run in one line naming the shard and the token, not training on a padding row of the
+    embedding (50,257..50,303: exit 0) nor an IndexError mid-step; the steps before it are saved, nothing after
+    (Lightning fetches a batch one step ahead: the bad batch 2 stops the run before step 2)."""
+    folder, meta = gpt2_shards
+    train = meta["shards"]["train"]
+    assert len(train) == 1 and meta["vocab_size"] == 50257
+    dm = TextDataModule(path=str(folder), tokenizer="gpt2", block_size=32, batch_size=4)
+    dm.setup("fit")
+    offset = int(dm.train_dataset().epoch_blocks(0)[2 * 4]) * 33 + 5  # in batch 2 (of 4 blocks of 33 tokens)
+    if damage == "no_max_id":
+        for record in train + meta["shards"]["validation"]:
+            del record["max_id"]
+        (folder / "meta.json").write_text(json.dumps(meta))
+    bad = {"padding_id": 50300, "65535": 65535, "no_max_id": 50257}[damage]
+    ids = np.memmap(folder / train[0]["file"], dtype="<u2", mode="r+", offset=HEADER_BYTES)
+    ids[offset] = bad
+    ids.flush()
+    del ids
+    args = lean_fit_args(tmp_path, folder, "--trainer.max_steps", "5", "--data.num_workers", str(workers), every=1)
+    line = one_error_line(args, capsys)
+    assert line == (f"ltcx: error: token shard '{folder / train[0]['file']}' holds id {bad} at token {offset:,}, "
+                    "outside the vocabulary of tokenizer 'gpt2' (50257 ids, 0-50256): it was changed after ltcx "
+                    "prepare or made with another tokenizer; prepare the data again into a new folder (ltcx prepare), "
+                    "or check every id before training with --data.verify full")
+    runs = tmp_path / "checkpoints/gpt/version_0"
+    assert sorted(p.name for p in runs.iterdir()) == ["epoch=0-step=1.ckpt", "last.ckpt"]
+    assert torch.load(runs / "last.ckpt", weights_only=False)["global_step"] == 1
+    with pytest.raises(LtcxError, match=r"does not match meta.json \(SHA-256 differs\)"):  # the full check sees it
+        verify_shards(str(folder), meta, "full", vocab_size=50257)
+
+
 def test_folder_without_meta_json_is_named(tmp_path, corpus, capsys):
     out, _ = prepared(tmp_path, corpus)
     (out / "meta.json").unlink()

@@ -12,11 +12,16 @@ dataloader worker ``w`` of ``W`` makes batches ``start + w, start + w + W, ...``
 and a resume at batch ``start`` reads nothing it skips.
 
 Validation: rank ``r`` takes blocks ``r, r + R, ...`` in order, cycled to exactly ``num_batches`` batches.
+
+Every batch's ids are checked against the tokenizer's vocabulary as it is read (a max over ``[B, block_len]``): the
+start-up check (``verify="fast"``) reads only headers and the ``max_id`` meta.json records, so a shard edited in place
+is caught here, in one line naming the shard and the token, before the model sees it.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +29,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ltcx.data.shards import Shard, open_shard
+from ltcx.data.block_source import DataError
+from ltcx.data.shards import Shard, open_shard, outside_vocabulary
 from ltcx.errors import LtcxError
 
 __all__ = ["SAMPLING", "ShardBlocks"]
@@ -35,7 +41,7 @@ SAMPLING = ("blocks", "random")
 class ShardBlocks(IterableDataset):
     """Batches ``LongTensor[batch_size, block_len]`` of one rank from one split's shards (use ``batch_size=None`` in
     the DataLoader). ``num_batches`` None: endless training batches from batch ``start_batch`` on; else exactly that
-    many validation batches."""
+    many validation batches. ``vocab_size``: every id read must be below it (``tokenizer`` names it in the error)."""
 
     def __init__(
         self,
@@ -43,6 +49,8 @@ class ShardBlocks(IterableDataset):
         shards: list[Shard],
         dtype: str,
         *,
+        vocab_size: int,
+        tokenizer: str,
         block_len: int,
         rank: int,
         world_size: int,
@@ -53,6 +61,7 @@ class ShardBlocks(IterableDataset):
         num_batches: int | None = None,
     ) -> None:
         self.folder, self.shards, self.dtype = folder, shards, np.dtype(dtype)
+        self.vocab_size, self.tokenizer = vocab_size, tokenizer
         self.block_len, self.rank, self.world_size, self.batch_size = block_len, rank, world_size, batch_size
         self.seed, self.sampling, self.start_batch, self.num_batches = seed, sampling, start_batch, num_batches
         tokens = np.array([s["tokens"] for s in shards], dtype=np.int64)
@@ -95,7 +104,13 @@ class ShardBlocks(IterableDataset):
     def _read(self, shard: np.ndarray, starts: np.ndarray) -> np.ndarray:
         if self._maps is None:
             self._maps = [open_shard(self.folder, s, self.dtype) for s in self.shards]
-        return np.stack([self._maps[k][s : s + self.block_len] for k, s in zip(shard.tolist(), starts.tolist())])
+        tokens = np.stack([self._maps[k][s : s + self.block_len] for k, s in zip(shard.tolist(), starts.tolist())])
+        if tokens.max() >= self.vocab_size:  # DataError: one line also from a dataloader worker process
+            row, col = (int(i) for i in np.argwhere(tokens >= self.vocab_size)[0])
+            path = os.path.join(self.folder, self.shards[shard[row]]["file"])
+            raise DataError(outside_vocabulary(path, int(tokens[row, col]), self.tokenizer, self.vocab_size,
+                                               offset=int(starts[row]) + col))
+        return tokens
 
     def epoch_blocks(self, epoch: int) -> np.ndarray:
         """This rank's block ids of training epoch ``epoch``, in order: ``[N // R]``."""

@@ -63,7 +63,8 @@ class ShardSource:
 
     def _blocks(self, split: str, rank: int, world_size: int, **kw: Any) -> ShardBlocks:
         return ShardBlocks(
-            self.folder, self.meta["shards"][split], self.meta["dtype"], block_len=self.block_len, rank=rank,
+            self.folder, self.meta["shards"][split], self.meta["dtype"], vocab_size=self.meta["vocab_size"],
+            tokenizer=self.meta["tokenizer"], block_len=self.block_len, rank=rank,
             world_size=world_size, batch_size=self.batch_size, seed=self.seed, sampling=self.sampling, **kw,
         )
 

@@ -26,7 +26,7 @@ from ltcx.errors import LtcxError
 
 __all__ = [
     "HEADER_BYTES", "META", "Shard", "holds_shards", "is_prepared", "load_meta", "open_shard", "token_dtype",
-    "more_validation", "validation_source", "verify_shards", "write_json", "write_shard",
+    "more_validation", "outside_vocabulary", "validation_source", "verify_shards", "write_json", "write_shard",
 ]
 
 MAGIC = b"LTCXTOK\0"
@@ -159,11 +159,19 @@ def verify_shards(folder: str, meta: dict[str, Any], mode: str = "fast", vocab_s
                 "ltcx prepare; prepare the data again into a new folder"
             )
         if vocab_size is not None and max_id is not None and max_id >= vocab_size:
-            raise LtcxError(
-                f"token shard '{path}' holds id {max_id}, outside the vocabulary of tokenizer "
-                f"{meta['tokenizer']!r} ({vocab_size} ids, 0-{vocab_size - 1}): it was changed after ltcx prepare "
-                "or made with another tokenizer; prepare the data again into a new folder"
-            )
+            raise LtcxError(outside_vocabulary(path, max_id, meta["tokenizer"], vocab_size))
+
+
+def outside_vocabulary(path: str, token_id: int, tokenizer: str, vocab_size: int, offset: int | None = None) -> str:
+    """The line naming an id at or above the tokenizer's ``vocab_size`` in shard ``path`` (at token ``offset``: found
+    in a batch, after the start-up check passed)."""
+    where = "" if offset is None else f" at token {offset:,}"
+    fix = "prepare the data again into a new folder"
+    if offset is not None:
+        fix += " (ltcx prepare), or check every id before training with --data.verify full"
+    return (f"token shard '{path}' holds id {token_id}{where}, outside the vocabulary of tokenizer {tokenizer!r} "
+            f"({vocab_size} ids, 0-{vocab_size - 1}): it was changed after ltcx prepare or made with another "
+            f"tokenizer; {fix}")
 
 
 def _shard_problem(path: str, shard: Shard, dtype: np.dtype, *, full: bool) -> tuple[str | None, int | None]:
