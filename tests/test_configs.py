@@ -1,5 +1,5 @@
-"""Every YAML in configs/ parses, alone or composed, and keeps the documented model sizes; an architecture's YAML
-holds only its backbone and pulls in configs/recipe.yaml."""
+"""Every YAML in configs/ parses, alone or composed, and keeps the catalogue's model sizes (the README's); an
+architecture's YAML holds only its backbone and pulls in configs/recipe.yaml."""
 
 import sys
 from pathlib import Path
@@ -18,11 +18,8 @@ MODELS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml") if p != RECIPE
 PIECES = [None] + sorted(str(p.relative_to(ROOT / "configs")) for p in (ROOT / "configs").glob("*/*.yaml"))
 
 
-def test_every_model_has_a_config():
-    assert MODELS == [
-        "gpt.yaml", "gta.yaml", "ltc.yaml", "titans_lmm.yaml", "titans_mac.yaml", "titans_mag.yaml", "titans_mal.yaml",
-        "xlstm.yaml",
-    ]
+def test_the_architecture_yamls_are_the_catalogues():
+    assert MODELS == sorted(Path(entry.yaml).name for entry in CATALOG.values())
 
 
 @pytest.mark.parametrize("piece", PIECES)
@@ -85,20 +82,22 @@ def test_cli_names_logs_and_checkpoints_after_the_architecture(flags, logs, chec
     assert [Path(c.dirpath) for c in cli.trainer.callbacks if hasattr(c, "dirpath")] == [tmp_path / checkpoints]
 
 
-@pytest.mark.parametrize("model,expected", [
-        ("gpt", 28_758_912), ("ltc", 29_104_512), ("xlstm", 28_664_616), ("gta", 29_053_824),
-        ("titans_mag", 28_753_644), ("titans_mac", 28_755_948), ("titans_mal", 28_773_558), ("titans_lmm", 28_763_628),
-    ])
-def test_config_model_sizes(model, expected):
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_config_model_sizes(name):
+    """The YAML's model has the catalogue's parameter count, and the README's table says the same."""
     import importlib
 
-    backbone = yaml.safe_load((ROOT / "configs" / f"{model}.yaml").read_text())["model.backbone"]
-    module, name = backbone["class_path"].rsplit(".", 1)
+    expected = CATALOG[name].yaml_parameters
+    backbone = yaml.safe_load((ROOT / CATALOG[name].yaml).read_text())["model.backbone"]
+    module, class_name = backbone["class_path"].rsplit(".", 1)
     init_args = dict(backbone["init_args"])
     if "block_size" in init_args and init_args["block_size"] is None:  # the CLI's context_from_data
         init_args["block_size"] = yaml.safe_load(RECIPE.read_text())["data"]["block_size"]
-    instance = getattr(importlib.import_module(module), name)(vocab_size=50304, **init_args)
+    instance = getattr(importlib.import_module(module), class_name)(vocab_size=50304, **init_args)
     assert instance.parameter_count() == expected
+    readme = (ROOT / "README.md").read_text().splitlines()
+    [row] = [line for line in readme if line.startswith(f"| `{CATALOG[name].yaml}`")]
+    assert row.endswith(f" | {expected:,} |"), row
 
 
 @pytest.mark.parametrize("flags,context", [

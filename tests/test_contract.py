@@ -1,5 +1,6 @@
 """The backbone contract (docs/architecture.md), checked for every entry of the catalogue
-(``ltcx.models.catalog.CATALOG``) at its tiny shape: a new architecture gets every check here by being catalogued.
+(``ltcx.models.catalog.CATALOG``) at its tiny shape and at each of its variants' (``Architecture.shapes``): a new
+architecture, or a new variant of one, gets every check here by being catalogued.
 
     pieces == whole (with the state, several split points, single-token steps), cached decode == full forward,
     reorder_cache, causality, batch independence, gradients reach every parameter, config_dict rebuilds,
@@ -52,20 +53,20 @@ def tokens(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def tiny(entry: Architecture, dtype=torch.float32, seed: int = 0) -> nn.Module:
+def tiny(entry: Architecture, dtype=torch.float32, seed: int = 0, variant: str = "tiny") -> nn.Module:
     torch.manual_seed(seed)
-    return entry.build_tiny(VOCAB).to(dtype).eval()
+    return entry.build_tiny(VOCAB, variant).to(dtype).eval()
 
 
-# -- the checks: each takes a catalogue entry ---------------------------------------------------------------
+# -- the checks: each takes a catalogue entry and one of its shapes -----------------------------------------
 
 
-def check_pieces_equal_whole(entry: Architecture) -> None:
+def check_pieces_equal_whole(entry: Architecture, variant: str = "tiny") -> None:
     """Feeding a sequence in pieces with the returned state gives the logits of feeding it whole (float64 and
     float32), and the state after the pieces continues like the state after the whole."""
     idx = tokens(B, T + 2)
     for dtype, tol in ((torch.float64, F64_REL), (torch.float32, F32_REL)):
-        model = tiny(entry, dtype)
+        model = tiny(entry, dtype, variant=variant)
         with torch.no_grad():
             whole, whole_state = model(idx[:, :T])
             following, _ = model(idx[:, T:], whole_state)
@@ -77,9 +78,9 @@ def check_pieces_equal_whole(entry: Architecture) -> None:
                 assert relative_error(continued, following, norm="max") < tol, (dtype, sizes)
 
 
-def check_cached_decode_equals_full_forward(entry: Architecture) -> None:
+def check_cached_decode_equals_full_forward(entry: Architecture, variant: str = "tiny") -> None:
     """Greedy decoding with the state picks the tokens of recomputing the whole prefix each step (float64)."""
-    model = tiny(entry, torch.float64)
+    model = tiny(entry, torch.float64, variant=variant)
     prompt = tokens(B, 4, seed=1)
     with torch.no_grad():
         cached = generate(model, prompt, 12, temperature=0.0)
@@ -90,9 +91,9 @@ def check_cached_decode_equals_full_forward(entry: Architecture) -> None:
     assert torch.equal(cached, sequence)
 
 
-def check_reorder_cache(entry: Architecture) -> None:
+def check_reorder_cache(entry: Architecture, variant: str = "tiny") -> None:
     """Permuting (and repeating) the batch of a state, then continuing, equals continuing the permuted batch."""
-    model = tiny(entry, torch.float64)
+    model = tiny(entry, torch.float64, variant=variant)
     idx = tokens(3, 13, seed=2)
     index = torch.tensor([2, 0, 0, 1])
     with torch.no_grad():
@@ -102,9 +103,9 @@ def check_reorder_cache(entry: Architecture) -> None:
     assert relative_error(continued, direct[:, 9:], norm="max") < F64_REL
 
 
-def check_causality(entry: Architecture) -> None:
+def check_causality(entry: Architecture, variant: str = "tiny") -> None:
     """Changing the tokens from t on leaves the logits before t unchanged (and changes those from t)."""
-    model = tiny(entry, torch.float64)
+    model = tiny(entry, torch.float64, variant=variant)
     idx = tokens(B, T, seed=3)
     with torch.no_grad():
         logits, _ = model(idx)
@@ -116,9 +117,9 @@ def check_causality(entry: Architecture) -> None:
             assert (other[:, t:] - logits[:, t:]).abs().max() > 1e-6, t
 
 
-def check_batch_independence(entry: Architecture) -> None:
+def check_batch_independence(entry: Architecture, variant: str = "tiny") -> None:
     """A row's logits do not depend on the other rows, with or without a state."""
-    model = tiny(entry, torch.float64)
+    model = tiny(entry, torch.float64, variant=variant)
     idx = tokens(3, T, seed=4)
     other = idx.clone()
     other[1] = tokens(1, T, seed=5)[0]
@@ -136,9 +137,9 @@ def check_batch_independence(entry: Architecture) -> None:
     assert relative_error(alone_step, step[:1], norm="max") < F64_REL
 
 
-def check_gradients_reach_every_parameter(entry: Architecture) -> None:
+def check_gradients_reach_every_parameter(entry: Architecture, variant: str = "tiny") -> None:
     """A next-token loss gives every parameter a finite gradient, nonzero somewhere."""
-    model = tiny(entry).train()
+    model = tiny(entry, variant=variant).train()
     idx = tokens(B, T + 1, seed=6)
     logits, _ = model(idx[:, :-1])
     F.cross_entropy(logits.reshape(-1, VOCAB), idx[:, 1:].reshape(-1)).backward()
@@ -148,10 +149,10 @@ def check_gradients_reach_every_parameter(entry: Architecture) -> None:
         assert param.grad.abs().max() > 0, name
 
 
-def check_config_dict_rebuilds(entry: Architecture) -> None:
+def check_config_dict_rebuilds(entry: Architecture, variant: str = "tiny") -> None:
     """``type(m)(**m.config_dict())`` rebuilds the same state_dict shapes, and with the weights the same logits;
     the contract's other members answer."""
-    model = tiny(entry)
+    model = tiny(entry, variant=variant)
     clone = type(model)(**model.config_dict())
     assert {k: v.shape for k, v in clone.state_dict().items()} == {k: v.shape for k, v in model.state_dict().items()}
     assert clone.config_dict() == model.config_dict()
@@ -166,9 +167,9 @@ def check_config_dict_rebuilds(entry: Architecture) -> None:
     assert names <= {name for name, _ in model.named_parameters()}
 
 
-def check_bf16_generation(entry: Architecture, mode: str) -> None:
+def check_bf16_generation(entry: Architecture, variant: str = "tiny", *, mode: str) -> None:
     """Generation runs with bf16 weights and under bf16 autocast, and the state it leaves continues."""
-    model = tiny(entry)
+    model = tiny(entry, variant=variant)
     prompt = tokens(B, 5, seed=8)
     with torch.no_grad():
         if mode == "bf16 weights":
@@ -198,6 +199,8 @@ CORE_CHECKS = [
 # -- every catalogue entry ----------------------------------------------------------------------------------
 
 ALL = sorted(CATALOG)
+SHAPES = [(name, variant) for name in ALL for variant in CATALOG[name].shapes()]  # every entry, every variant
+SHAPE_IDS = [name if variant == "tiny" else f"{name}-{variant}" for name, variant in SHAPES]
 
 
 @pytest.mark.quick
@@ -214,52 +217,11 @@ def test_constructor_is_the_config_declared_once(name):
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("name", ALL)
-def test_pieces_equal_whole(name):
-    check_pieces_equal_whole(CATALOG[name])
-
-
-@pytest.mark.quick
-@pytest.mark.parametrize("name", ALL)
-def test_cached_decode_equals_full_forward(name):
-    check_cached_decode_equals_full_forward(CATALOG[name])
-
-
-@pytest.mark.quick
-@pytest.mark.parametrize("name", ALL)
-def test_reorder_cache_equals_running_the_reordered_batch(name):
-    check_reorder_cache(CATALOG[name])
-
-
-@pytest.mark.quick
-@pytest.mark.parametrize("name", ALL)
-def test_causality(name):
-    check_causality(CATALOG[name])
-
-
-@pytest.mark.quick
-@pytest.mark.parametrize("name", ALL)
-def test_batch_independence(name):
-    check_batch_independence(CATALOG[name])
-
-
-@pytest.mark.quick
-@pytest.mark.parametrize("name", ALL)
-def test_gradients_reach_every_parameter(name):
-    check_gradients_reach_every_parameter(CATALOG[name])
-
-
-@pytest.mark.quick
-@pytest.mark.parametrize("name", ALL)
-def test_config_dict_rebuilds(name):
-    check_config_dict_rebuilds(CATALOG[name])
-
-
-@pytest.mark.quick
-@pytest.mark.parametrize("mode", ["bf16 weights", "autocast"])
-@pytest.mark.parametrize("name", ALL)
-def test_bf16_generation(name, mode):
-    check_bf16_generation(CATALOG[name], mode)
+@pytest.mark.parametrize("check", CORE_CHECKS, ids=lambda check: getattr(check, "__name__", None) or (
+    f"{check.func.__name__}-{check.keywords['mode'].replace(' ', '_')}"))
+@pytest.mark.parametrize("name,variant", SHAPES, ids=SHAPE_IDS)
+def test_contract(name, variant, check):
+    check(CATALOG[name], variant)
 
 
 @pytest.mark.quick
@@ -411,7 +373,7 @@ class ForgetfulToy(ToyBackbone):
 
 @pytest.fixture
 def toy_entry():
-    entry = add_to_catalog(Architecture("toy", __name__, "ToyBackbone", "", dict(n_embd=8)))
+    entry = add_to_catalog(Architecture("toy", __name__, "ToyBackbone", "", dict(n_embd=8), {"narrow": dict(n_embd=4)}))
     yield entry
     remove_from_catalog("toy")
 
@@ -419,7 +381,8 @@ def toy_entry():
 def test_a_catalogued_toy_backbone_gets_the_contract_checks(toy_entry):
     assert "toy" in CATALOG and CATALOG["toy"].backbone_class() is ToyBackbone
     for check in CORE_CHECKS:
-        check(CATALOG["toy"])
+        for variant in CATALOG["toy"].shapes():
+            check(CATALOG["toy"], variant)
 
 
 def test_a_backbone_breaking_the_contract_fails_the_checks(toy_entry):

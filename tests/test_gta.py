@@ -1,5 +1,6 @@
 """GTA attention and GTA GPT: the fast form against a per-head reference written out from the equation,
-the degenerate setting against GQA, shared maps, the cache, sizes, and the seed's defects."""
+the degenerate setting against GQA, shared maps, the compact cache, sizes and init (the backbone contract:
+tests/test_contract.py; why ltcx's form differs from the seed's: docs/models.md)."""
 
 from __future__ import annotations
 
@@ -180,36 +181,6 @@ def test_heads_of_a_group_share_one_attention_map():
 # The cache and the contract
 
 
-@pytest.mark.parametrize("variant", ["small", "lcm", "rope"])
-@pytest.mark.parametrize("pieces", [[1] * 20, [7, 1, 5, 7], [20]])
-def test_pieces_with_state_equal_the_full_forward(variant, pieces):
-    model = small_model(**VARIANTS[variant])
-    idx = tokens(3, sum(pieces))
-    with torch.no_grad():
-        full, _ = model(idx)
-        logits, state = run_in_pieces(model, idx, pieces)
-    torch.testing.assert_close(logits, full, rtol=0, atol=1e-10)
-    config = model.config
-    for cache in state:  # keys and latents only, append-only
-        assert cache.k.shape == (3, config.n_key_head, 20, config.key_dim)
-        assert cache.latent.shape == (3, config.n_latent_head, 20, config.latent_dim)
-
-
-def test_cached_decode_float32_tolerance():
-    model = small_model(dtype=torch.float32)
-    idx = tokens(2, 16)
-    with torch.no_grad():
-        full, _ = model(idx)
-        _, state = model(idx[:, :9])
-        piece, _ = model(idx[:, 9:], state)
-        steps = []
-        for t in range(9, 16):  # one token at a time: the decode step's own path
-            logits, state = model(idx[:, t : t + 1], state)
-            steps.append(logits)
-    torch.testing.assert_close(piece, full[:, 9:], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 9:], rtol=1e-5, atol=1e-5)
-
-
 def gta_and_gpt_for_bf16():
     """A GTA GPT and a GPT of one shape (float32 weights) whose bf16 errors are compared."""
     shape = dict(block_size=64, vocab_size=97, n_layer=2, n_head=4, n_embd=128, bias=False)
@@ -251,31 +222,35 @@ def test_reference_cache_bytes_per_token_are_three_eighths_below_the_gpt():
     assert sizes[0] / sizes[1] == 1 - 0.375
 
 
-def test_causality_future_tokens_do_not_change_past_logits():
-    model = small_model(**VARIANTS["lcm"])
-    idx = tokens(2, 20)
-    changed = idx.clone()
-    changed[:, 12:] = tokens(2, 8, seed=1)
+@pytest.mark.parametrize("variant", ["small", "lcm"])
+def test_cache_holds_keys_and_latents_only_extended_into_new_tensors(variant):
+    """GTA's compact cache: the group keys [B, n_key_head, T, key_dim] and the latent [B, n_latent_head, T,
+    latent_dim], never per-head values; a step extends the caller's cache into new tensors, never in place.
+    (Pieces == whole, causality, reorder_cache: tests/test_contract.py, for every catalogued variant.)"""
+    model = small_model(**VARIANTS[variant])
+    idx = tokens(3, 20)
     with torch.no_grad():
-        logits, changed_logits = model(idx)[0], model(changed)[0]
-    torch.testing.assert_close(logits[:, :12], changed_logits[:, :12], rtol=0, atol=1e-12)
-    assert not torch.allclose(logits[:, 12:], changed_logits[:, 12:])
-
-
-def test_batch_rows_are_independent_and_inputs_are_not_mutated():
-    model = small_model()
-    idx = tokens(3, 12)
-    with torch.no_grad():
-        _, state = model(idx[:, :8])
+        _, state = run_in_pieces(model, idx[:, :8], [7, 1])
         kept = copy.deepcopy(state)
-        batched, new_state = model(idx[:, 8:], state)
-        for b in range(3):
-            one = model.reorder_cache(state, torch.tensor([b]))
-            alone, _ = model(idx[b : b + 1, 8:], one)
-            torch.testing.assert_close(batched[b : b + 1], alone, rtol=0, atol=1e-12)
-    for old, before in zip(state, kept):  # the caller's cache is extended into new tensors, never in place
-        assert torch.equal(old.k, before.k) and torch.equal(old.latent, before.latent)
-    assert new_state[0].length == 12 and state[0].length == 8
+        _, new_state = model(idx[:, 8:], state)
+    config = model.config
+    for cache in new_state:
+        assert cache.k.shape == (3, config.n_key_head, 20, config.key_dim)
+        assert cache.latent.shape == (3, config.n_latent_head, 20, config.latent_dim)
+    for old, before in zip(state, kept):
+        assert torch.equal(old.k, before.k) and torch.equal(old.latent, before.latent) and old.length == 8
+
+
+def test_decoder_and_gate_get_a_gradient_in_every_entry():
+    """The decoder offset B_g and the gate's rows W_g learn from a loss, entry by entry (every parameter has a
+    gradient: tests/test_contract.py)."""
+    model = small_model(dtype=torch.float32, dropout=0.1).train()
+    logits, _ = model(tokens(2, 16))
+    logits.square().mean().backward()
+    attn = model.blocks[0].attn
+    gate_rows = attn.in_proj.weight.grad[-SMALL["n_embd"] :]  # W_g is the last block of rows
+    assert gate_rows.abs().min(dim=1).values.gt(0).all()
+    assert attn.decoder.grad.abs().gt(0).all()
 
 
 def test_inference_keeps_the_decoder_matrix_until_the_decoder_changes():
@@ -313,48 +288,11 @@ def test_a_module_sharded_by_fsdp2_rebuilds_the_decoder_matrix_every_call():
         torch.testing.assert_close(attn.decoder_matrix(), attn.identity + attn.decoder, rtol=0, atol=0)
 
 
-def test_reorder_cache_equals_running_the_reordered_batch():
-    model = small_model()
-    idx = tokens(3, 10)
-    index = torch.tensor([2, 0, 0, 1])
-    with torch.no_grad():
-        _, state = model(idx[:, :8])
-        logits, _ = model(idx[index, 8:], model.reorder_cache(state, index))
-        expected, _ = model(idx[index])
-    torch.testing.assert_close(logits, expected[:, 8:], rtol=0, atol=1e-10)
-
-
-def test_greedy_generation_with_cache_equals_without():
-    model = small_model()
-    prompt = tokens(2, 5)
-    with torch.no_grad():
-        with_cache, (logits, state) = prompt, model(prompt)
-        without = prompt
-        for _ in range(10):
-            next_token = logits[:, -1].argmax(-1, keepdim=True)
-            with_cache = torch.cat([with_cache, next_token], dim=1)
-            logits, state = model(next_token, state)
-            without = torch.cat([without, model(without)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(with_cache, without)
-
-
 def test_context_overflow_is_a_clear_error():
     model = small_model(block_size=8)
     _, state = model(torch.zeros(1, 8, dtype=torch.long))
     with pytest.raises(LtcxError, match="exceeds the model's context block_size=8"):
         model(torch.zeros(1, 1, dtype=torch.long), state)
-
-
-def test_gradients_reach_every_parameter_including_decoder_and_gate():
-    model = small_model(dtype=torch.float32, dropout=0.1).train()
-    logits, _ = model(tokens(2, 16))
-    logits.square().mean().backward()
-    for name, param in model.named_parameters():
-        assert param.grad is not None and param.grad.abs().sum() > 0, name
-    attn = model.blocks[0].attn
-    gate_rows = attn.in_proj.weight.grad[-SMALL["n_embd"] :]  # W_g is the last block of rows
-    assert gate_rows.abs().min(dim=1).values.gt(0).all()
-    assert attn.decoder.grad.abs().gt(0).all()
 
 
 def test_bf16_autocast_error_is_at_the_gqa_level():
@@ -432,70 +370,3 @@ def test_config_defaults_and_round_trip():
     assert GTAGPT.from_config(model.config).config == model.config
     with pytest.raises(TypeError):
         GTAGPT(n_kv_head=2)  # GTA's keys and latents have their own head counts
-
-
-# ------------------------------------------------------------------------------------------------
-# The seed's form (a test-only transcription of seeds/002_*, kept to show why ltcx differs)
-
-
-def seed_gta(x, w_q, w_k, w_dv, w_uv, w_out, groups, heads=4, mode="encoder"):
-    """The seed's GTAAttention: H-head q and k averaged over each group's heads, values decoded with a SiLU
-    per key token before attention, causal mask only in mode="decoder" (its default is "encoder")."""
-    batch, length, width = x.shape
-    head_dim = width // heads
-    split = lambda t: t.view(batch, length, heads, head_dim).transpose(1, 2)  # noqa: E731
-    q, k = split(x @ w_q.T), split(x @ w_k.T)
-    v = split(F.silu((x @ w_dv.T) @ w_uv.T))
-    q_bar = q.view(batch, groups, heads // groups, length, head_dim).mean(2)
-    k_bar = k.view(batch, groups, heads // groups, length, head_dim).mean(2)
-    scores = q_bar @ k_bar.transpose(-1, -2) / math.sqrt(head_dim)
-    if mode == "decoder":
-        scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
-    weights = torch.softmax(scores, -1).repeat_interleave(heads // groups, dim=1)  # [B, H, T, T]
-    return (weights @ v).transpose(1, 2).reshape(batch, length, width) @ w_out.T
-
-
-def seed_weights(width=16, heads=4, rank=8, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    shapes = [(width, width), (width, width), (rank, width), (width, rank), (width, width)]
-    return [torch.randn(*s, dtype=F64, generator=gen) / math.sqrt(s[1]) for s in shapes]
-
-
-def test_seed_encoder_mode_leaks_the_future():
-    weights = seed_weights()
-    x = torch.randn(1, 10, 16, dtype=F64, generator=torch.Generator().manual_seed(1))
-    changed = x.clone()
-    changed[:, 6:] = torch.randn(1, 4, 16, dtype=F64, generator=torch.Generator().manual_seed(2))
-    leak = (seed_gta(x, *weights, groups=2) - seed_gta(changed, *weights, groups=2))[:, :6].abs().max()
-    assert leak > 1e-2  # its default mode: the first tokens' outputs see tokens 6..9
-    causal = seed_gta(x, *weights, groups=2, mode="decoder") - seed_gta(changed, *weights, groups=2, mode="decoder")
-    assert causal[:, :6].abs().max() < 1e-12
-
-
-def test_seed_silu_before_attention_is_not_decoding_after_attention():
-    """The seed's values SiLU(c_j W_uv) are decoded per key token, so the latent c cannot be attended and
-    cached as it is; GTA's linear decoder commutes with the weighted sum (its gate is of the query token)."""
-    gen = torch.Generator().manual_seed(3)
-    weights = torch.softmax(torch.randn(8, 8, dtype=F64, generator=gen) * 2, -1)
-    latent, w_uv = torch.randn(8, 6, dtype=F64, generator=gen), torch.randn(6, 12, dtype=F64, generator=gen)
-    seed_values = weights @ F.silu(latent @ w_uv)  # decode each key token, then attend
-    after = F.silu((weights @ latent) @ w_uv)  # attend the latent, then decode
-    assert (seed_values - after).abs().max() > 0.1
-    torch.testing.assert_close(weights @ (latent @ w_uv), (weights @ latent) @ w_uv, rtol=0, atol=1e-12)
-
-
-def test_seed_averaged_projections_are_one_linear_map():
-    """The mean of a group's S query (key) projections is one linear map: (S - 1) / S of W_q and W_k add
-    parameters but no expressiveness. One G-head projection with the averaged rows gives the same output."""
-    w_q, w_k, w_dv, w_uv, w_out = seed_weights()
-    x = torch.randn(2, 7, 16, dtype=F64, generator=torch.Generator().manual_seed(4))
-    heads, groups, head_dim = 4, 2, 4
-    mean_rows = lambda w: w.view(groups, heads // groups, head_dim, 16).mean(1)  # noqa: E731
-    # the same G maps from 2 x 8 averaged rows, repeated to the H-head layout the seed expects
-    w_q_small = mean_rows(w_q).repeat_interleave(heads // groups, dim=0).reshape(16, 16)
-    w_k_small = mean_rows(w_k).repeat_interleave(heads // groups, dim=0).reshape(16, 16)
-    torch.testing.assert_close(
-        seed_gta(x, w_q_small, w_k_small, w_dv, w_uv, w_out, groups=2, mode="decoder"),
-        seed_gta(x, w_q, w_k, w_dv, w_uv, w_out, groups=2, mode="decoder"),
-        rtol=0, atol=1e-12,
-    )

@@ -1,9 +1,10 @@
 """The catalogue of ltcx's architectures: one entry per architecture name (``gpt``, ``ltc``, ...), naming its
-backbone class, its YAML and a tiny shape for tests.
+backbone class, its YAML and the parameter count of that YAML's model, a tiny shape for tests and the tiny forms of
+its variants (GTA's RoPE, the xLSTM's parallel mLSTM, Titans' memory chunks, ...).
 
 Everything that holds a list of architectures reads it from here: the registry's allow-list of backbone
-classes (``ltcx/models/registry.py``), the benchmark and comparison scripts, and the contract test suite
-(``tests/test_contract.py``, parametrized over ``CATALOG``, so a new entry gets every contract check).
+classes (``ltcx/models/registry.py``), the benchmark and comparison scripts, and the tests (``tests/test_contract.py``
+runs every contract check on every entry and every variant, ``tests/test_configs.py`` every YAML and its size).
 
 Importing this module is cheap: a backbone's module is imported only when its class is asked for.
 """
@@ -25,13 +26,21 @@ ROOT = Path(__file__).resolve().parents[2]
 @dataclass(frozen=True)
 class Architecture:
     """One architecture: ``module.class_name`` is its backbone, ``yaml`` its config (relative to the repository
-    root), ``tiny`` the constructor arguments (less ``vocab_size``) of a shape whose forward takes milliseconds."""
+    root; ``""`` for none) and ``yaml_parameters`` the ``parameter_count()`` of that YAML's model at GPT-2's padded
+    vocabulary (50,304), ``tiny`` the constructor arguments (less ``vocab_size``) of a shape whose forward takes
+    milliseconds, ``variants`` named changes of ``tiny`` that take other code paths (each one a tiny shape too)."""
 
     name: str
     module: str
     class_name: str
     yaml: str
     tiny: dict[str, Any] = field(default_factory=dict)
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    yaml_parameters: int | None = None
+
+    def shapes(self) -> dict[str, dict[str, Any]]:
+        """``{"tiny": tiny, variant: tiny changed by it, ...}``: every tiny shape of this architecture."""
+        return {"tiny": dict(self.tiny), **{name: {**self.tiny, **change} for name, change in self.variants.items()}}
 
     @property
     def class_path(self) -> str:
@@ -41,9 +50,9 @@ class Architecture:
         """The backbone class (its module imported on first use)."""
         return getattr(importlib.import_module(self.module), self.class_name)
 
-    def build_tiny(self, vocab_size: int, **overrides) -> Any:
-        """The backbone at its tiny shape (float32, training mode)."""
-        return self.backbone_class()(**{**self.tiny, "vocab_size": vocab_size, **overrides})
+    def build_tiny(self, vocab_size: int, variant: str = "tiny", **overrides) -> Any:
+        """The backbone at its tiny shape or one of its variants' (float32, training mode)."""
+        return self.backbone_class()(**{**self.shapes()[variant], "vocab_size": vocab_size, **overrides})
 
     def tiny_cli(self) -> list[str]:
         """CLI overrides for a tiny fit of ``yaml``: the tiny init_args (the vocabulary is linked from the data,
@@ -59,16 +68,35 @@ _TITANS_TINY = dict(n_embd=16, n_layer=2, n_head=2, n_kv_head=1, mlp_hidden=32, 
                     mem_heads=2, mem_head_dim=8, mem_hidden=16, memory_chunk_size=4)
 
 _ENTRIES = [
-    Architecture("gpt", "ltcx.models.gpt", "GPT", "configs/gpt.yaml", _GPT_TINY),
-    Architecture("ltc", "ltcx.models.ltc", "LTCGPT", "configs/ltc.yaml", {**_GPT_TINY, "num_decay_modes": 4}),
+    Architecture("gpt", "ltcx.models.gpt", "GPT", "configs/gpt.yaml", _GPT_TINY,
+                 variants={"mha_bias": dict(n_kv_head=2, bias=True)}, yaml_parameters=28_758_912),
+    Architecture("ltc", "ltcx.models.ltc", "LTCGPT", "configs/ltc.yaml", {**_GPT_TINY, "num_decay_modes": 4},
+                 variants={"all_modes": dict(num_decay_modes=8),  # as many modes as the head's 8 coordinates
+                           "low_rank_controller": dict(num_decay_modes=1, controller_rank=2),
+                           "mlp_controller": dict(controller_hidden_size=16)},
+                 yaml_parameters=29_104_512),
     Architecture("xlstm", "ltcx.models.xlstm", "XLSTM", "configs/xlstm.yaml",
                  dict(embedding_dim=16, num_layers=2, signature=[1, 1], num_heads=2, slstm_num_heads=2, chunk_size=4,
-                      proj_round_to=8)),
+                      proj_round_to=8),
+                 variants={"parallel": dict(mlstm_backend="parallel"),
+                           "slstm_first_untied": dict(num_layers=3, slstm_at=[0, 2], tie_embeddings=False, bias=True),
+                           "exp_forget": dict(forget_gate="exp")},
+                 yaml_parameters=28_664_616),
     Architecture("gta", "ltcx.models.gta", "GTAGPT", "configs/gta.yaml",
-                 dict(block_size=64, n_layer=2, n_head=2, n_embd=16, bias=False, key_dim=8, latent_dim=8)),
+                 dict(block_size=64, n_layer=2, n_head=2, n_embd=16, bias=False, key_dim=8, latent_dim=8),
+                 variants={"more_groups": dict(n_head=4, n_query_group=4, n_key_head=2, n_latent_head=1, latent_dim=4),
+                           "rope": dict(rope=True),
+                           "no_gate_bias": dict(gate=False, bias=True, n_latent_head=2, latent_dim=8)},
+                 yaml_parameters=29_053_824),
     *(Architecture(f"titans_{variant}", "ltcx.models.titans", "Titans", f"configs/titans_{variant}.yaml",
-                   {"variant": variant, **_TITANS_TINY})
-      for variant in ("mag", "mac", "mal", "lmm")),
+                   {"variant": variant, **_TITANS_TINY},
+                   # memory chunks of one token (the paper's online recurrence) and of a length that does not
+                   # divide the segment or the tests' lengths (MAC's segments hold whole chunks: 2 there)
+                   variants={"chunk_1": dict(memory_chunk_size=1),
+                             "chunk_odd": dict(memory_chunk_size=2 if variant == "mac" else 5)},
+                   yaml_parameters=parameters)
+      for variant, parameters in (("mag", 28_753_644), ("mac", 28_755_948), ("mal", 28_773_558),
+                                  ("lmm", 28_763_628))),
 ]
 
 _CATALOG: dict[str, Architecture] = {entry.name: entry for entry in _ENTRIES}
