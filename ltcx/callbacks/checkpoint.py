@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import sys
+import uuid
 
 import lightning as L
 import torch
@@ -15,6 +15,7 @@ from lightning.pytorch import callbacks as pl_callbacks
 
 from ltcx.errors import ConfigError
 from ltcx.persist import atomic_copy, remove_stale_temps, run_versions
+from ltcx.persist.runs import callback_state
 
 
 def _run_folder(trainer: L.Trainer, root: str) -> str:
@@ -25,7 +26,8 @@ def _run_folder(trainer: L.Trainer, root: str) -> str:
     return version if isinstance(version, str) else f"version_{version}"
 
 
-_VERSION_FOLDER = re.compile(r"version_\d+")
+# Keys of the callback's state in each checkpoint: the run that saved it, and the runs it was resumed from.
+RUN_ID, RESUMED_FROM = "run_id", "resumed_from"
 
 
 class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
@@ -45,8 +47,13 @@ class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
         keep_runs: a resumed run continues the runs it was resumed from, each in its own folder, each keeping a
             full ``last.ckpt`` (347 MB for a 29M-parameter model): keep the ``.ckpt`` files of the last
             ``keep_runs`` runs of that chain (this run included) and delete the older ones' once this run has saved
-            its first checkpoint. Default 2: this run's and the one it resumed from. Only runs this one descends
-            from are touched, never another run sharing the folder; None keeps every file.
+            its first checkpoint. Default 2: this run's and the one it resumed from. None keeps every file.
+
+    Runs are told apart by ids, never by paths: each run (each ``fit``) draws a random id, and every checkpoint it
+    saves records it and the ids of the runs it was resumed from. Retention deletes a ``.ckpt`` file of a
+    ``version_N`` folder of ``dirpath`` only if the id read from that file itself is an older ancestor's: a new run
+    where an old one was, a copy moved or restored, another chain sharing the folder, a file without an id (written
+    by an earlier ltcx or another tool) or one that can not be read are never touched.
     """
 
     def __init__(self, *args, run_folders: bool = True, keep_runs: int | None = 2, **kwargs) -> None:
@@ -54,7 +61,8 @@ class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
         self.run_folders = run_folders
         self.keep_runs = keep_runs
         self._root_dirpath = self.dirpath  # dirpath as configured; a run saves in <dirpath>/version_N
-        self._earlier_runs: list[str] = []  # run folders of the runs this one was resumed from, oldest first
+        self._run_id = ""  # drawn when a run starts (setup)
+        self._resumed_from: list[str] = []  # ids of the runs this one was resumed from, oldest first
         self._pruned = False
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -62,6 +70,9 @@ class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ConfigError(f"ModelCheckpoint keep_runs ({keep}) must be an integer >= 1 (null: keep every run's "
                               "checkpoints): fix its init_args.keep_runs")
+        if stage == "fit":  # a new run: rank 0's id on every rank; a resume fills _resumed_from after this
+            self._run_id = trainer.strategy.broadcast(uuid.uuid4().hex)
+            self._resumed_from, self._pruned = [], False
         if self.run_folders and self._root_dirpath is not None:
             # Each run its own folder, named as its log folder, so no run's last.ckpt overwrites (or, as last-v1.ckpt,
             # hides behind) another's. Nothing is created here: validate/test/predict and failed runs leave no folder.
@@ -79,13 +90,15 @@ class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
         return candidates
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "earlier_runs": list(self._earlier_runs)}
+        return {**super().state_dict(), RUN_ID: self._run_id, RESUMED_FROM: list(self._resumed_from)}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        run, earlier = state_dict.get(RUN_ID), state_dict.get(RESUMED_FROM)
+        if isinstance(run, str) and run and isinstance(earlier, list) and all(isinstance(r, str) for r in earlier):
+            self._resumed_from = [*earlier, run]  # a file without ids (an earlier ltcx) starts no chain
         if self.run_folders and os.path.dirname(str(state_dict.get("dirpath"))) == str(self._root_dirpath):
             # Resuming an earlier run of this folder: its best/last paths are in its own run folder, not this one.
             self.best_model_path = state_dict.get("best_model_path", "")
-            self._earlier_runs = [*state_dict.get("earlier_runs", []), str(state_dict["dirpath"])]
             return
         super().load_state_dict(state_dict)
 
@@ -96,25 +109,31 @@ class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
             self._remove_older_runs(trainer)
 
     def _remove_older_runs(self, trainer: L.Trainer) -> None:
-        """Delete the ``.ckpt`` files of the runs this one descends from, but for the last ``keep_runs`` - 1."""
-        if self.keep_runs is None or not self._earlier_runs:
+        """Delete the ``.ckpt`` files in ``dirpath``'s run folders that record as their own run the id of a run this
+        one descends from, but for the last ``keep_runs`` - 1 of them."""
+        cut = len(self._resumed_from) - (self.keep_runs - 1) if self.keep_runs is not None else 0
+        older = set(self._resumed_from[:max(cut, 0)])
+        if not older or not self.run_folders or self._root_dirpath is None or not trainer.is_global_zero:
             return
-        cut = len(self._earlier_runs) - (self.keep_runs - 1)
-        older, self._earlier_runs = self._earlier_runs[:max(cut, 0)], self._earlier_runs[max(cut, 0):]
-        if not trainer.is_global_zero:
-            return
-        removed = []
-        for folder in older:
-            # Only a run folder of this dirpath (a moved or renamed folder is left alone), never this run's own.
-            if os.path.dirname(folder) != str(self._root_dirpath) or not _VERSION_FOLDER.fullmatch(
-                    os.path.basename(folder)) or folder == self.dirpath or not os.path.isdir(folder):
+        doomed = []  # every file is read before any is removed: a save_last link is read through its target
+        for version in run_versions(self._root_dirpath):
+            folder = os.path.join(self._root_dirpath, f"version_{version}")
+            if folder == self.dirpath:
                 continue
             for name in sorted(os.listdir(folder)):
-                if name.endswith(".ckpt"):
-                    os.remove(os.path.join(folder, name))
-                    removed.append(f"{os.path.basename(folder)}/{name}")
+                path = os.path.join(folder, name)
+                if name.endswith(".ckpt") and os.path.isfile(path):
+                    state = callback_state(path, self.state_key)
+                    run = state.get(RUN_ID) if state is not None else None
+                    if isinstance(run, str) and run in older:
+                        doomed.append((folder, name))
+        for folder, name in doomed:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, name))
+        for folder in sorted({folder for folder, _ in doomed}):
             with contextlib.suppress(OSError):
                 os.rmdir(folder)  # if nothing else is in it
+        removed = [f"{os.path.basename(folder)}/{name}" for folder, name in doomed]
         if removed:
             print(f"ltcx: removed {', '.join(removed)} from {self._root_dirpath}: checkpoints of runs before the last "
                   f"{self.keep_runs} (ModelCheckpoint keep_runs; null keeps them)", file=sys.stderr)

@@ -1,13 +1,17 @@
-"""The layout of a checkpoint folder: each run saves in its own ``version_N/``, its latest state as ``last.ckpt``."""
+"""The layout of a checkpoint folder: each run saves in its own ``version_N/``, its latest state as ``last.ckpt``;
+``callback_state`` reads what a callback saved in a checkpoint without reading its tensors."""
 
 from __future__ import annotations
 
 import os
 import re
+from typing import Any
+
+import torch
 
 from ltcx.errors import LtcxError
 
-__all__ = ["run_versions", "latest_last_checkpoint", "checkpoint_in_folder"]
+__all__ = ["run_versions", "latest_last_checkpoint", "checkpoint_in_folder", "callback_state"]
 
 _LAST = re.compile(r"last(-v\d+)?\.ckpt")
 _VERSION = re.compile(r"version_(\d+)")
@@ -49,3 +53,19 @@ def _last_files(folder: str) -> list[str]:
     if not os.path.isdir(folder):
         return []
     return sorted(os.path.join(folder, name) for name in os.listdir(folder) if _LAST.fullmatch(name))
+
+
+def callback_state(path: str | os.PathLike, key: str) -> dict[str, Any] | None:
+    """The state the callback of state key ``key`` saved in the checkpoint at ``path``; None where there is none or
+    the file can not be read (damaged, not a checkpoint, asking for code).
+
+    Read as data (``weights_only=True``) and lazily (``mmap=True``: the tensors are mapped, never read), so a 350 MB
+    checkpoint costs its small pickle; its digest is not checked, that would read every tensor.
+    """
+    try:
+        checkpoint = torch.load(os.fspath(path), map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - truncated, corrupt, an old non-zip file, a folder: nothing to tell
+        return None
+    callbacks = checkpoint.get("callbacks") if isinstance(checkpoint, dict) else None
+    state = callbacks.get(key) if isinstance(callbacks, dict) else None
+    return state if isinstance(state, dict) else None
