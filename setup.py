@@ -4,9 +4,11 @@ setup(
     name="ltcx",
     version="0.1.0",
     description="Train, sample from and compare small language models of new sequence architectures",
-    packages=find_packages(include=["ltcx", "ltcx.*"]),
+    # configs/ is shipped as ltcx/configs/ (`--config gpt` from any directory: ltcx/models/catalog.py)
+    packages=[*find_packages(include=["ltcx", "ltcx.*"]), "ltcx.configs"],
+    package_dir={"ltcx.configs": "configs"},
     # the TinyStories sample behind `--data.path sample` (ltcx/data/sample/README.md: source and licence)
-    package_data={"ltcx.data": ["sample/*.txt", "sample/README.md"]},
+    package_data={"ltcx.data": ["sample/*.txt", "sample/README.md"], "ltcx.configs": ["*.yaml", "*/*.yaml"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.5",

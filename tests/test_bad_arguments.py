@@ -59,7 +59,9 @@ def test_nan_learning_rate_from_yaml_is_refused(tmp_path, fit_env, capsys):
 
 
 @pytest.mark.parametrize("content,message", [
-    (None, "--config: File does not exist: '{path}'; see `ltcx fit --help`"),
+    (None, "--config: File does not exist: '{path}' (nor is it a config shipped with ltcx: data/fineweb_edu, "
+           "data/local, data/mqar, data/tinystories, gpt, gta, ltc, recipe, titans_lmm, titans_mac, titans_mag, "
+           "titans_mal, trainer/ddp, trainer/fsdp, trainer/smoke, xlstm); see `ltcx fit --help`"),
     (bytes(range(128, 256)), "--config '{path}' is not a YAML text file (its bytes are not UTF-8 text): pass the path "
                              "of a YAML config"),
     (b"model:\n  learning_rate: [1,\n", "--config '{path}' is not valid YAML (did not find expected node content at "
@@ -134,10 +136,10 @@ def test_an_optimizer_section_in_a_yaml_is_refused(tmp_path, fit_env, capsys):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--config", "configs/no-such.yaml"], "ltcx: error: --config: File does not exist: '{root}/configs/no-such.yaml'; "
-                                            "see `ltcx fit --help`"),
-    (["--config=no-such.yaml"], "ltcx: error: --config: File does not exist: '{root}/no-such.yaml'; see `ltcx fit "
-                                "--help`"),
+    (["--config", "configs/no-such.yaml"], "ltcx: error: --config: File does not exist: '{root}/configs/no-such.yaml' "
+                                            "(nor is it a config shipped with ltcx: data/fineweb_edu, "),
+    (["--config=no-such.yaml"], "ltcx: error: --config: File does not exist: '{root}/no-such.yaml' (nor is it a "
+                                "config shipped with ltcx: "),
     (["--config", "configs/gpt.yaml", "--ckpt_path", "no-such.ckpt"],
      "ltcx: error: checkpoint 'no-such.ckpt' does not exist: pass --ckpt_path the path of a .ckpt file"),
     (["--optimizer", "torch.optim.SGD"], "ltcx: error: --optimizer and --lr_scheduler are not ltcx options"),

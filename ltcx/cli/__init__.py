@@ -87,10 +87,14 @@ def main(argv: list[str] | None = None) -> None:
         elif command in LIGHTNING_COMMANDS:
             from ltcx.cli.early_checks import check_lightning_command_line
 
-            check_lightning_command_line(command_line[1:], f"{_prog()} {command}")
+            args = check_lightning_command_line(command_line[1:], f"{_prog()} {command}")
             from ltcx.cli.lightning import cli_main
 
-            cli_main(argv)  # None: LightningCLI reads sys.argv itself
+            if argv is None:  # LightningCLI reads sys.argv (given args too, it warns that both were given)
+                sys.argv[1:] = [command, *args]
+                cli_main(None)
+            else:
+                cli_main([command, *args])
         else:
             known = ", ".join([*LIGHTNING_COMMANDS, *OWN_COMMANDS])
             raise LtcxError(f"unknown command '{command}': choose one of {known} (see `ltcx --help`)")

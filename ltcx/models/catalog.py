@@ -18,9 +18,13 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["CATALOG", "Architecture", "add_to_catalog", "build_configured", "build_tiny", "config_path", "get", "names"]
+__all__ = ["CATALOG", "CONFIG_DIR", "Architecture", "add_to_catalog", "build_configured", "build_tiny", "config_path",
+           "get", "names", "shipped_config", "shipped_config_names"]
 
 ROOT = Path(__file__).resolve().parents[2]
+# The configs: inside the installed package as ltcx/configs/ (setup.py ships configs/ there), else the checkout's.
+_PACKAGED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIG_DIR = _PACKAGED_CONFIGS if _PACKAGED_CONFIGS.is_dir() else ROOT / "configs"
 
 
 @dataclass(frozen=True)
@@ -158,8 +162,28 @@ def build_configured(spec: str, vocab_size: int, min_context: int = 0) -> Any:
 
 
 def config_path(name: str) -> Path:
-    """The absolute path of the YAML of ``name``."""
-    return ROOT / get(name).yaml
+    """The absolute path of the YAML of ``name`` (a shipped one's in ``CONFIG_DIR``)."""
+    yaml_path = Path(get(name).yaml)
+    if yaml_path.parts[:1] == ("configs",):
+        return CONFIG_DIR.joinpath(*yaml_path.parts[1:])
+    return ROOT / yaml_path
+
+
+def shipped_config(name: str) -> Path | None:
+    """The shipped YAML a ``--config`` value names, if it is one: ``gpt``, ``gpt.yaml``, ``trainer/smoke`` or
+    ``configs/trainer/smoke.yaml`` (the checkout's path, from any directory). None for any other value."""
+    relative = Path(name.removeprefix("configs/"))
+    if relative.is_absolute() or ".." in relative.parts or not relative.parts:
+        return None
+    if relative.suffix not in (".yaml", ".yml"):
+        relative = relative.with_name(relative.name + ".yaml")
+    path = CONFIG_DIR / relative
+    return path if path.is_file() else None
+
+
+def shipped_config_names() -> list[str]:
+    """What ``shipped_config`` takes, in its short form (``gpt``, ``trainer/smoke``, ...)."""
+    return sorted(path.relative_to(CONFIG_DIR).with_suffix("").as_posix() for path in CONFIG_DIR.rglob("*.yaml"))
 
 
 def builtin_class_paths() -> dict[str, tuple[str, str]]:
