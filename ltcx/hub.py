@@ -3,6 +3,7 @@ retrying, so that offline the user's one-line answer comes at once."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import urllib.parse
@@ -28,3 +29,19 @@ def hub_unreachable(timeout: float = PROBE_TIMEOUT_S) -> str | None:
     except OSError as error:
         return f"no connection to {target.hostname}:{port} within {timeout:g} s: {error.strerror or error}"
     return None
+
+
+@contextlib.contextmanager
+def cache_only():
+    """Within: ``huggingface_hub`` and ``datasets`` in offline mode (as ``HF_HUB_OFFLINE=1`` sets it at their
+    import), for a hub found unreachable: a data set in the local cache still loads, another fails at once instead
+    of after minutes of retries. The settings before are restored after."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE = saved

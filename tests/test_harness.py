@@ -214,12 +214,126 @@ def test_lm_eval_unknown_task_is_one_line(tmp_path, capsys, no_default_tasks):
                     "them) or pass --include_path a folder holding its YAML file")
 
 
-def test_lm_eval_unreadable_task_data_is_one_line(tmp_path, capsys, no_default_tasks):
+def test_lm_eval_missing_task_data_file_is_named(tmp_path, capsys, no_default_tasks):
+    """A local task's data file that is not there: named, with no hint about the hub it is not read from."""
     tasks = write_tasks(tmp_path / "tasks")
     (tasks / "choice.jsonl").unlink()
     line = one_error_line(["lm-eval", "--ckpt_path", str(write_checkpoint(tmp_path / "gpt.ckpt")),
                            "--tasks", "ltcx_tiny_choice", "--include_path", str(tasks)], capsys)
+    assert line == (f"ltcx: error: lm_eval task 'ltcx_tiny_choice' reads data file '{tasks / 'choice.jsonl'}', which "
+                    "does not exist: fix data_files (dataset_kwargs) in its YAML file, or write the file")
+
+
+def test_lm_eval_unreadable_task_data_is_one_line(tmp_path, capsys, no_default_tasks):
+    tasks = write_tasks(tmp_path / "tasks")
+    (tasks / "choice.jsonl").write_text("{not json\n")
+    line = one_error_line(["lm-eval", "--ckpt_path", str(write_checkpoint(tmp_path / "gpt.ckpt")),
+                           "--tasks", "ltcx_tiny_choice", "--include_path", str(tasks)], capsys)
     assert line.startswith("ltcx: error: cannot load lm_eval task(s) ltcx_tiny_choice (")
+    assert line.endswith("): check the task's YAML file and its dataset_path / data_files")
+
+
+BROKEN_YAML = "task: ltcx_tiny_choice\ndataset_path: json\n  bad: [unclosed\n"
+
+
+@pytest.mark.parametrize("given", ["include_path", "path"])
+def test_lm_eval_malformed_task_yaml_names_the_file_and_line(tmp_path, capsys, no_default_tasks, given):
+    """Not "knows no task" (lm_eval's index skips a file it can not read): the file, and where its YAML breaks;
+    under --include_path or given to --tasks as a path."""
+    tasks = write_tasks(tmp_path / "tasks")
+    (tasks / "choice.yaml").write_text(BROKEN_YAML)
+    named = ["ltcx_tiny_choice", "--include_path", str(tasks)] if given == "include_path" else [
+        str(tasks / "choice.yaml")]
+    line = one_error_line(["lm-eval", "--ckpt_path", str(write_checkpoint(tmp_path / "gpt.ckpt")), "--tasks", *named],
+                          capsys)
+    assert line == (f"ltcx: error: task YAML file '{tasks / 'choice.yaml'}' is malformed (line 3, column 6: mapping "
+                    "values are not allowed in this context): fix it (lm_eval skips a file it can not read, and its "
+                    "task is unknown)")
+
+
+def test_lm_eval_unknown_task_beside_a_malformed_yaml_is_unknown_and_says_what_was_skipped(tmp_path, capsys,
+                                                                                           no_default_tasks):
+    tasks = write_tasks(tmp_path / "tasks")
+    (tasks / "other.yaml").write_text(BROKEN_YAML.replace("ltcx_tiny_choice", "ltcx_other"))
+    line = one_error_line(["lm-eval", "--ckpt_path", str(write_checkpoint(tmp_path / "gpt.ckpt")),
+                           "--tasks", "ltcx_typo", "--include_path", str(tasks)], capsys)
+    assert line == ("ltcx: error: lm_eval knows no task 'ltcx_typo': check the name (`lm_eval ls tasks` lists them) "
+                    "or pass --include_path a folder holding its YAML file (lm_eval skipped the malformed task YAML "
+                    f"file '{tasks / 'other.yaml'}': line 3, column 6: mapping values are not allowed in this context)")
+
+
+@pytest.fixture
+def not_evaluated(monkeypatch):
+    """For checks made before any work: the evaluation must not start."""
+    import lm_eval
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("simple_evaluate ran")
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", refuse)
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--seed", "-1", f"--seed (-1) must be in 0..{2**32 - 1} (2**32 - 1, numpy's range)"),
+    ("--seed", str(2**32), f"--seed ({2**32}) must be in 0..{2**32 - 1} (2**32 - 1, numpy's range)"),
+    *[("--limit", value, f"--limit ({value}) must be a whole number of examples per task (>= 1) or a fraction in "
+       "(0, 1)") for value in ("inf", "nan", "-1", "0", "2.5")],
+])
+def test_lm_eval_bad_seed_or_limit_is_one_line(tmp_path, capsys, not_evaluated, flag, value, message):
+    line = one_error_line(["lm-eval", "--ckpt_path", "x", "--tasks", "hellaswag", flag, value], capsys)
+    assert line == f"ltcx: error: {message}"
+
+
+def test_lm_eval_out_that_can_not_hold_results_is_refused_before_evaluating(tmp_path, capsys, not_evaluated):
+    """--out is a folder (made if missing) for results.json: a file there, or a file on the way to it, is one line
+    before anything is loaded, not a traceback after the whole evaluation; the file is left as it was."""
+    taken = tmp_path / "taken"
+    taken.write_text("mine")
+    for out, problem in [(taken, f"'{taken}' is a file: pass a folder for results.json (made if missing)"),
+                         (taken / "sub", f"'{taken / 'sub'}' can not be made: '{taken}' is a file; pass a folder for "
+                          "results.json")]:
+        line = one_error_line(["lm-eval", "--ckpt_path", "x", "--tasks", "hellaswag", "--out", str(out)], capsys)
+        assert line == f"ltcx: error: --out {problem}"
+    assert taken.read_text() == "mine"
+
+
+def hub_task(folder: Path) -> Path:
+    """A task whose data set is on the hub (an id no cache holds)."""
+    folder.mkdir()
+    (folder / "hub.yaml").write_text(
+        "task: ltcx_hub_choice\ndataset_path: ltcx-tests/no-such-dataset\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_target: answer\ndoc_to_choice: choices\n"
+    )
+    return folder
+
+
+def test_lm_eval_hub_task_offline_fails_at_once(tmp_path, capsys, no_default_tasks, no_backoff):
+    line = one_error_line(["lm-eval", "--ckpt_path", str(write_checkpoint(tmp_path / "gpt.ckpt")),
+                           "--tasks", "ltcx_hub_choice", "--include_path", str(hub_task(tmp_path / "tasks"))], capsys)
+    assert line == ("ltcx: error: cannot load lm_eval task(s) ltcx_hub_choice (not in datasets' cache and offline "
+                    "mode is set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)): run where the Hugging Face hub is "
+                    "reachable once (datasets caches the data) or use a local task (--include_path)")
+
+
+def test_lm_eval_unreachable_hub_is_found_by_one_short_probe(tmp_path, capsys, monkeypatch, no_default_tasks,
+                                                              no_backoff):
+    """No offline flag, but no hub: one connection attempt (to a closed local port), then datasets reads its cache
+    alone (no retries with back-off: the no_backoff fixture) and the line comes."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    for flag in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(flag, raising=False)
+    for module, name in [(huggingface_hub.constants, "HF_HUB_OFFLINE"), (datasets.config, "HF_HUB_OFFLINE"),
+                         (datasets.config, "HF_DATASETS_OFFLINE")]:
+        monkeypatch.setattr(module, name, False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("NO_PROXY", "*")
+    line = one_error_line(["lm-eval", "--ckpt_path", str(write_checkpoint(tmp_path / "gpt.ckpt")),
+                           "--tasks", "ltcx_hub_choice", "--include_path", str(hub_task(tmp_path / "tasks"))], capsys)
+    assert line.startswith("ltcx: error: cannot load lm_eval task(s) ltcx_hub_choice (not in datasets' cache and no "
+                           "connection to 127.0.0.1:9 within 3 s")
+    assert not huggingface_hub.constants.HF_HUB_OFFLINE and not datasets.config.HF_HUB_OFFLINE  # restored after
 
 
 def test_lm_eval_without_the_package_is_one_line(tmp_path, capsys, monkeypatch):
