@@ -46,10 +46,18 @@ def sample_next(
     vocab_limit: int | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """logits [B, V] of the last position -> next token ids [B]; temperature 0 is greedy."""
+    """logits [B, V] of the last position -> next token ids [B]; temperature 0 is greedy.
+
+    A temperature so small that logits / temperature overflows float32 (1e-40) is greedy too, in the rows where it
+    overflows: that is sampling's limit as the temperature goes to 0 (softmax would give NaN there).
+    """
     if temperature == 0:
         return filter_logits(logits, 1.0, None, None, vocab_limit).argmax(dim=-1)
     probs = torch.softmax(filter_logits(logits, temperature, top_k, top_p, vocab_limit), dim=-1)
+    overflowed = ~torch.isfinite(probs).all(dim=-1)  # [B]
+    if bool(overflowed.any()):
+        greedy = filter_logits(logits[overflowed], 1.0, None, None, vocab_limit).argmax(dim=-1)
+        probs[overflowed] = nn.functional.one_hot(greedy, probs.shape[-1]).to(probs.dtype)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 

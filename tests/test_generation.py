@@ -113,6 +113,35 @@ def test_generate_cli_with_non_finite_weights_is_one_line(tmp_path, capsys, temp
                     "diverged; sample from an earlier checkpoint")
 
 
+def test_a_temperature_too_small_for_float32_samples_greedily(model):
+    """logits / 1e-40 overflows float32 (softmax would be NaN and multinomial raise): sampling's limit as the
+    temperature goes to 0 is the argmax, with top_k and top_p too; a row whose logits are small enough to scale
+    is still sampled."""
+    prompt = torch.randint(0, 64, (2, 5))
+    greedy = generate(model, prompt, 12, temperature=0)
+    for filters in ({}, {"top_k": 5}, {"top_p": 0.9}):
+        tiny = generate(model, prompt, 12, temperature=1e-40, generator=torch.Generator().manual_seed(0), **filters)
+        assert torch.equal(tiny, greedy), filters
+    from ltcx.generation import sample_next
+
+    logits = torch.stack([torch.randn(64) * 3, torch.zeros(64)])  # the second row: 0 / 1e-40 = 0, uniform
+    tokens = torch.stack([sample_next(logits, 1e-40, generator=torch.Generator().manual_seed(s)) for s in range(20)])
+    assert (tokens[:, 0] == logits[0].argmax()).all() and len(set(tokens[:, 1].tolist())) > 1
+
+
+def test_generate_cli_with_a_temperature_too_small_for_float32_is_greedy(tmp_path, capsys):
+    checkpoint = write_checkpoint(tmp_path / "model.ckpt")
+    flags = ("--prompt", "The cat", "--max_new_tokens", "12", "--no_stop_at_eot")
+    assert cli_output(checkpoint, capsys, *flags, "--temperature", "1e-40") == cli_output(
+        checkpoint, capsys, *flags, "--temperature", "0")
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**64)])
+def test_generate_cli_seed_outside_64_bits_is_one_line(tmp_path, capsys, seed):
+    line = one_error_line(["generate", "--ckpt_path", str(tmp_path / "none.ckpt"), "--seed", seed], capsys)
+    assert line == f"ltcx: error: --seed ({seed}) must be in 0..{2**64 - 1} (2**64 - 1, torch's range)"
+
+
 # -- LanguageModel.generate: the same loop from Python -------------------------------------------------------------
 
 

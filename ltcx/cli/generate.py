@@ -11,6 +11,8 @@ from ltcx.errors import LtcxError, missing_checkpoint
 
 __all__ = ["generate_main"]
 
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
+
 
 def generate_main(argv: list[str]) -> None:
     """``ltcx generate``: stream a completion of each prompt from a checkpoint to stdout."""
@@ -24,11 +26,12 @@ def generate_main(argv: list[str]) -> None:
         "--prompt", action="append", help="prompt text; repeat for several prompts (none: start a new document)"
     )
     parser.add_argument("--max_new_tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="0 = greedy, as is one too small to scale the logits in float32 (1e-40)")
     parser.add_argument("--top_k", type=int, default=50)
     parser.add_argument("--top_p", type=float, default=None)
     parser.add_argument("--num_samples", type=int, default=1, help="completions per prompt")
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None, help=f"0..{SEED_MAX} (none: a fresh random seed)")
     parser.add_argument(
         "--no_stop_at_eot", action="store_true",
         help="keep going after the end-of-text token (by default a sample ends there, with a notice on stderr)",
@@ -44,6 +47,8 @@ def generate_main(argv: list[str]) -> None:
         help="the weights' type while sampling (bfloat16: half the memory and bytes read per token; on a GPU)",
     )
     args = parser.parse_args(argv)
+    if args.seed is not None and not 0 <= args.seed <= SEED_MAX:
+        raise LtcxError(f"--seed ({args.seed}) must be in 0..{SEED_MAX} (2**64 - 1, torch's range)")
     if not os.path.exists(args.ckpt_path):
         raise missing_checkpoint(args.ckpt_path)
     # Imported after the arguments are parsed: `ltcx generate --help` and a mistyped flag answer at once.
