@@ -44,6 +44,24 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
+def at_least_one(text: str) -> int:
+    """An argparse type: an integer >= 1 (a count, a size), refused in one line before any run."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is below 1: pass an integer >= 1")
+    return value
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument error is one line (``compare: error: argument --evals: 0 is below 1 ...``), no usage page."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        fail(f"{message} (see --help)")
+
+
 # ----------------------------------------------------------------------------- statistics
 
 
@@ -347,17 +365,18 @@ def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     argv, extra = split_passthrough(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--name", required=True, help="results go to <out>/<name>/")
     parser.add_argument("--configs", nargs="+", required=True,
                         help="model YAMLs or catalogued architecture names (gpt, ltc, ...); a model is named by the "
                              "file stem")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--baseline", default=None, help="model (file stem) the others are compared to")
-    parser.add_argument("--tokens", type=int, required=True, help="training tokens per run")
-    parser.add_argument("--batch_size", type=int, required=True)
-    parser.add_argument("--block_size", type=int, required=True)
-    parser.add_argument("--evals", type=int, default=8, help="validations per run (the last one is at the end)")
+    parser.add_argument("--tokens", type=at_least_one, required=True, help="training tokens per run")
+    parser.add_argument("--batch_size", type=at_least_one, required=True)
+    parser.add_argument("--block_size", type=at_least_one, required=True)
+    parser.add_argument("--evals", type=at_least_one, default=8,
+                        help="validations per run (the last one is at the end)")
     parser.add_argument("--warmup_steps", type=int, default=None, help="override every config's warmup")
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--timing_rounds", type=int, default=5,

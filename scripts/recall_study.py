@@ -217,15 +217,16 @@ def plot(best: list[dict], archs: list[str], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv, extra = compare.split_passthrough(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = compare.OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--name", required=True, help="results go to <out>/<name>/")
     parser.add_argument("--grid", choices=sorted(GRIDS), default="quick")
     parser.add_argument("--archs", nargs="+", default=None, help="catalogued architectures (default: all)")
-    for key, kind in (("seq_lens", int), ("pairs", int), ("widths", int), ("lrs", float)):
+    positive = compare.at_least_one
+    for key, kind in (("seq_lens", positive), ("pairs", positive), ("widths", positive), ("lrs", float)):
         parser.add_argument(f"--{key}", nargs="+", type=kind, default=None, help=f"replace the grid's {key}")
     for key in ("steps", "batch_size", "vocab_size", "evals"):
-        parser.add_argument(f"--{key}", type=int, default=None, help=f"replace the grid's {key}")
-    parser.add_argument("--val_batches", type=int, default=8, help="validation batches per evaluation")
+        parser.add_argument(f"--{key}", type=positive, default=None, help=f"replace the grid's {key}")
+    parser.add_argument("--val_batches", type=positive, default=8, help="validation batches per evaluation")
     parser.add_argument("--paper_init", action="store_true",
                         help="keep each architecture's own init (N(0, 0.02) for the GPT family and Titans) instead "
                              "of N(0, 1/width)")

@@ -202,3 +202,15 @@ def test_tiny_comparison_end_to_end(tmp_path, capsys, monkeypatch):
     written = plot_results.plot(folder)
     assert [p.name for p in written] == ["val_loss_curves.png", "final_val_loss.png", "throughput.png"]
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
+
+
+@pytest.mark.parametrize("flag", ["--evals", "--batch_size", "--block_size", "--tokens"])
+def test_a_count_below_one_is_one_line_before_any_run(tmp_path, capsys, flag):
+    argv = ["--name", "x", "--configs", "gpt", "--tokens", "512", "--batch_size", "4", "--block_size", "32",
+            "--out", str(tmp_path / "results")]
+    with pytest.raises(SystemExit) as exit_info:
+        compare.main([*argv, flag, "0"])  # the last value given wins
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"compare: error: argument {flag}: 0 is below 1: pass an integer >= 1 (see --help)\n"
+    assert not (tmp_path / "results").exists()

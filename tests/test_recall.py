@@ -255,3 +255,14 @@ def test_study_keeps_the_best_learning_rate_per_cell_and_names_where_each_falls_
     study.plot(best, ["gpt", "xlstm"], tmp_path / "recall.png")
     assert (tmp_path / "recall.png").stat().st_size > 0
     assert study.cells(dict(seq_lens=[16, 64], pairs=[4, 8], widths=[64])) == [(16, 4, 64), (64, 4, 64), (64, 8, 64)]
+
+
+@pytest.mark.parametrize("flag", ["--evals", "--steps", "--batch_size", "--val_batches", "--seq_lens"])
+def test_study_count_below_one_is_one_line_before_any_run(tmp_path, capsys, flag):
+    study = load_script("recall_study")
+    with pytest.raises(SystemExit) as exit_info:
+        study.main(["--name", "x", "--archs", "gpt", "--out", str(tmp_path / "results"), flag, "0"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"compare: error: argument {flag}: 0 is below 1: pass an integer >= 1 (see --help)\n"
+    assert not (tmp_path / "results").exists()
