@@ -21,6 +21,18 @@ ROOT = Path(__file__).resolve().parents[1]
 REL_TOL = 1e-12  # float64 agreement, relative to the largest magnitude of the compared tensors
 
 
+def copy_tracked_files(destination: Path) -> Path:
+    """A copy of the project as git tracks it (the working tree's files, no .git, no .venv) at ``destination``."""
+    import shutil
+
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    for name in filter(None, (n.decode() for n in names)):
+        if (ROOT / name).is_file():
+            (destination / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, destination / name)
+    return destination
+
+
 def relative_error(value: torch.Tensor, reference: torch.Tensor, norm: str = "fro") -> float:
     """|value - reference| / |reference|, computed in float64: ``norm="fro"`` the Frobenius norms (an error over
     the whole tensor), ``norm="max"`` the largest absolute entries (the worst element against the scale)."""

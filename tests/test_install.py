@@ -1,13 +1,12 @@
 """ltcx installed as a package (`pip install .`, not the checkout): the configs ship inside it, so `ltcx fit --config
 gpt` (a shipped name) and the README's `--config configs/gpt.yaml` train from any directory."""
 
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from helpers import ROOT, write_corpus
+from helpers import copy_tracked_files, write_corpus
 from ltcx.models.catalog import CATALOG, shipped_config, shipped_config_names
 
 
@@ -16,13 +15,7 @@ def installed(tmp_path_factory):
     """ltcx built and installed from a copy of the tracked files into a folder of its own (its dependencies are this
     environment's); returns that folder, for PYTHONPATH."""
     base = tmp_path_factory.mktemp("install")
-    source, target = base / "source", base / "site"
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
-    for name in filter(None, files):
-        path = ROOT / name.decode()
-        if path.is_file():
-            (source / name.decode()).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(path, source / name.decode())
+    source, target = copy_tracked_files(base / "source"), base / "site"
     done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                            "--target", str(target), str(source)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
