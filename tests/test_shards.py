@@ -1,6 +1,7 @@
 """`ltcx prepare` and the token-shard data mode: dedup, document-disjoint validation, checksums, resume after a kill,
 rank/worker-disjoint epochs without replacement, O(1) exact resume, and a fit on prepared shards."""
 
+import errno
 import hashlib
 import json
 import os
@@ -436,6 +437,93 @@ def test_folder_without_meta_json_is_named(tmp_path, corpus, capsys):
     assert line == (f"ltcx: error: '{out}' holds token shards but no meta.json: it was deleted or moved, and without "
                     "it nothing can be resumed; restore meta.json to resume, or pass --out a new or empty folder")
     assert sorted(os.listdir(out)) == before
+
+
+def test_a_huge_line_is_tokenized_in_pieces(tmp_path, monkeypatch):
+    """BPE's cost grows faster than one pre-tokenized piece: a line of 2 MB of letters (one piece for gpt2) is
+    tokenized in pieces of at most PIECE_CHARS characters, and still decodes to itself; a long document with spaces
+    is cut before a space only, where gpt2 cuts too, so its tokens are exactly the whole document's."""
+    rng = np.random.default_rng(0)
+    line = "".join(np.array(list("abcdefghijklmnopqrstuvwxyz"))[rng.integers(26, size=2_000_000)])
+    words = " ".join(f"word{i} and, then.\nmore" for i in range(60_000))  # ~1.4 MB with spaces and newlines
+    assert len(words) > prepare_module.LONG_CHARS
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", [line, words])
+    pieces, real = [], prepare_module._pieces
+    monkeypatch.setattr(prepare_module, "_pieces", lambda text: pieces.extend(real(text)) or real(text))
+    meta = prepare(str(corpus), str(tmp_path / "out"), tokenizer="gpt2", val_fraction=0.0, num_proc=1)
+    assert meta["counts"]["train_documents"] == 2
+    assert max(len(p) for p in pieces) <= prepare_module.PIECE_CHARS
+    assert len(pieces) > (len(line) + len(words)) // prepare_module.PIECE_CHARS
+    from ltcx.tokenizers import get_tokenizer
+
+    tok = get_tokenizer("gpt2")
+    ids = np.fromfile(tmp_path / "out" / meta["shards"]["train"][0]["file"], dtype="<u2", offset=HEADER_BYTES)
+    cut = np.flatnonzero(ids == tok.eot_id)
+    assert cut.size == 2 and tok.decode(ids[: cut[0]].tolist()) == line
+    assert ids[cut[0] + 1 : cut[1]].tolist() == tok.encode(words)
+
+
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("num_proc", ["1", "2"])
+def test_prepare_names_a_file_that_is_not_utf8(tmp_path, capsys, first, num_proc):
+    """Not UTF-8, the first file is found by the look before anything is written; a later one mid-stream (in the
+    reading thread of the tokenizer pool, with --num_proc 2): the same one line naming it, and a re-run resumes."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    good = [f"paragraph {i} of good text" for i in range(6)]
+    (folder / "a.txt").write_text("\n\n".join(good[:3]), encoding="utf-8")
+    (folder / "b.txt").write_text("\n\n".join(good[3:]), encoding="utf-8")
+    bad = folder / ("a.txt" if first else "b.txt")
+    bad.write_bytes(bad.read_bytes() + b"\n\nbroken \xff\xfe bytes")
+    out = tmp_path / "out"
+    args = ["prepare", "--source", str(folder), "--out", str(out), "--tokenizer", "bytes", "--val_fraction", "0",
+            "--num_proc", num_proc]
+    line = one_error_line(args, capsys)
+    assert line.startswith(f"ltcx: error: cannot read data file '{bad}' (UnicodeDecodeError: 'utf-8' codec can't "
+                           "decode byte 0xff in position ")
+    assert line.endswith("): fix or remove it" if first else "): fix it and run the same ltcx prepare again (it "
+                         "resumes), or remove it and prepare into a new --out")
+    assert out.exists() != first  # the first file: nothing written
+    bad.write_bytes(bad.read_bytes().replace(b"\xff\xfe", b"ok"))
+    main(args)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["complete"] and shard_docs(out, meta, "train") == [*good[:3], *(["broken ok bytes"] if first else []),
+                                                                   *good[3:], *([] if first else ["broken ok bytes"])]
+
+
+def test_prepare_onto_a_full_disk_is_one_line_and_resumes_exactly(tmp_path, monkeypatch, capsys):
+    """ENOSPC while writing the second shard (after a commit), and while creating meta.json: one line, exit 2, no
+    temp file left; after space is freed the same command resumes to exactly the preparation a full disk never hit."""
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", unit_docs(2500))  # 3 batches of 1024 documents: 3 commits
+    args = ["prepare", "--source", str(corpus), "--tokenizer", "bytes", "--val_fraction", "0.1", "--shard_tokens", "1",
+            "--num_proc", "1"]
+    main([*args, "--out", str(tmp_path / "reference")])
+    reference = json.loads((tmp_path / "reference/meta.json").read_text())
+    real_fsync, full = os.fsync, {"name": "meta.json.tmp-"}
+
+    def fsync(fd):
+        if full["name"] in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    out = tmp_path / "out"
+    assert one_error_line([*args, "--out", str(out)], capsys) == (
+        f"ltcx: error: cannot write to '{out}' (disk full): free space there and run the same ltcx prepare command "
+        "again (nothing was written)")
+    assert not out.exists()
+    full["name"] = "train_000001.bin.tmp-"
+    assert one_error_line([*args, "--out", str(out)], capsys) == (
+        f"ltcx: error: cannot write to '{out}' (disk full): free space there and run the same ltcx prepare command "
+        "again, which resumes from its last commit")
+    half = json.loads((out / "meta.json").read_text())
+    assert not half["complete"] and len(half["shards"]["train"]) == 1
+    assert not [f for f in os.listdir(out) if ".tmp" in f]
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    main([*args, "--out", str(out)])
+    resumed = json.loads((out / "meta.json").read_text())
+    assert {k: v for k, v in resumed.items() if k != "resume"} == {
+        k: v for k, v in reference.items() if k != "resume"}
 
 
 @pytest.mark.parametrize("flag,value", [("--num_proc", "0"), ("--shard_tokens", "0"), ("--max_tokens", "-5")])

@@ -20,10 +20,13 @@ together. The command-line front-end is ``ltcx/cli/prepare.py``.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import multiprocessing
 import os
+import re
 import sys
 import threading
 from collections import deque
@@ -45,7 +48,7 @@ from ltcx.data.shards import (
     write_json,
     write_shard,
 )
-from ltcx.data.sources import check_text, open_hub, open_local
+from ltcx.data.sources import check_text, file_being_read, open_hub, open_local
 from ltcx.errors import LtcxError
 from ltcx.tokenizers import _short_reason, get_tokenizer
 
@@ -63,6 +66,34 @@ def _key(normalised: str) -> int:
 
 _TOKENIZER = None
 
+# A BPE tokenizer's cost grows faster than the length of one pre-tokenized piece (tiktoken, gpt2: a 50 MB line of
+# letters, one piece, ~100 s of CPU; in pieces of 64 Ki characters ~15 s), so a document above LONG_CHARS is
+# tokenized in pieces of at most PIECE_CHARS (``_pieces``).
+LONG_CHARS = 1 << 20
+PIECE_CHARS = 1 << 16
+_SPACE_AFTER_WORD = re.compile(r" \S")  # searched in the reversed text: a space after a non-whitespace character
+
+
+def _pieces(text: str) -> list[str]:
+    """``text``, or above ``LONG_CHARS`` characters ``text`` cut into pieces of at most ``PIECE_CHARS``, to be
+    tokenized one by one and joined.
+
+    Each cut goes just before the piece's last space that follows a non-whitespace character, where GPT-2's and
+    tiktoken's pre-tokenizers always cut, so the tokens are the whole text's; a piece without one (a line without
+    spaces) is cut at the limit, where the tokens can differ but still decode to the text.
+    """
+    if len(text) <= LONG_CHARS:
+        return [text]
+    pieces, start = [], 0
+    while len(text) - start > PIECE_CHARS:
+        end = start + PIECE_CHARS
+        match = _SPACE_AFTER_WORD.search(text[start : end + 1][::-1])  # the last one: the first in the reversed text
+        cut = end - match.start() if match is not None else end
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
 
 def _init_worker(tokenizer: str) -> None:
     global _TOKENIZER
@@ -76,7 +107,16 @@ def _tokenize(job: tuple[list[str], list[str], str]) -> tuple[np.ndarray, np.nda
     assert tok is not None
 
     def flat(texts: list[str]) -> np.ndarray:
-        ids = [t for doc in tok.encode_batch(texts) for t in (*doc, tok.eot_id)] if texts else []
+        pieces, ends = [], []  # every document's pieces (one for all but very long ones); ends: its last one
+        for text in texts:
+            cut = _pieces(text)
+            pieces.extend(cut)
+            ends.extend([False] * (len(cut) - 1) + [True])
+        ids: list[int] = []
+        for piece, last in zip(tok.encode_batch(pieces) if pieces else [], ends):
+            ids.extend(piece)
+            if last:
+                ids.append(tok.eot_id)
         return np.asarray(ids, dtype=dtype)
 
     return flat(train), flat(val)
@@ -222,7 +262,29 @@ def _existing(out: str, settings: dict) -> dict[str, Any] | None:
     return None
 
 
+def _write_error(out: str, error: OSError, *, started: bool = True) -> LtcxError:
+    """The one line for a write into ``out`` that failed (a full disk most likely); ``started``: after a commit."""
+    reason = "disk full" if error.errno in (errno.ENOSPC, errno.EDQUOT) else (error.strerror or type(error).__name__)
+    again = "again, which resumes from its last commit" if started else "again (nothing was written)"
+    return LtcxError(f"cannot write to '{out}' ({reason}): free space there and run the same ltcx prepare command "
+                     f"{again}")
+
+
 def _create(out: str, settings: dict, tok: Any, dtype: np.dtype) -> dict[str, Any]:
+    """A new preparation's ``meta.json`` and empty hash file in ``out``, or (a failed write) neither."""
+    made = not os.path.isdir(out)
+    try:
+        return _write_start(out, settings, tok, dtype)
+    except OSError as exc:
+        with contextlib.suppress(OSError):  # what this call made
+            os.remove(os.path.join(out, SEEN))
+        if made:
+            with contextlib.suppress(OSError):
+                os.rmdir(out)
+        raise _write_error(out, exc, started=False) from None
+
+
+def _write_start(out: str, settings: dict, tok: Any, dtype: np.dtype) -> dict[str, Any]:
     os.makedirs(out, exist_ok=True)
     meta = {
         "format": FORMAT, "version": VERSION, "complete": False, "settings": settings,
@@ -248,7 +310,19 @@ def _batches(
         streams[start][1].load_state_dict(position["stream"])
     for split, ds in streams[start:]:
         batch: list[Any] = []
-        for example in ds:
+        examples = iter(ds)
+        while True:
+            try:
+                example = next(examples, None)
+            except Exception as exc:  # noqa: BLE001 - a bad file after the first: one line naming it
+                file = file_being_read(exc)  # here, in the reading thread: the pool pickles the traceback away
+                what = f"data file '{file}'" if file else "the source"
+                raise LtcxError(
+                    f"cannot read {what} ({_short_reason(exc)}): fix it "
+                    "and run the same ltcx prepare again (it resumes), or remove it and prepare into a new --out"
+                ) from None
+            if example is None:
+                break
             batch.append(example[column])
             if len(batch) == batch_docs:
                 yield split, batch, {"split": split, "stream": ds.state_dict()}
@@ -300,6 +374,12 @@ def _run(
             yield kept[0], kept[1], dtype.name
 
     def commit(state: dict, *, complete: bool) -> None:
+        try:
+            write_commit(state, complete=complete)
+        except OSError as exc:  # the last commit stays whole: its meta.json is replaced last
+            raise _write_error(out, exc) from None
+
+    def write_commit(state: dict, *, complete: bool) -> None:
         pending.update(train_tokens=train.tokens, validation_tokens=val.tokens)
         train.flush()
         val.flush()

@@ -58,12 +58,16 @@ def write_shard(path: str, tokens: np.ndarray, documents: int) -> Shard:
     """Write ``tokens`` (1-D uint16/uint32) as a shard: temp file, fsync, ``os.replace``. Returns its record."""
     header = _HEADER.pack(MAGIC, VERSION, tokens.dtype.itemsize, tokens.size, documents).ljust(HEADER_BYTES, b"\0")
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(header)
-        f.write(tokens.astype(tokens.dtype.newbyteorder("<"), copy=False).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(tokens.astype(tokens.dtype.newbyteorder("<"), copy=False).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a signal: no half-written temp file left
+        _remove(tmp)
+        raise
     return {"file": os.path.basename(path), "tokens": int(tokens.size), "documents": documents,
             "max_id": int(tokens.max(initial=0)), "sha256": _sha256(path)}
 
@@ -71,11 +75,22 @@ def write_shard(path: str, tokens: np.ndarray, documents: int) -> Shard:
 def write_json(path: str, data: dict) -> None:
     """Atomically: the old complete file or the new complete one."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def is_prepared(folder: str) -> bool:

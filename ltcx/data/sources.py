@@ -12,7 +12,19 @@ from ltcx.errors import ConfigError, LtcxError
 from ltcx.hub import hub_unreachable
 from ltcx.tokenizers import _short_reason
 
-__all__ = ["check_text", "hub_error", "open_hub", "open_local", "open_text"]
+__all__ = ["check_text", "file_being_read", "hub_error", "open_hub", "open_local", "open_text"]
+
+
+def file_being_read(exc: BaseException) -> str | None:
+    """The file a `datasets` builder was reading when ``exc`` was raised: its json, text and parquet builders
+    all loop ``for file in files``, and the error itself does not name it."""
+    file, tb = None, exc.__traceback__
+    while tb is not None:
+        if "packaged_modules" in tb.tb_frame.f_code.co_filename and isinstance(tb.tb_frame.f_locals.get("file"), str):
+            file = tb.tb_frame.f_locals["file"]
+        tb = tb.tb_next
+    return file
+
 
 def hub_error(path: str, reason: str, flag: str = "--data.path") -> LtcxError:
     return LtcxError(
@@ -104,6 +116,9 @@ def check_text(
     except Exception as exc:  # noqa: BLE001
         if not looks_local(path):
             raise hub_error(path, _short_reason(exc), path_flag) from exc
+        file = file_being_read(exc)
+        if file is not None:
+            raise LtcxError(f"cannot read data file '{file}' ({_short_reason(exc)}): fix or remove it") from exc
         raise LtcxError(f"cannot read {what} ({_short_reason(exc)}): check that the files are valid") from exc
     detail = f"every document in column '{text_column}' is empty" if found_column else "it has no documents"
     raise LtcxError(f"no text in the {split} split of {what}: {detail}; point {path_flag} at files with text")

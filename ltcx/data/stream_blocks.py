@@ -19,6 +19,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ltcx.data.block_source import DataError
 from ltcx.data.packing import in_holdout, pack_blocks, pack_positions
+from ltcx.data.sources import file_being_read
 from ltcx.tokenizers import _short_reason, get_tokenizer
 
 __all__ = ["Documents", "TrainBlocks", "ValBlocks"]
@@ -40,17 +41,6 @@ def _worker() -> tuple[int, int]:
     except Exception:  # noqa: BLE001 - best effort
         pass
     return info.id, info.num_workers
-
-
-def _file_being_read(exc: BaseException) -> str | None:
-    """The file a `datasets` builder was reading when ``exc`` was raised: its json, text and parquet builders
-    all loop ``for file in files``, and the error itself does not name it."""
-    file, tb = None, exc.__traceback__
-    while tb is not None:
-        if "packaged_modules" in tb.tb_frame.f_code.co_filename and isinstance(tb.tb_frame.f_locals.get("file"), str):
-            file = tb.tb_frame.f_locals["file"]
-        tb = tb.tb_next
-    return file
 
 
 def _where(rank: int, world_size: int, worker: int, num_workers: int) -> str:
@@ -119,7 +109,7 @@ class Documents:
                     ids.append(eot)
                     yield ids
         except Exception as exc:  # noqa: BLE001 - a bad file found mid-stream: one line naming it
-            file = _file_being_read(exc)
+            file = file_being_read(exc)
             what = f"data file '{file}'" if file else "the data"
             raise DataError(f"cannot read {what} ({_short_reason(exc)}): fix or remove it") from None
 
