@@ -1,7 +1,8 @@
-"""Callbacks for the failure tests: at a given step, poison the weights or signal the process itself."""
+"""Callbacks for the failure tests: at a given step, poison the weights, signal or pause the process itself."""
 
 import os
 import signal
+import time
 
 import lightning as L
 import torch
@@ -83,3 +84,54 @@ class SignalSelf(L.Callback):
                 os.killpg(os.getpgid(0), getattr(signal, self.signal_name))
             else:
                 os.kill(os.getpid(), getattr(signal, self.signal_name))
+
+
+class Pause(L.Callback):
+    """After optimizer step ``at_step``, the process of global rank ``rank`` spends ``seconds`` outside any collective
+    (a long step, a save, samples on rank 0); ``peer_grace`` sets how long the launching process waits for its own
+    collective to find a stopped peer (``ltcx.callbacks._launcher``) before it stops with the line itself."""
+
+    def __init__(self, at_step: int, rank: int, seconds: float, peer_grace: float | None = None) -> None:
+        self.at_step = at_step
+        self.rank = rank
+        self.seconds = seconds
+        self.peer_grace = peer_grace
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.peer_grace is not None:
+            from ltcx.callbacks import _launcher
+
+            _launcher.PEER_GRACE_S = self.peer_grace
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.at_step and trainer.global_rank == self.rank:
+            time.sleep(self.seconds)
+
+
+class KillSelfWhileSaving(L.Callback):
+    """In the save of step ``at_step``, SIGKILL the process of global rank ``rank``: rank 0, which writes the file,
+    once the new file is written beside the old one and before it replaces it; another rank between the gathers of
+    the weights and of the optimizer state (FSDP2's full state dict; a callback's state is collected in between)."""
+
+    def __init__(self, at_step: int, rank: int) -> None:
+        self.at_step = at_step
+        self.rank = rank
+        self._trainer = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._trainer = trainer
+        if trainer.global_rank == self.rank == 0:
+            replace = os.replace
+
+            def kill_before_replacing(source, target, *args, **kwargs):
+                if trainer.global_step == self.at_step and os.fspath(target).endswith(".ckpt"):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return replace(source, target, *args, **kwargs)
+
+            os.replace = kill_before_replacing  # what ltcx.persist.files renames the written temp file with
+
+    def state_dict(self) -> dict:
+        trainer = self._trainer
+        if trainer is not None and trainer.global_step == self.at_step and trainer.global_rank == self.rank != 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {}

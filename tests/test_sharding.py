@@ -8,6 +8,7 @@ its checkpoint is an ordinary ltcx file (generate, export in one process), a SIG
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -200,3 +201,54 @@ def test_a_ddp_checkpoint_resumes_under_fsdp_as_under_ddp(tmp_path):
         assert step == 5
     for key, value in weights["fsdp"].items():
         torch.testing.assert_close(value, weights["ddp"][key], rtol=F32_REL, atol=F32_REL * value.abs().max().item())
+
+
+def test_fsdp_a_killed_rank_stops_the_busy_launcher_with_one_line(tmp_path):
+    """Under FSDP2, kill -9 of rank 1 after step 2 while the launching process (rank 0) spends 6 s outside any
+    collective: not Lightning's `Child process ... terminated with code -9` and exit -9, but one line and exit 2."""
+    data = write_corpus(tmp_path / "corpus", 60, 10)
+    stopped = run_ddp(lean_fit_args(tmp_path, data, "--trainer.max_steps", "6",
+                                    "--trainer.callbacks+=fault_injection.KillSelf", "--trainer.callbacks.at_step=2",
+                                    "--trainer.callbacks.rank=1", "--trainer.callbacks+=fault_injection.Pause",
+                                    "--trainer.callbacks.at_step=2", "--trainer.callbacks.rank=0",
+                                    "--trainer.callbacks.seconds=6"),
+                      tmp_path, tmp_path / "exits", FSDP)
+    assert rank_exits(tmp_path / "exits") == {"rank0": 2}, stopped.stderr[-3000:]
+    assert stopped.returncode == 2
+    errors = [line for line in stopped.stderr.splitlines() if line.startswith("ltcx: error: ")]
+    assert errors == ["ltcx: error: rank 1 of 2 stopped (it exited, crashed or was killed) at step 2; this rank (0) "
+                      "stops too: see rank 1's own output, then resume with --ckpt_path last"], stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr and "Child process" not in stopped.stderr
+
+
+@pytest.mark.parametrize("killed", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_fsdp_rank_killed_while_saving_keeps_the_previous_checkpoint_and_resumes(tmp_path, killed):
+    """Under FSDP2 (a save every 2 steps), kill -9 of a rank in the save of step 4: rank 0, which writes the file,
+    once the new file is written and before it replaces the old one; rank 1 between the gathers of the weights and of
+    AdamW's state. The other rank says so in one line and exits 2, no file of step 4 exists, last.ckpt is still step
+    2's, and `--ckpt_path last` resumes from it to step 6 (the killed writer's temp file removed when it starts)."""
+    data = write_corpus(tmp_path / "corpus", 60, 10)
+    stopped = run_ddp(lean_fit_args(tmp_path, data, "--trainer.max_steps", "6",
+                                    "--trainer.callbacks+=fault_injection.KillSelfWhileSaving",
+                                    "--trainer.callbacks.at_step=4", f"--trainer.callbacks.rank={killed}", every=2),
+                      tmp_path, tmp_path / "exits0", FSDP)
+    survivor = 1 - killed
+    assert rank_exits(tmp_path / "exits0") == {f"rank{survivor}": 2}, stopped.stderr[-3000:]
+    assert stopped.returncode == (2 if killed == 1 else -signal.SIGKILL)  # the launching process is rank 0
+    errors = [line for line in stopped.stderr.splitlines() if line.startswith("ltcx: error: ")]
+    assert errors == [f"ltcx: error: rank {killed} of 2 stopped (it exited, crashed or was killed) at step 4; this "
+                      f"rank ({survivor}) stops too: see rank {killed}'s own output, then resume with --ckpt_path "
+                      "last"], stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr
+    folder = tmp_path / "checkpoints/gpt/version_0"
+    left = sorted(p.name for p in folder.iterdir())
+    assert [n for n in left if not n.startswith(".")] == ["epoch=0-step=2.ckpt", "last.ckpt"], left
+    assert len(left) == (3 if killed == 0 else 2), left  # the killed writer's temp file
+    assert step_and_weights(folder / "last.ckpt")[0] == 2
+
+    resumed = run_ddp(lean_fit_args(tmp_path, data, "--trainer.max_steps", "6", "--ckpt_path", "last", every=2),
+                      tmp_path, tmp_path / "exits1", FSDP)
+    assert rank_exits(tmp_path / "exits1") == {"rank0": 0, "rank1": 0}, resumed.stderr[-3000:]
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    assert step_and_weights(tmp_path / "checkpoints/gpt/version_1/last.ckpt")[0] == 6
+    assert len(losses(tmp_path / "lightning_logs/gpt/version_1")) == 4  # steps 3 to 6: resumed at step 2

@@ -9,15 +9,12 @@ these re-exports.
 - ``preemption``: ``Preemption``, SIGTERM / Ctrl-C save the current step and exit 143 / 130 (every CLI run).
 """
 
-from ltcx.callbacks._launcher import launcher_outlives_workers
 from ltcx.callbacks.checkpoint import ModelCheckpoint
 from ltcx.callbacks.guard import FiniteLossGuard
 from ltcx.callbacks.preemption import Preemption
 from ltcx.callbacks.progress import LineProgress, StepRichProgressBar, StepTQDMProgressBar
 from ltcx.callbacks.samples import SampleGeneration
 from ltcx.callbacks.throughput import MFUMonitor
-
-_launcher_outlives_workers = launcher_outlives_workers  # the name ltcx's CLI imports
 
 __all__ = [
     "FiniteLossGuard",

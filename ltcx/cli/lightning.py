@@ -23,7 +23,8 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar, _launcher_outlives_workers
+from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar
+from ltcx.callbacks._launcher import launcher_outlives_workers, peer_stopped_line, watch_workers
 from ltcx.callbacks.preemption import Preemption
 from ltcx.cli.console import print_run_end, print_run_start, quiet_lightning
 from ltcx.cli.one_line_errors import OneLineErrors
@@ -171,8 +172,11 @@ class LtcxCLI(LightningCLI):
         callbacks = config.get("callbacks") or []
         if not any(isinstance(c, Preemption) for c in callbacks):  # SIGTERM / Ctrl-C save the step in every run
             kwargs["callbacks"] = callbacks = [*callbacks, Preemption()]
-        # The run's first line (what trains, where it writes) before the other callbacks' notices at the start.
-        kwargs["callbacks"] = callbacks = [LambdaCallback(on_train_start=print_run_start), *callbacks]
+        # The run's first line (what trains, where it writes) before the other callbacks' notices at the start; the
+        # launching process of DDP / FSDP2 watches its workers in place of Lightning's observer (watch_workers).
+        start = LambdaCallback(setup=lambda trainer, pl_module, stage: watch_workers(trainer),
+                               on_train_start=print_run_start)
+        kwargs["callbacks"] = callbacks = [start, *callbacks]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             # Lightning would add its own bar, whose total is wrong after a resume; output to a file or a pipe gets
             # plain lines every log_every_n_steps instead of a bar that shows nothing there until the end.
@@ -231,17 +235,11 @@ class LtcxCLI(LightningCLI):
 
     @staticmethod
     def _peer_stopped(trainer, subcommand: str) -> LtcxError:
-        """This rank's collective found a peer process gone (gloo / NCCL name its address, not its rank: with two
-        ranks it is the other one). The launching process waits for the others rather than being killed by
-        Lightning's observer mid-message."""
-        _launcher_outlives_workers(trainer)
-        rank, size, step = trainer.global_rank, trainer.world_size, trainer.global_step
-        then = ", then resume with --ckpt_path last" if subcommand == "fit" else ""
-        if size == 2:
-            return LtcxError(f"rank {1 - rank} of 2 stopped (it exited, crashed or was killed) at step {step}; this "
-                             f"rank ({rank}) stops too: see rank {1 - rank}'s own output{then}")
-        return LtcxError(f"another rank of this {size}-rank run stopped (it exited, crashed or was killed) at step "
-                         f"{step}; this rank ({rank}) stops too: see the other ranks' output{then}")
+        """This rank's collective found a peer process gone. The launching process waits for the others rather than
+        being stopped by its watch of them mid-message."""
+        launcher_outlives_workers(trainer)
+        return LtcxError(peer_stopped_line(trainer.global_rank, trainer.world_size, trainer.global_step,
+                                           subcommand == "fit"))
 
     def _nothing_to_train(self) -> bool:
         """``fit --ckpt_path`` of a checkpoint at or past ``trainer.max_steps``: Lightning would start and stop at once,
