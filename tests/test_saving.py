@@ -1,5 +1,5 @@
-"""Writing checkpoints: the final step, atomic saves (full disk, kill -9 mid-save, `save_last: link`, file:// paths),
-stale temp files, `keep_runs` retention and `default_root_dir`."""
+"""Writing checkpoints and exports: the final step, atomic saves (full disk, kill -9 mid-save, `save_last: link`,
+file:// paths, an export onto a full disk), stale temp files, `keep_runs` retention and `default_root_dir`."""
 
 import errno
 import os
@@ -219,3 +219,35 @@ def test_saved_files_have_the_permissions_the_umask_gives(tmp_path, umask):
         assert stat.S_IMODE(path.stat().st_mode) == expected, (path.name, oct(path.stat().st_mode))
     assert stat.S_IMODE(export.stat().st_mode) == 0o777 & ~umask
     assert current_umask() == umask  # reading it changed nothing
+
+
+@pytest.mark.parametrize("fails", ["weights", "config"])
+def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch, fails):
+    """`ltcx export` onto a full disk: safetensors' own write error (weights), or config.json's data not reaching
+    the disk (its fsync), is one line naming the folder; no temp folder, no lone config.json, no empty folder made
+    for it is left."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    checkpoint = write_checkpoint(tmp_path / "good.ckpt")
+    out = tmp_path / "exports" / "model"
+    real_fsync = os.fsync
+
+    def half_written(tensors, filename, metadata=None):  # safetensors' Rust writer on ENOSPC
+        Path(filename).write_bytes(b"\0" * 100)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    def full_disk(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("config.json"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    if fails == "weights":
+        monkeypatch.setattr(safetensors.torch, "serialize_file", half_written)
+    else:
+        monkeypatch.setattr(os, "fsync", full_disk)
+    capsys.readouterr()
+    line = one_error_line(["export", "--ckpt_path", str(checkpoint), "--out", str(out)], capsys)
+    assert line == (f"ltcx: error: cannot write '{out}' (disk full); nothing was written: free space or pass --out a "
+                    "folder on another disk")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.ckpt"]

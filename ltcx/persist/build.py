@@ -12,12 +12,13 @@ from ltcx.lm import LanguageModel
 from ltcx.models.registry import resolve_backbone
 from ltcx.persist.fit import check_setting_types, unknown_settings
 
-__all__ = ["build_language_model", "damaged"]
+__all__ = ["build_language_model", "check_settings", "damaged"]
 
 
-def build_language_model(meta: dict, hyper_parameters: Any, source: str, prefixes: tuple[str, str]) -> LanguageModel:
-    """A LanguageModel around the backbone that ``meta`` names (through the registry) and configures; ``prefixes``
-    name the file's hyper-parameters and backbone settings in a message."""
+def check_settings(meta: dict, hyper_parameters: Any, source: str, prefixes: tuple[str, str]) -> type:
+    """The backbone class ``meta`` names (through the registry), once its settings and ``hyper_parameters`` are
+    known to it and of its types: each problem is one ``LtcxError`` line; ``prefixes`` name the file's
+    hyper-parameters and backbone settings in a message."""
     backbone_class = resolve_backbone(meta.get("backbone_class"))
     config = meta.get("backbone_config")
     unknown = unknown_settings(config, backbone_class) if isinstance(config, dict) else []
@@ -27,11 +28,18 @@ def build_language_model(meta: dict, hyper_parameters: Any, source: str, prefixe
             f"not take: it was saved by another version of ltcx: {ANOTHER_VERSION}"
         )
     check_setting_types(config, backbone_class, source, prefixes[1])
+    check_setting_types(hyper_parameters, LanguageModel, source, prefixes[0])
+    return backbone_class
+
+
+def build_language_model(meta: dict, hyper_parameters: Any, source: str, prefixes: tuple[str, str]) -> LanguageModel:
+    """A LanguageModel around the backbone that ``meta`` names and configures, its settings checked first
+    (``check_settings``); its size was checked against the file before (``check_backbone_fits``)."""
+    backbone_class = check_settings(meta, hyper_parameters, source, prefixes)
     try:
-        backbone = backbone_class(**config)
+        backbone = backbone_class(**meta["backbone_config"])
     except (TypeError, ValueError) as error:  # ConfigError is a ValueError
         raise LtcxError(f"{source} has an invalid backbone_config ({error})") from None
-    check_setting_types(hyper_parameters, LanguageModel, source, prefixes[0])
     accepted = set(inspect.signature(LanguageModel).parameters) - {"backbone"}
     return LanguageModel(backbone, **{k: v for k, v in hyper_parameters.items() if k in accepted})
 

@@ -5,7 +5,8 @@ Every checkpoint a user hands us (``ltcx generate``, ``load_language_model``, ``
 tensors and plain containers, so a crafted file can not run code. ``SafeCheckpointIO`` is the Lightning
 ``CheckpointIO`` the CLI installs: it reads through ``read_checkpoint`` and writes through ``atomic_save``
 (``ltcx.persist.files``), so a file on disk is either the previous complete checkpoint or the new complete one. Each
-file carries a SHA-256 digest of its contents (``ltcx.persist.digest``), written with it and checked on reading.
+file carries a SHA-256 digest of its contents (``ltcx.persist.digest``), written with it and checked on reading, after
+the model its config describes has been compared with its weights on the meta device (``check_checkpoint_sizes``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from ltcx.errors import LtcxError, missing_checkpoint
 from ltcx.persist.digest import check_digest, with_digest
 from ltcx.persist.files import atomic_save
+from ltcx.persist.fit import check_backbone_fits, check_counts
 
-__all__ = ["read_checkpoint", "non_finite_weights", "SafeCheckpointIO"]
+__all__ = ["read_checkpoint", "check_checkpoint_sizes", "non_finite_weights", "SafeCheckpointIO"]
 
 
 def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
@@ -52,8 +54,26 @@ def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
         ) from None
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("ltcx"), dict):
         raise LtcxError(f"checkpoint '{name}' was not written by ltcx (no 'ltcx' entry); train with `ltcx fit`")
+    # Before the digest, which reads every tensor's bytes: sizes are checked before anything is allocated.
+    check_checkpoint_sizes(name, checkpoint)
     check_digest(name, checkpoint)
     return checkpoint
+
+
+def check_checkpoint_sizes(name: str, checkpoint: dict[str, Any]) -> None:
+    """The checkpoint's backbone, as its config describes it, has its weights' names and shapes and fits in memory
+    (``check_backbone_fits``: every command and loader reads checkpoints here, so none builds an impossible model),
+    and its step, tokens seen and training length are counts."""
+    source = f"checkpoint '{name}'"
+    data = checkpoint.get("datamodule_hyper_parameters")
+    check_counts(source, {
+        "global_step": (checkpoint.get("global_step"), 0),
+        "ltcx.tokens_seen": (checkpoint["ltcx"].get("tokens_seen"), 0),
+        "datamodule_hyper_parameters.block_size": (data.get("block_size") if isinstance(data, dict) else None, 1),
+    })
+    weights = checkpoint.get("state_dict")
+    if isinstance(weights, dict):
+        check_backbone_fits(source, checkpoint["ltcx"], weights, prefix="backbone.")
 
 
 def non_finite_weights(checkpoint: dict[str, Any]) -> list[str]:

@@ -3,8 +3,11 @@ to share a model without pickles. ``export_model`` writes one from a checkpoint,
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -13,10 +16,10 @@ import torch
 
 from ltcx.errors import LtcxError
 from ltcx.lm import LanguageModel
-from ltcx.persist.build import build_language_model, damaged
+from ltcx.persist.build import build_language_model, check_settings, damaged
 from ltcx.persist.digest import file_sha256
 from ltcx.persist.files import give_new_file_mode
-from ltcx.persist.fit import check_weights_fit
+from ltcx.persist.fit import check_backbone_fits, check_counts, check_weights_fit
 
 __all__ = ["EXPORT_CONFIG", "EXPORT_WEIGHTS", "EXPORT_FORMAT", "export_model", "load_exported"]
 
@@ -63,24 +66,58 @@ def export_model(ckpt_path: str | Path, out: str | Path, tokenizer: str | None =
         json.dumps(config)
     except TypeError as error:
         raise LtcxError(f"checkpoint '{ckpt_path}' holds a config that is not plain data ({error})") from None
-    out.parent.mkdir(parents=True, exist_ok=True)
     temp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(temp, ignore_errors=True)
+    made = [folder for folder in (out.parent, *out.parent.parents) if not folder.exists()]  # deepest first
+    replaced = False
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(temp, ignore_errors=True)
         temp.mkdir()
-        save_model(model.backbone, str(temp / EXPORT_WEIGHTS), metadata={"format": "pt"})
+        try:
+            save_model(model.backbone, str(temp / EXPORT_WEIGHTS), metadata={"format": "pt"})
+        except Exception as error:  # noqa: BLE001 - safetensors' own error type: the OS error is in its message
+            raise _os_error(error) from None
         config["weights_sha256"] = file_sha256(temp / EXPORT_WEIGHTS)  # checked by load_exported
-        (temp / EXPORT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        with open(temp / EXPORT_CONFIG, "w") as f:
+            f.write(json.dumps(config, indent=2) + "\n")
         for written in (EXPORT_WEIGHTS, EXPORT_CONFIG):  # safetensors writes through a 0o600 temp file
             give_new_file_mode(temp / written)
-        if out.exists():
-            out.rmdir()  # empty, checked above
+            _fsync(temp / written)
+        if out.exists() and os.name == "nt":  # POSIX renames over the empty folder (checked above) in one step
+            out.rmdir()
         os.replace(temp, out)
+        replaced = True
+        _fsync(out.parent)  # the rename itself
     except OSError as error:
-        raise LtcxError(f"cannot write '{out}' ({error.strerror or error}); nothing was written") from None
+        shutil.rmtree(temp, ignore_errors=True)
+        for folder in made if not replaced else ():  # the folders made for it, if still empty
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        reason = "disk full" if error.errno == errno.ENOSPC else (error.strerror or str(error))
+        kept = "the export there may not survive a power loss" if replaced else "nothing was written"
+        raise LtcxError(f"cannot write '{out}' ({reason}); {kept}: free space or pass --out a folder on another "
+                        "disk") from None
     finally:
         shutil.rmtree(temp, ignore_errors=True)
     return out
+
+
+def _os_error(error: Exception) -> Exception:
+    """The ``OSError`` a safetensors write failed with, read from its message ('I/O error: No space left on device
+    (os error 28)'); any other error as it is."""
+    found = re.search(r"os error (\d+)", str(error))
+    return OSError(int(found.group(1)), os.strerror(int(found.group(1)))) if found else error
+
+
+def _fsync(path: Path) -> None:
+    """Flush a written file, or a folder's entries (a rename), to the disk, where the system can."""
+    if path.is_dir() and not hasattr(os, "O_DIRECTORY"):
+        return
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_exported(folder: str | Path, map_location: str | torch.device = "cpu") -> tuple[LanguageModel, dict]:
@@ -100,7 +137,9 @@ def load_exported(folder: str | Path, map_location: str | torch.device = "cpu") 
         raise LtcxError(f"{source}: {EXPORT_CONFIG} could not be read ({error})") from None
     if not isinstance(config, dict) or config.get("format") != EXPORT_FORMAT:
         raise LtcxError(f"{source}: {EXPORT_CONFIG} was not written by `ltcx export` (format {EXPORT_FORMAT})")
-    model = build_language_model(config, config.get("hyper_parameters", {}), source,
+    check_counts(source, {f"{EXPORT_CONFIG}'s {key}": (config.get(key), least)
+                          for key, least in (("global_step", 0), ("tokens_seen", 0), ("train_block_size", 1))})
+    check_settings(config, config.get("hyper_parameters", {}), source,
                    (f"{EXPORT_CONFIG}'s hyper_parameters.", f"{EXPORT_CONFIG}'s backbone_config."))
     weights = folder / EXPORT_WEIGHTS
     if not weights.is_file():
@@ -109,14 +148,20 @@ def load_exported(folder: str | Path, map_location: str | torch.device = "cpu") 
     if expected is None:
         print(f"ltcx: {source} has no weights_sha256 in {EXPORT_CONFIG} (exported by an earlier ltcx), so its "
               f"{EXPORT_WEIGHTS} could not be checked for damage", file=sys.stderr)
+    elif not isinstance(expected, str) or not re.fullmatch(r"[0-9a-f]{64}", expected):
+        raise LtcxError(f"{source} has {EXPORT_CONFIG}'s weights_sha256 {expected!r:.80}, which is not a SHA-256 (64 "
+                        "hex digits): export it again from its checkpoint")
     elif file_sha256(weights) != expected:
         raise LtcxError(f"{source} is damaged: its {EXPORT_WEIGHTS} does not match the SHA-256 in its {EXPORT_CONFIG} "
                         "(bytes changed on disk or in transfer); export it again from its checkpoint")
-    try:
+    try:  # the header only: names and shapes, no tensor read
         with safe_open(str(weights), framework="pt") as f:
             stored = {name: f.get_slice(name).get_shape() for name in f.keys()}
     except Exception as error:  # noqa: BLE001 - not a safetensors file (truncated, overwritten): one line
         raise damaged(source, error) from None
+    check_backbone_fits(source, config, stored, each_tensor_once=True)  # before the model is built
+    model = build_language_model(config, config.get("hyper_parameters", {}), source,
+                                 (f"{EXPORT_CONFIG}'s hyper_parameters.", f"{EXPORT_CONFIG}'s backbone_config."))
     check_weights_fit(source, stored, _one_name_per_tensor(model.backbone.state_dict(), stored))
     try:
         load_model(model.backbone, str(weights), strict=True, device=str(torch.device(map_location)))

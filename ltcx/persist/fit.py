@@ -1,9 +1,13 @@
-"""Does this file fit this model: the backbone a checkpoint describes, its weights' names and shapes, its settings'
-names and types. Each answer is one ``LtcxError`` line naming the fix; a file that fits loads without surprises."""
+"""Does this file fit this model: the backbone a checkpoint describes, its weights' names and shapes (compared on the
+meta device before anything is allocated, with the memory the model needs), its settings' and counts' names and
+types. Each answer is one ``LtcxError`` line naming the fix; a file that fits loads without surprises."""
 
 from __future__ import annotations
 
 import inspect
+import math
+import os
+import threading
 import types
 import typing
 from pathlib import Path
@@ -13,10 +17,11 @@ import torch
 import torch.nn as nn
 
 from ltcx.errors import ANOTHER_VERSION, LtcxError
-from ltcx.models.registry import class_path
+from ltcx.models.registry import class_path, resolve_backbone
 
-__all__ = ["weight_differences", "check_weights_fit", "unknown_settings", "check_same_backbone",
-           "check_setting_types", "resumable_fields", "RESUMABLE_BACKBONE_FIELDS"]
+__all__ = ["weight_differences", "check_weights_fit", "check_backbone_fits", "memory_limit", "unknown_settings",
+           "check_same_backbone", "check_setting_types", "check_counts", "resumable_fields",
+           "RESUMABLE_BACKBONE_FIELDS"]
 
 
 def _shape(value: Any) -> list[int] | None:
@@ -66,6 +71,137 @@ def check_weights_fit(source: str, stored: Mapping[str, Any], expected: Mapping[
             f"{source} does not fit the model: {problems[0]}{more}; it was saved by another version of ltcx or "
             f"another config: {ANOTHER_VERSION}"
         )
+
+
+class _TooLarge(Exception):
+    """The meta build registered more tensors or values than the file could hold."""
+
+
+def _meta_backbone(backbone_class: type, config: dict, max_tensors: int, max_values: int) -> nn.Module | None:
+    """The backbone ``config`` builds, on the meta device (shapes without memory), or None when its constructor fails
+    (the real build names why). Raises ``_TooLarge`` as soon as the constructor registers more than ``max_tensors``
+    parameters and buffers or ``max_values`` values, so that ``n_layer: 100000`` stops after a few layers."""
+    seen: set[int] = set()
+    values = 0
+    thread = threading.get_ident()
+
+    def count(module: nn.Module, name: str, tensor: Any) -> None:
+        nonlocal values
+        if tensor is None or id(tensor) in seen or threading.get_ident() != thread:
+            return
+        seen.add(id(tensor))
+        values += tensor.numel()
+        if len(seen) > max_tensors or values > max_values:
+            raise _TooLarge
+
+    hooks = [nn.modules.module.register_module_parameter_registration_hook(count),
+             nn.modules.module.register_module_buffer_registration_hook(count)]
+    try:
+        with torch.device("meta"):
+            return backbone_class(**config)
+    except _TooLarge:
+        raise
+    except RuntimeError as error:  # a shape whose byte count overflows int64: no machine builds it
+        if "overflow" in str(error).lower():
+            raise _TooLarge from None
+        return None
+    except Exception:  # noqa: BLE001 - a bad setting or a constructor the meta device can not run: the build says
+        return None
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def memory_limit() -> int | None:
+    """The bytes of memory this process may use at most: the machine's, less where a cgroup (a container) or
+    ``RLIMIT_AS`` allows less; None when the system does not tell."""
+    limits = []
+    try:
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        pass
+    for name in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(name) as f:
+                limits.append(int(f.read().strip()))
+        except (OSError, ValueError):  # absent, or "max"
+            pass
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            limits.append(soft)
+    except (ImportError, ValueError, OSError):
+        pass
+    limits = [n for n in limits if n > 0]
+    return min(limits) if limits else None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB"
+
+
+def check_backbone_fits(source: str, meta: Mapping[str, Any], stored: Mapping[str, Any], prefix: str = "",
+                        each_tensor_once: bool = False) -> None:
+    """Before a backbone is built from a file: the model its ``backbone_config`` describes, built on the meta device,
+    has the names and shapes of the file's weights ``stored`` (name -> tensor or shape; only the names under
+    ``prefix``, ``backbone.`` in a checkpoint) and fits in this machine's memory; else one ``LtcxError`` line, before
+    anything is allocated. The build stops once it holds twice the file's tensors (a config asking for 100000 layers
+    or a width of 10**7 is refused at once). ``each_tensor_once``: the file stores tied weights once (safetensors).
+    What this check can not build (an unknown class or setting, one of the wrong type) is left to the real build,
+    which names it."""
+    try:
+        backbone_class = resolve_backbone(meta.get("backbone_class"))
+    except LtcxError:
+        return
+    config = meta.get("backbone_config")
+    if not isinstance(config, dict) or unknown_settings(config, backbone_class):
+        return
+    try:
+        check_setting_types(config, backbone_class, source, "")
+    except LtcxError:
+        return
+    mine = {name: value for name, value in stored.items() if isinstance(name, str) and name.startswith(prefix)}
+    shapes = [_shape(value) or [] for value in mine.values()]
+    values = sum(math.prod(shape) for shape in shapes)
+    try:
+        model = _meta_backbone(backbone_class, config, 2 * len(mine) + 64, 2 * values + 2**22)
+    except _TooLarge:
+        raise LtcxError(
+            f"{source} does not fit the model: its backbone_config builds more weights than the file holds "
+            f"({len(mine)} tensors, {values:,} values); it was saved by another version of ltcx or another config: "
+            f"{ANOTHER_VERSION}"
+        ) from None
+    if model is None:
+        return
+    expected = model.state_dict(keep_vars=True)  # the tensors themselves: tied weights are one object
+    if each_tensor_once:
+        kept: dict[int, str] = {}
+        for name, tensor in expected.items():
+            if id(tensor) not in kept or (prefix + name in mine and prefix + kept[id(tensor)] not in mine):
+                kept[id(tensor)] = name
+        expected = {name: expected[name] for name in expected if kept[id(expected[name])] == name}
+    check_weights_fit(source, mine, {prefix + name: tensor for name, tensor in expected.items()})
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    needed, limit = sum(t.numel() * t.element_size() for t in tensors), memory_limit()
+    if limit is not None and needed > limit:
+        count = sum(p.numel() for p in model.parameters())
+        dtype = str(next(iter(tensors)).dtype).removeprefix("torch.")
+        raise LtcxError(
+            f"{source} holds a model of {count:,} parameters, {_gib(needed)} in {dtype}, more than the "
+            f"{_gib(limit)} of memory here: load it on a machine with more memory"
+        )
+
+
+def check_counts(source: str, counts: Mapping[str, tuple[Any, int]]) -> None:
+    """One ``LtcxError`` line for the first of ``counts`` (a file's step, tokens seen, training length: the name as
+    the file spells it -> (value, least value)) that is neither null nor an integer of at least its least value,
+    before a command uses it (``ltcx evaluate --max_len 4x`` multiplies the training length)."""
+    for name, (value, least) in counts.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+            raise LtcxError(f"{source} has {name} {value!r:.80}, which is not an integer >= {least}: fix it in the "
+                            "file or use another one")
 
 
 # Backbone fields that leave the weights' meaning alone, so a resumed run may change them (``--model.backbone.
