@@ -1,6 +1,6 @@
-"""Loss by position (``ltcx/evaluation.py``, ``ltcx evaluate``): the pieces-through-the-state evaluator against a
-direct per-sequence, per-position loop in float64; spans and buckets; the command on several checkpoints and an
-export, with a context-limited model stopping at its limit in one line; its one-line errors."""
+"""Loss by position (``ltcx/eval/position_loss.py``, ``ltcx evaluate``): the pieces-through-the-state evaluator
+against a direct per-sequence, per-position loop in float64; spans and buckets; the command on several checkpoints
+and an export, with a context-limited model stopping at its limit in one line; its one-line errors."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from helpers import one_error_line, write_checkpoint, write_model_checkpoint
-from ltcx.evaluation import PositionLoss, context_spans, position_loss, target_log_probs
+from ltcx.eval.position_loss import PositionLoss, context_spans, position_loss
+from ltcx.eval.scoring import target_log_probs
 from ltcx.models.catalog import build_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,5 +1,5 @@
-"""The lm-evaluation-harness adapter (``ltcx/harness.py``) and ``ltcx lm-eval``: small local tasks in lm_eval's YAML
-format (JSONL data the test writes; hub tasks cannot be fetched here), the adapter's log-likelihoods, rolling
+"""The lm-evaluation-harness adapter (``ltcx/eval/harness.py``) and ``ltcx lm-eval``: small local tasks in lm_eval's
+YAML format (JSONL data the test writes; hub tasks cannot be fetched here), the adapter's log-likelihoods, rolling
 log-likelihoods and greedy generations against direct float64 computations from the model, the command end to end,
 its one-line errors, and ``lm_eval`` staying unimported by the other commands."""
 
@@ -20,7 +20,7 @@ lm_eval = pytest.importorskip("lm_eval")
 
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from ltcx.harness import LtcxLM  # noqa: E402
+from ltcx.eval.harness import LtcxLM  # noqa: E402
 from ltcx.models.catalog import build_tiny  # noqa: E402
 from ltcx.tokenizers import get_tokenizer  # noqa: E402
 

@@ -81,9 +81,9 @@ def main(argv: list[str] | None = None) -> None:
 
             evaluate_main(command_line[1:])
         elif command == "lm-eval":
-            from ltcx.cli.harness import harness_main
+            from ltcx.cli.lm_eval import lm_eval_main
 
-            harness_main(command_line[1:])
+            lm_eval_main(command_line[1:])
         elif command in LIGHTNING_COMMANDS:
             from ltcx.cli.early_checks import check_lightning_command_line
 

@@ -2,7 +2,7 @@
 
     ltcx evaluate --ckpt_path checkpoints/gpt --ckpt_path checkpoints/xlstm --data.path sample --max_len 4x
 
-The computation is ``ltcx/evaluation.py``; this module parses the arguments, loads the models
+The computation is ``ltcx/eval/position_loss.py``; this module parses the arguments, loads the models
 (``load_model_and_tokenizer``: digests checked, registry classes only), reads the text through ``TextDataModule``
 (the validation blocks of the same ``--data.path`` kinds ``fit`` reads) and writes ``position_loss.json`` and
 ``position_loss.png`` to ``--out``.
@@ -78,7 +78,7 @@ def evaluate_main(argv: list[str]) -> None:
     import torch
 
     from ltcx.cli.generate import _device
-    from ltcx.evaluation import context_spans, plot_position_loss, position_loss, to_json
+    from ltcx.eval.position_loss import context_spans, plot_position_loss, position_loss, to_json
     from ltcx.persist.load import load_model_and_tokenizer
 
     device = _device(("cuda" if torch.cuda.is_available() else "cpu") if args.device is None else args.device)

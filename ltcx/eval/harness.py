@@ -25,7 +25,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from ltcx.errors import LtcxError
-from ltcx.evaluation import target_log_probs
+from ltcx.eval.scoring import target_log_probs
 from ltcx.generation import stream_tokens
 from ltcx.tokenizers import Tokenizer
 

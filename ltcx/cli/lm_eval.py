@@ -1,4 +1,4 @@
-"""``ltcx lm-eval``: lm-evaluation-harness tasks on a checkpoint or an export (the adapter: ``ltcx/harness.py``).
+"""``ltcx lm-eval``: lm-evaluation-harness tasks on a checkpoint or an export (the adapter: ``ltcx/eval/harness.py``).
 
     ltcx lm-eval --ckpt_path checkpoints/gpt --tasks hellaswag,arc_easy --limit 200
     ltcx lm-eval --ckpt_path model/ --tasks my_task --include_path my_tasks/    # tasks in lm_eval's YAML format
@@ -18,16 +18,16 @@ from pathlib import Path
 
 from ltcx.errors import ConfigError, LtcxError
 
-__all__ = ["harness_main"]
+__all__ = ["lm_eval_main"]
 
 RESULTS_JSON = "results.json"
 SEED_MAX = 2**32 - 1  # the harness seeds numpy, whose seeds are 32-bit
 
 
-def harness_main(argv: list[str]) -> None:
+def lm_eval_main(argv: list[str]) -> None:
     """``ltcx lm-eval``: run lm-evaluation-harness tasks (multiple choice, perplexity, generation) on a model written
     by `ltcx fit` or `ltcx export`, and write the harness's results to --out."""
-    parser = argparse.ArgumentParser(prog="ltcx lm-eval", description=harness_main.__doc__)
+    parser = argparse.ArgumentParser(prog="ltcx lm-eval", description=lm_eval_main.__doc__)
     parser.add_argument(
         "--ckpt_path", required=True,
         help="checkpoint written by `ltcx fit`, a checkpoint folder (its latest run's last.ckpt) or a folder written "
@@ -82,7 +82,7 @@ def harness_main(argv: list[str]) -> None:
     import torch
 
     from ltcx.cli.generate import _device
-    from ltcx.harness import LtcxLM
+    from ltcx.eval.harness import LtcxLM
     from ltcx.persist.load import load_model_and_tokenizer
 
     device = _device(("cuda" if torch.cuda.is_available() else "cpu") if args.device is None else args.device)
