@@ -21,7 +21,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from ltcx.errors import LtcxError
-from ltcx.models.derived import DERIVED_NOT_KEPT
+from ltcx.models.inference_cache import DERIVED_NOT_KEPT
 
 __all__ = ["FSDP2Strategy", "shard_backbone", "shard_units", "is_sharded", "unsharded_class", "unsharded_copy"]
 
@@ -81,7 +81,7 @@ def shard_backbone(
         set_model_state_dict(backbone, rank0_weights, options=options)
     for module in backbone.modules():
         # FSDP2 writes each gather into the same unsharded tensors without bumping their version counters, so a
-        # weight derived from them cannot tell a new step's values from the last (ltcx/models/derived.py).
+        # weight derived from them cannot tell a new step's values from the last (ltcx/models/inference_cache.py).
         module.__dict__[DERIVED_NOT_KEPT] = True
 
 

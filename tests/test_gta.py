@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from helpers import run_in_pieces
 from ltcx.errors import ConfigError, LtcxError
-from ltcx.models.derived import DERIVED_NOT_KEPT
 from ltcx.models.gpt import GPT, GQAAttention
 from ltcx.models.gta import GTAGPT, GTAAttention, GTAConfig
+from ltcx.models.inference_cache import DERIVED_NOT_KEPT
 
 pytestmark = pytest.mark.quick  # `pytest -m quick`: the equations, a first check
 

@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 
 from ltcx.errors import ConfigError
-from ltcx.models.derived import derived_in_inference
 from ltcx.models.gpt import GPT, GPTConfig
+from ltcx.models.inference_cache import derived_in_inference
 from ltcx.ops import gta as gta_ops
 from ltcx.ops.attention import apply_rope
 

@@ -17,8 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ltcx.errors import ConfigError, LtcxError
-from ltcx.models.derived import derived_in_inference
 from ltcx.models.gpt import GPT, GPTConfig, GQAAttention
+from ltcx.models.inference_cache import derived_in_inference
 from ltcx.ops import ltc as ltc_ops
 from ltcx.ops.attention import causal_gqa_attention
 

@@ -1,4 +1,5 @@
-"""Weights derived from parameters (a product, a sum, a rotation), rebuilt only when a parameter changes.
+"""An inference cache of weights derived from parameters (a product, a sum, a rotation), rebuilt only when a
+parameter changes.
 
 A decode step runs the whole network for one token, so rebuilding a derived weight every step can cost as
 much as the step's own attention. In inference the derived value is kept on the module and reused until one
