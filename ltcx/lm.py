@@ -59,6 +59,31 @@ def weight_decay_groups(backbone: nn.Module) -> tuple[list[str], list[str]]:
     return decay, no_decay
 
 
+def setting_problem(settings: dict[str, Any]) -> tuple[str, str, str] | None:
+    """The first of LanguageModel's settings (``settings`` holds each of learning_rate, min_lr, warmup_steps,
+    decay_steps, weight_decay, betas and eps) that breaks its rule, as (name, value as a user types it, rule); None
+    when all hold. AdamW would refuse some mid-start with a traceback and accept others (a negative weight decay);
+    the CLI also asks it of a resumed checkpoint's settings, to name the file."""
+    lr, betas = settings["learning_rate"], settings["betas"]
+    betas_ok = isinstance(betas, (list, tuple)) and len(betas) == 2 and all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)
+    checks = [
+        (0 < lr < math.inf, "learning_rate", lr, "must be a positive number"),
+        (0 <= settings["min_lr"] <= lr, "min_lr", settings["min_lr"], f"must be in [0, model.learning_rate={lr}]"),
+        (settings["warmup_steps"] >= 0, "warmup_steps", settings["warmup_steps"], "must be >= 0"),
+        (settings["decay_steps"] is None or settings["decay_steps"] >= 1, "decay_steps", settings["decay_steps"],
+         "must be >= 1 (null: max_steps)"),
+        (0 <= settings["weight_decay"] < math.inf, "weight_decay", settings["weight_decay"], "must be >= 0"),
+        (betas_ok, "betas", betas, "must be two numbers in [0, 1), such as [0.9, 0.95]"),
+        (0 < settings["eps"] < math.inf, "eps", settings["eps"], "must be a positive number, such as 1e-8"),
+    ]
+    for ok, key, value, rule in checks:
+        if not ok:
+            shown = "[" + ", ".join(str(v) for v in value) + "]" if isinstance(value, (list, tuple)) else str(value)
+            return key, shown, rule
+    return None
+
+
 class LanguageModel(L.LightningModule):
     """Next-token language modelling around any backbone.
 
@@ -88,15 +113,11 @@ class LanguageModel(L.LightningModule):
         compile: bool = False,
     ) -> None:
         super().__init__()
-        checks = [
-            (0 < learning_rate < math.inf, "learning_rate", learning_rate, "must be a positive number"),
-            (0 <= min_lr <= learning_rate, "min_lr", min_lr, f"must be in [0, model.learning_rate={learning_rate}]"),
-            (warmup_steps >= 0, "warmup_steps", warmup_steps, "must be >= 0"),
-            (decay_steps is None or decay_steps >= 1, "decay_steps", decay_steps, "must be >= 1 (null: max_steps)"),
-        ]
-        for ok, key, value, rule in checks:
-            if not ok:
-                raise ConfigError(f"model.{key} ({value}) {rule}: fix --model.{key}")
+        problem = setting_problem(dict(learning_rate=learning_rate, min_lr=min_lr, warmup_steps=warmup_steps,
+                                       decay_steps=decay_steps, weight_decay=weight_decay, betas=betas, eps=eps))
+        if problem:
+            key, value, rule = problem
+            raise ConfigError(f"model.{key} ({value}) {rule}: fix --model.{key}")
         self.save_hyperparameters(ignore=["backbone"])
         self.backbone = backbone
         self.val_loss = MeanMetric()

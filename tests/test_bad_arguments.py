@@ -14,7 +14,7 @@ from helpers import (
 )
 from ltcx.cli import main
 from ltcx.models.gpt import GPT
-from ltcx.persist import load_language_model
+from ltcx.persist import atomic_save, load_language_model
 
 
 @pytest.mark.parametrize("override,message", [
@@ -24,6 +24,17 @@ from ltcx.persist import load_language_model
     (["--model.warmup_steps", "-1"], "model.warmup_steps (-1) must be >= 0"),
     (["--trainer.max_steps", "-2"], "trainer.max_steps (-2) must be >= -1 (-1: no limit)"),
     (["--seed_everything", "-5"], "seed_everything (-5) must be in [0, 4294967295], or true for a random seed"),
+    (["--model.betas", "[2,3]"], "model.betas ([2.0, 3.0]) must be two numbers in [0, 1), such as [0.9, 0.95]: fix "
+                                 "--model.betas"),
+    (["--model.eps", "-1"], "model.eps (-1.0) must be a positive number, such as 1e-8: fix --model.eps"),
+    (["--model.weight_decay", "-0.1"], "model.weight_decay (-0.1) must be >= 0: fix --model.weight_decay"),
+    pytest.param(["--trainer.accelerator", "gpu"], "trainer.accelerator gpu: no GPU found on this machine: use "
+                 "--trainer.accelerator cpu or auto",
+                 marks=pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(),
+                                          reason="a GPU is there")),
+    (["--trainer.devices", "abc"], "trainer.devices (abc) must be a number of "),  # processes, or on a GPU: GPUs
+    (["--trainer.accelerator", "cpu", "--trainer.devices", "-1"], "trainer.devices (-1) must be a number of "
+                                                                  "processes (such as 2) or auto on the CPU"),
 ])
 def test_bad_training_flags(tmp_path, fit_env, capsys, override, message):
     line = one_error_line(fit_args(fit_env, "--trainer.max_steps", "1", *override), capsys)
@@ -49,6 +60,46 @@ def test_flags_jsonargparse_refuses_are_one_line_not_its_usage(tmp_path, fit_env
     assert line.startswith(f"ltcx: error: {message}") and line.endswith("; see `ltcx fit --help`"), line
     assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
 
+
+
+@pytest.mark.parametrize("devices", [2, "2", " 2 ", "auto", -1, "-1", 0, "0", "0,1", [0, 1], "abc", "", 1.5])
+def test_the_devices_check_refuses_what_lightning_refuses_on_a_cpu(devices):
+    """On a CPU Lightning takes a positive count or auto, and raises a TypeError or MisconfigurationException for
+    the rest: the CLI's check (one line, before anything is built) draws the same line."""
+    import lightning as L
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from ltcx.cli.lightning import check_devices
+    from ltcx.errors import ConfigError
+
+    try:
+        L.Trainer(accelerator="cpu", devices=devices, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False)
+        lightning_takes = True
+    except (TypeError, MisconfigurationException):
+        lightning_takes = False
+    try:
+        check_devices(devices, on_cpu=True)
+        ltcx_takes = True
+    except ConfigError:
+        ltcx_takes = False
+    assert ltcx_takes == lightning_takes
+
+
+@pytest.mark.parametrize("devices,ok", [(2, True), ("auto", True), (-1, True), ("-1", True), ("0,1", True),
+                                        ("1,", True), ([0, 1], True), (0, False), ("abc", False), ("-2", False),
+                                        ("0,a", False)])
+def test_the_devices_check_on_gpus(devices, ok):
+    """With GPUs Lightning also takes -1 (every GPU) and indices, as ``0,1`` or a list."""
+    from ltcx.cli.lightning import check_devices
+    from ltcx.errors import ConfigError
+
+    if ok:
+        check_devices(devices, on_cpu=False)
+    else:
+        with pytest.raises(ConfigError, match=r"must be a number of GPUs \(such as 2\), -1 \(every GPU\), auto, or "
+                                              r"GPU indices \(0,1 or \[0, 1\]\): fix --trainer.devices"):
+            check_devices(devices, on_cpu=False)
 
 
 def test_nan_learning_rate_from_yaml_is_refused(tmp_path, fit_env, capsys):
@@ -116,6 +167,20 @@ def test_generate_reads_a_good_checkpoint(capsys, checkpoint):
     assert capsys.readouterr().out.startswith("ab")
     model, meta = load_language_model(checkpoint)
     assert type(model.backbone) is GPT and meta["tokenizer"] == "bytes"
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("betas", (2.0, 3.0), "model.betas [2.0, 3.0], which must be two numbers in [0, 1), such as [0.9, 0.95]"),
+    ("eps", -1.0, "model.eps -1.0, which must be a positive number, such as 1e-8"),
+])
+def test_generate_names_the_file_whose_settings_break_their_rule(tmp_path, capsys, checkpoint, key, value, message):
+    """Not LanguageModel's line, which names a flag generate does not have (`fix --model.betas`)."""
+    state = torch.load(checkpoint, weights_only=True)
+    state["hyper_parameters"][key] = value
+    path = tmp_path / "bad.ckpt"
+    atomic_save(state, path)
+    line = one_error_line(["generate", "--ckpt_path", str(path), "--prompt", "ab"], capsys)
+    assert line == f"ltcx: error: checkpoint '{path}' has {message}: fix it in the file or use another one"
 
 
 

@@ -8,7 +8,7 @@ import torch
 from helpers import lean_fit_args, one_error_line
 from ltcx.cli import main
 from ltcx.lm import LanguageModel, lr_at_step
-from ltcx.persist import read_checkpoint
+from ltcx.persist import atomic_save, read_checkpoint
 
 FIRST = ("--trainer.max_steps", "3", "--model.decay_steps", "10")  # warmup 2 (TINY_MODEL), cosine to step 10
 
@@ -117,3 +117,25 @@ def test_a_typed_dropout_is_resumed_with(tmp_path, fit_env, first_run, capsys):
     before = read_checkpoint(first_run)["state_dict"]
     assert {k: v.shape for k, v in resumed["state_dict"].items()} == {k: v.shape for k, v in before.items()}
     assert torch.equal(resumed["optimizer_states"][0]["state"][0]["step"], torch.tensor(4.0))
+
+
+def test_a_checkpoint_with_impossible_betas_is_one_line_naming_the_file(tmp_path, fit_env, first_run, capsys):
+    """A checkpoint whose hyper-parameters hold betas [2.0, 3.0] (its digest recomputed: not damaged, just wrong):
+    one line naming the file and the setting, nothing written, instead of AdamW's traceback once the run has
+    started; typing --model.betas, as the line says, resumes it."""
+    checkpoint = torch.load(first_run, weights_only=True)
+    checkpoint["hyper_parameters"]["betas"] = (2.0, 3.0)
+    path = tmp_path / "betas.ckpt"
+    atomic_save(checkpoint, path)  # with the digest of the changed contents
+    line = one_error_line(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "4", "--ckpt_path", str(path)),
+                          capsys)
+    assert line == (f"ltcx: error: checkpoint '{path}' has model.betas [2.0, 3.0], which must be two numbers in "
+                    "[0, 1), such as [0.9, 0.95]: type --model.betas to resume with another value, or use another "
+                    "checkpoint")
+    assert [p.name for p in (tmp_path / "checkpoints/gpt").iterdir()] == ["version_0"]
+    assert [p.name for p in (tmp_path / "lightning_logs/gpt").iterdir()] == ["version_0"]
+
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "4", "--ckpt_path", str(path),
+                       "--model.betas", "[0.9, 0.95]"))
+    assert "ltcx: resuming with model.betas [0.9, 0.95] (the checkpoint has [2.0, 3.0])" in capsys.readouterr().err
+    assert read_checkpoint(tmp_path / "checkpoints/gpt/version_1/last.ckpt")["global_step"] == 4

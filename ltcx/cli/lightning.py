@@ -8,7 +8,9 @@ checkpoints are written through ``SafeCheckpointIO``; ``predict`` writes its los
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import shutil
 import sys
 from typing import Optional
@@ -33,7 +35,7 @@ from ltcx.cli.run_folders import find_last_checkpoint, name_after_architecture, 
 from ltcx.cli.threads import set_cpu_threads
 from ltcx.data import RecallDataModule, TextDataModule  # noqa: F401 - the --data classes fit --help lists
 from ltcx.errors import ConfigError, LtcxError
-from ltcx.lm import LanguageModel
+from ltcx.lm import LanguageModel, setting_problem
 from ltcx.persist.checkpoint import SafeCheckpointIO, read_checkpoint
 from ltcx.persist.fit import check_same_backbone, check_weights_fit
 from ltcx.persist.resume import checkpoint_model_config, typed_model_keys
@@ -124,7 +126,9 @@ class LtcxCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         precision = str(config.trainer.precision)
         accelerator = str(config.trainer.accelerator)
+        check_accelerator(accelerator)
         on_cpu = accelerator == "cpu" or (accelerator in ("auto", "cuda", "gpu") and not torch.cuda.is_available())
+        check_devices(config.trainer.devices, on_cpu)
         if "bf16" in precision and on_cpu and not self._on_command_line("trainer.precision"):
             # The same YAML trains in bf16 on a GPU and in float32 on a CPU, where bf16 is emulated and many
             # times slower on most processors; a bf16 typed on the command line is kept.
@@ -164,6 +168,7 @@ class LtcxCLI(LightningCLI):
             self._checkpoint, config.model, typed_model_keys(getattr(self, "_command_line", [])), config.ckpt_path,
             self.model_class, notice=_notice if subcommand == "fit" else None,
         )
+        check_checkpoint_settings(config.model, model, config.ckpt_path)
         if model:
             self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
 
@@ -283,6 +288,45 @@ def context_from_data(config) -> None:
     block_size = getattr(getattr(data, "init_args", data), "block_size", None)  # a data class_path's, or flat
     if init_args is not None and "block_size" in init_args and init_args.block_size is None and block_size:
         init_args.block_size = block_size
+
+
+def check_accelerator(accelerator: str) -> None:
+    """A GPU asked for on a machine without one: one line, not Lightning's ``No supported gpu backend found!``
+    traceback (``configs/trainer/fsdp.yaml`` asks for one)."""
+    cuda, mps = torch.cuda.is_available(), torch.backends.mps.is_available()
+    if (accelerator == "cuda" and not cuda) or (accelerator == "gpu" and not (cuda or mps)) or (
+            accelerator == "mps" and not mps):
+        raise ConfigError(f"trainer.accelerator {accelerator}: no GPU found on this machine: use "
+                          "--trainer.accelerator cpu or auto")
+
+
+def check_devices(devices, on_cpu: bool) -> None:
+    """``trainer.devices`` as Lightning reads it, else one line (not its ``TypeError`` traceback): on a CPU a
+    number of processes or ``auto``; on GPUs also -1 (every one) and indices (``0,1`` or ``[0, 1]``)."""
+    text = None if isinstance(devices, (list, tuple)) else str(devices).strip()
+    count = int(text) if text is not None and re.fullmatch(r"-?\d+", text) else None
+    if on_cpu:
+        ok = text == "auto" or (count is not None and count >= 1)
+        accepted = "a number of processes (such as 2) or auto on the CPU"
+    else:
+        indices = devices if text is None else text.split(",") if "," in text else None
+        ok = text == "auto" or (count is not None and (count >= 1 or count == -1)) or (
+            indices is not None and all(re.fullmatch(r"\d+", str(i).strip()) for i in indices if str(i).strip()))
+        accepted = "a number of GPUs (such as 2), -1 (every GPU), auto, or GPU indices (0,1 or [0, 1])"
+    if not ok:
+        shown = "[" + ", ".join(str(d) for d in devices) + "]" if text is None else text
+        raise ConfigError(f"trainer.devices ({shown}) must be {accepted}: fix --trainer.devices")
+
+
+def check_checkpoint_settings(configured, taken: dict, path: str) -> None:
+    """The settings a resumed checkpoint gives the model (``taken``: every one not typed) keep LanguageModel's rules;
+    else its line would name a flag nobody typed instead of the file."""
+    names = [name for name in inspect.signature(LanguageModel).parameters if name != "backbone"]
+    problem = setting_problem({name: taken[name] if name in taken else configured.get(name) for name in names})
+    if problem and problem[0] in taken:
+        key, value, rule = problem
+        raise LtcxError(f"checkpoint '{path}' has model.{key} {value}, which {rule}: type --model.{key} to resume "
+                        "with another value, or use another checkpoint")
 
 
 def _ltcx_error_in(error: BaseException) -> LtcxError | None:

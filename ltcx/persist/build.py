@@ -8,7 +8,7 @@ import inspect
 from typing import Any
 
 from ltcx.errors import ANOTHER_VERSION, LtcxError
-from ltcx.lm import LanguageModel
+from ltcx.lm import LanguageModel, setting_problem
 from ltcx.models.registry import resolve_backbone
 from ltcx.persist.fit import check_setting_types, unknown_settings
 
@@ -29,6 +29,11 @@ def check_settings(meta: dict, hyper_parameters: Any, source: str, prefixes: tup
         )
     check_setting_types(config, backbone_class, source, prefixes[1])
     check_setting_types(hyper_parameters, LanguageModel, source, prefixes[0])
+    defaults = {n: p.default for n, p in inspect.signature(LanguageModel).parameters.items() if n != "backbone"}
+    problem = setting_problem({**defaults, **{k: v for k, v in hyper_parameters.items() if k in defaults}})
+    if problem:  # else LanguageModel's line, which names a flag (--model.betas) and not the file
+        key, value, rule = problem
+        raise LtcxError(f"{source} has {prefixes[0]}{key} {value}, which {rule}: fix it in the file or use another one")
     return backbone_class
 
 
