@@ -3,7 +3,7 @@
 
 A batch is either a block ``LongTensor[B, T + 1]`` (text: every next token is a target) or a pair
 ``(inputs LongTensor[B, T], targets LongTensor[B, T])`` whose targets are ``IGNORE_INDEX`` where nothing is asked
-(a recall task, ``ltcx/data/recall.py``): the loss covers the targets asked, and validation then also logs
+(a recall task, ``ltcx/data/mqar.py``): the loss covers the targets asked, and validation then also logs
 ``val/recall_acc``, the fraction of them predicted exactly (argmax)."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     python scripts/recall_study.py --name zoology --grid zoology       # Zoology's figure-2 grid: a GPU's job
 
 Every architecture of the catalogue (or --archs) at 2 layers is trained on MQAR (``configs/data/mqar.yaml``,
-``ltcx/data/recall.py``) for each cell (sequence length, key-value pairs, width) and each learning rate of a small
+``ltcx/data/mqar.py``) for each cell (sequence length, key-value pairs, width) and each learning rate of a small
 sweep; the best learning rate of a cell is kept (recurrent models are sensitive to it: arXiv 2508.19029). Each run
 is an ordinary ``run.py fit`` in results/<name>/runs/<arch>/T<len>_P<pairs>_d<width>/lr<lr>, trained and resumed by
 scripts/compare.py's machinery: a stopped study resumes where it stopped (finished runs, those with a

@@ -267,9 +267,9 @@ def test_resume_from_stream_positions_tokenizes_only_what_follows(tmp_path, num_
         reference.append(dm.on_before_batch_transfer(batch, 0).tolist())
         dm.trainer = SimpleNamespace(global_step=step, accumulate_grad_batches=1, global_rank=0, world_size=1)
         saved.append(dm.state_dict())
-    import ltcx.data.stream_blocks as stream_blocks
+    import ltcx.data.text_stream as text_stream
 
-    monkeypatch.setattr(stream_blocks, "_READ_BATCH", 1)  # tokenize document by document, to count them
+    monkeypatch.setattr(text_stream, "_READ_BATCH", 1)  # tokenize document by document, to count them
     encoded = []
     encode_batch = ByteTokenizer.encode_batch
     monkeypatch.setattr(ByteTokenizer, "encode_batch",
@@ -478,10 +478,10 @@ def test_trainer_fit_validate_and_resume(tmp_path):
 
 def test_hub_code_path_splits(tmp_path, monkeypatch, hf_offline):
     """The hub branch (load_dataset(path, name)) on a local repository-like folder: split selection and hold-out."""
-    import ltcx.data.sources as sources
+    import ltcx.data.text_datasets as text_datasets
 
-    monkeypatch.setattr(sources, "looks_local", lambda path: False)
-    monkeypatch.setattr(sources, "hub_unreachable", lambda: None)  # the "hub" is this folder: reachable
+    monkeypatch.setattr(text_datasets, "looks_local", lambda path: False)
+    monkeypatch.setattr(text_datasets, "hub_unreachable", lambda: None)  # the "hub" is this folder: reachable
     repo = tmp_path / "repo"
     repo.mkdir()
     write_parquet(repo / "train-00000-of-00001.parquet", unit_docs(40))

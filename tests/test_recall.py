@@ -1,4 +1,4 @@
-"""MQAR (``ltcx/data/recall.py``): the generator's layout and power law, determinism, resume, rank and split
+"""MQAR (``ltcx/data/mqar.py``): the generator's layout and power law, determinism, resume, rank and split
 disjointness, one-line errors; LanguageModel's loss and ``val/recall_acc`` on pair batches; every catalogue
 architecture training on it through Lightning; the CLI with ``configs/data/mqar.yaml``; a tiny GPT learning the
 easiest cell (a deterministic learning test)."""
@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from helpers import load_script, one_error_line, read_events, run_cli
 from ltcx.data import RecallDataModule
-from ltcx.data.recall import RecallBatches, mqar_batch, query_gap_probabilities
+from ltcx.data.mqar import RecallBatches, mqar_batch, query_gap_probabilities
 from ltcx.errors import ConfigError
 from ltcx.lm import IGNORE_INDEX, LanguageModel, split_batch
 from ltcx.models.catalog import CATALOG

@@ -202,7 +202,7 @@ def umask(request):
 def test_saved_files_have_the_permissions_the_umask_gives(tmp_path, umask):
     """Checkpoints, copies, exports and prepared shards are readable as any file the user writes (0o666 less the
     umask): safetensors writes through a 0o600 temp file, which would make an exported model private."""
-    from ltcx.data.shards import write_json, write_shard
+    from ltcx.data.shard_format import write_json, write_shard
     from ltcx.persist import atomic_copy, export_model
     from ltcx.persist.files import current_umask
 

@@ -20,7 +20,7 @@ from helpers import lean_fit_args, one_error_line, read_events, unit_docs
 from ltcx.cli import main
 from ltcx.data import TextDataModule, in_holdout
 from ltcx.data.prepare import prepare
-from ltcx.data.shards import HEADER_BYTES, token_dtype, verify_shards, write_shard
+from ltcx.data.shard_format import HEADER_BYTES, token_dtype, verify_shards, write_shard
 from ltcx.errors import LtcxError
 
 B = 16  # block_size; blocks hold B + 1 tokens
@@ -248,11 +248,11 @@ def test_prepare_reads_a_hub_data_sets_validation_split(tmp_path, monkeypatch):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    import ltcx.data.sources as sources
+    import ltcx.data.text_datasets as text_datasets
 
-    for module in (sources, prepare_module):
+    for module in (text_datasets, prepare_module):
         monkeypatch.setattr(module, "looks_local", lambda path: False)
-    monkeypatch.setattr(sources, "hub_unreachable", lambda: None)  # the "hub" is this folder: reachable
+    monkeypatch.setattr(text_datasets, "hub_unreachable", lambda: None)  # the "hub" is this folder: reachable
     repo = tmp_path / "repo"
     repo.mkdir()
     pq.write_table(pa.table({"text": unit_docs(40)}), repo / "train-00000-of-00001.parquet")
@@ -653,11 +653,11 @@ def test_prepare_and_fit_on_shards_through_the_cli(tmp_path, monkeypatch, capsys
 
 def test_prepare_reads_the_hub_path(tmp_path, monkeypatch):
     """The hub branch of prepare (load_dataset(source, name), split selection) on a local repository-like folder."""
-    import ltcx.data.sources as sources
+    import ltcx.data.text_datasets as text_datasets
 
-    for module in (sources, prepare_module):
+    for module in (text_datasets, prepare_module):
         monkeypatch.setattr(module, "looks_local", lambda path: False)
-    monkeypatch.setattr(sources, "hub_unreachable", lambda: None)  # the "hub" is this folder: reachable
+    monkeypatch.setattr(text_datasets, "hub_unreachable", lambda: None)  # the "hub" is this folder: reachable
     repo = tmp_path / "repo"
     repo.mkdir()
     import pyarrow as pa

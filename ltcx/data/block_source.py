@@ -1,9 +1,8 @@
 """The interface ``TextDataModule`` serves its data through: a block source, picked once from ``--data.path``.
 
-Two sources keep it: ``StreamSource`` (text streamed through ``datasets``, ``stream_source.py``) and ``ShardSource``
-(token shards made by ``ltcx prepare``, ``shard_source.py``). The data module holds the arguments, the tokenizer and
-the trainer; a source holds its own data and resume state and never asks which kind it is. (``sources.py`` is
-something else: opening text, shared by ``StreamSource`` and ``ltcx prepare``.)
+Two sources keep it: ``StreamSource`` (text streamed through ``datasets``, ``text_stream.py``) and ``ShardSource``
+(token shards made by ``ltcx prepare``, ``token_shards.py``). The data module holds the arguments, the tokenizer and
+the trainer; a source holds its own data and resume state and never asks which kind it is.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Text (the hub, local files, ``sample``) is streamed through ``datasets`` by ``StreamSource``; a folder prepared by
 ``ltcx prepare`` is read by memory map by ``ShardSource``. The data module checks its arguments, chooses the source
-in ``setup`` and hands it the rank, the loaders, the batches and the resume state (``source.py``: the interface).
+in ``setup`` and hands it the rank, the loaders, the batches and the resume state (``block_source.py``: the interface).
 Its checkpoint entry, under the key ``TextDataModule``: ``train_batches_consumed`` and the source's own keys
 (``stream_positions[rank][part]`` for text, none for shards).
 """
@@ -17,10 +17,9 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ltcx.data.block_source import BlockSource, loader_checks
 from ltcx.data.files import local_path
-from ltcx.data.shard_data import SAMPLING
-from ltcx.data.shard_source import ShardSource
-from ltcx.data.shards import META, VERIFY_MODES, holds_shards, is_prepared
-from ltcx.data.stream_source import SAMPLE_BY, StreamSource
+from ltcx.data.shard_format import META, VERIFY_MODES, holds_shards, is_prepared
+from ltcx.data.text_stream import SAMPLE_BY, StreamSource
+from ltcx.data.token_shards import SAMPLING, ShardSource
 from ltcx.errors import ConfigError, LtcxError, refuse_bad_settings
 from ltcx.tokenizers import Tokenizer, get_tokenizer
 from ltcx.tokenizers import padded_vocab_size as _pad_vocab

@@ -37,7 +37,7 @@ import numpy as np
 
 from ltcx.data.files import looks_local
 from ltcx.data.packing import in_holdout
-from ltcx.data.shards import (
+from ltcx.data.shard_format import (
     FORMAT,
     META,
     VERSION,
@@ -48,7 +48,7 @@ from ltcx.data.shards import (
     write_json,
     write_shard,
 )
-from ltcx.data.sources import check_text, file_being_read, open_hub, open_local
+from ltcx.data.text_datasets import check_text, file_being_read, open_hub, open_local
 from ltcx.errors import LtcxError
 from ltcx.tokenizers import _short_reason, get_tokenizer
 

@@ -1,4 +1,4 @@
-"""Token shards on disk: written by ``ltcx prepare``, memory-mapped by the shard data mode.
+"""The token-shard format on disk: written by ``ltcx prepare``, memory-mapped by ``ShardSource`` (``token_shards.py``).
 
 A prepared folder holds ``train_NNNNNN.bin``, ``val_NNNNNN.bin`` and ``meta.json`` (tokenizer, settings, counts, and
 for every shard its token and document counts, largest id and SHA-256). A shard is a 64-byte header and the token ids:
