@@ -109,13 +109,20 @@ class _WorkerWatch(threading.Thread):
         for proc in self._procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)  # one stuck in a collective ignores SIGTERM
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - a closed pipe: the line below is what matters
-                pass
+        # What the main thread printed, unless it holds a stream's lock itself (blocked on a full pipe): 2 s at most.
+        flush = threading.Thread(target=_flush, daemon=True)
+        flush.start()
+        flush.join(2.0)
         os.write(2, f"ltcx: error: {line}\n".encode())
         os._exit(2)  # the main thread may be inside a collective that never returns
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001, S110 - a closed pipe: the line after it is what matters
+            pass
 
 
 def _wait_for(procs: list, timeout: float) -> None:
