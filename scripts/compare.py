@@ -18,8 +18,9 @@ hour instead. The pass records the load average while it runs; above the usable 
 marked unreliable. Its result (timing.json) is reused while the checkpoints it timed are unchanged; --retime redoes
 it (e.g. on a quieter machine).
 
-Writes results/<name>/summary.json and summary.md: the final validation loss of every run, mean +- sd per
-model, the paired difference to the baseline (per seed, then mean +- sd over seeds), parameters, the state or
+Writes results/<name>/summary.json and summary.md: the final validation loss of every run, mean +- 95% confidence
+interval per model, the paired difference to the baseline (per seed, then mean +- 95% interval over seeds, and the
+paired t-test's p-value), parameters, the state or
 KV-cache bytes per token, and from the timing pass training tokens/s and the cached decode step (ms per token).
 """
 
@@ -65,41 +66,41 @@ class OneLineParser(argparse.ArgumentParser):
 # ----------------------------------------------------------------------------- statistics
 
 
-def mean_sd(values: list[float]) -> tuple[float, float | None]:
-    """Mean and sample standard deviation (None for a single value)."""
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
-
-
 def summarize(runs: list[dict], baseline: str | None, speeds: dict[str, dict] | None = None) -> dict:
     """Per-model statistics from the runs ({"model", "seed", "val_loss", ...}) and the timing pass's ``speeds``
     ({model: {"tokens_per_sec", "decode_ms_per_token"}}; a speed a run recorded itself is ignored: it measured the
     load of its hour).
 
     The paired difference of a model is computed seed by seed against the baseline run of the same seed
-    (same data order), then averaged: its sd measures how consistent the gap is, free of the seed-to-seed
-    variation both models share.
+    (same data order), then averaged: its sd and 95% interval measure how consistent the gap is, free of the
+    seed-to-seed variation both models share, and its p-value (paired t-test) whether the seeds tell it from
+    noise (``ltcx.study.stats``).
     """
+    from ltcx.study.stats import mean_interval, paired_difference
+
     models: dict[str, list[dict]] = {}
     for run in runs:
         models.setdefault(run["model"], []).append(run)
     base_by_seed = {run["seed"]: run["val_loss"] for run in models.get(baseline, [])}
     summary = {}
     for model, model_runs in models.items():
-        losses = [run["val_loss"] for run in model_runs]
-        loss_mean, loss_sd = mean_sd(losses)
+        loss = mean_interval([run["val_loss"] for run in model_runs])
         entry = {
             "seeds": sorted(run["seed"] for run in model_runs),
-            "val_loss_mean": loss_mean,
-            "val_loss_sd": loss_sd,
+            "val_loss_mean": loss.mean,
+            "val_loss_sd": loss.sd,
+            "val_loss_ci95": loss.half_width,
         }
         for key in ("params", "state_bytes_per_token"):
             values = [run[key] for run in model_runs if run.get(key) is not None]
             entry[key] = statistics.fmean(values) if values else None
         for key in SPEED_KEYS:
             entry[key] = (speeds or {}).get(model, {}).get(key)
-        paired = [run["val_loss"] - base_by_seed[run["seed"]] for run in model_runs if run["seed"] in base_by_seed]
+        paired = [(run["val_loss"], base_by_seed[run["seed"]]) for run in model_runs if run["seed"] in base_by_seed]
         if baseline is not None and model != baseline and paired:
-            entry["diff_vs_baseline_mean"], entry["diff_vs_baseline_sd"] = mean_sd(paired)
+            diff = paired_difference([value for value, _ in paired], [base for _, base in paired])
+            entry["diff_vs_baseline_mean"], entry["diff_vs_baseline_sd"] = diff.interval.mean, diff.interval.sd
+            entry["diff_vs_baseline_ci95"], entry["diff_vs_baseline_p"] = diff.interval.half_width, diff.p_value
             entry["paired_seeds"] = len(paired)
         summary[model] = entry
     return summary
@@ -114,17 +115,18 @@ def markdown_table(summary: dict, baseline: str | None, timing: dict | None = No
 
     mark = " (unreliable)" if timing and timing["speed_unreliable"] else ""
     rows = [
-        f"| model | seeds | val loss (mean +- sd) | vs {baseline or 'baseline'} (paired mean +- sd) | parameters | "
-        f"train tokens/s{mark} | decode ms/token{mark} | state bytes/token |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| model | seeds | val loss (mean +- 95% CI) | vs {baseline or 'baseline'} (paired mean +- 95% CI) | p | "
+        f"parameters | train tokens/s{mark} | decode ms/token{mark} | state bytes/token |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for model, s in sorted(summary.items(), key=lambda item: item[1]["val_loss_mean"]):
-        loss = f"{s['val_loss_mean']:.4f} +- {number(s['val_loss_sd'], '.4f')}"
-        diff = "-"
+        loss = f"{s['val_loss_mean']:.4f} +- {number(s.get('val_loss_ci95'), '.4f')}"
+        diff = p_value = "-"
         if "diff_vs_baseline_mean" in s:
-            diff = f"{s['diff_vs_baseline_mean']:+.4f} +- {number(s['diff_vs_baseline_sd'], '.4f')}"
+            diff = f"{s['diff_vs_baseline_mean']:+.4f} +- {number(s.get('diff_vs_baseline_ci95'), '.4f')}"
+            p_value = number(s.get("diff_vs_baseline_p"), ".3g")
         rows.append(
-            f"| {model} | {len(s['seeds'])} | {loss} | {diff} | {number(s['params'], ',.0f')} | "
+            f"| {model} | {len(s['seeds'])} | {loss} | {diff} | {p_value} | {number(s['params'], ',.0f')} | "
             f"{number(s['tokens_per_sec'], ',.0f')} | {number(s['decode_ms_per_token'], '.1f')} | "
             f"{number(s['state_bytes_per_token'], ',.0f')} |"
         )

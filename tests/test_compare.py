@@ -36,8 +36,12 @@ def test_summary_means_and_paired_differences():
     assert summary["ltc"]["diff_vs_baseline_sd"] == pytest.approx(math.sqrt(sum((d - mean) ** 2 for d in diffs) / 2))
     assert summary["ltc"]["tokens_per_sec"] == 250.0 and summary["ltc"]["decode_ms_per_token"] == 1.5
     assert summary["gpt"]["tokens_per_sec"] is None and summary["gpt"]["decode_ms_per_token"] is None
+    t_975 = 4.302652729749464  # Student's t, 2 degrees of freedom
+    assert summary["gpt"]["val_loss_ci95"] == pytest.approx(t_975 * 0.1 / math.sqrt(3), rel=1e-9)
+    statistic = mean / (summary["ltc"]["diff_vs_baseline_sd"] / math.sqrt(3))
+    assert summary["ltc"]["diff_vs_baseline_p"] == pytest.approx(1 - abs(statistic) / math.sqrt(2 + statistic**2))
     table = compare.markdown_table(summary, "gpt")
-    assert table.splitlines()[2].startswith("| ltc | 3 | 3.9833 +- 0.0764 | -0.1167 +- 0.0764 |")
+    assert table.splitlines()[2].startswith("| ltc | 3 | 3.9833 +- 0.1897 | -0.1167 +- 0.1897 | 0.118 |")
 
 
 def test_paired_difference_uses_only_shared_seeds_and_one_seed_has_no_sd():

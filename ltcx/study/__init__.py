@@ -1,0 +1,1 @@
+"""Comparing architectures: the statistics of a study's runs (``stats``)."""
