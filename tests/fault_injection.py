@@ -89,7 +89,7 @@ class SignalSelf(L.Callback):
 class Pause(L.Callback):
     """After optimizer step ``at_step``, the process of global rank ``rank`` spends ``seconds`` outside any collective
     (a long step, a save, samples on rank 0); ``peer_grace`` sets how long the launching process waits for its own
-    collective to find a stopped peer (``ltcx.callbacks._launcher``) before it stops with the line itself."""
+    collective to find a stopped peer (``ltcx.ddp``) before it stops with the line itself."""
 
     def __init__(self, at_step: int, rank: int, seconds: float, peer_grace: float | None = None) -> None:
         self.at_step = at_step
@@ -99,9 +99,9 @@ class Pause(L.Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self.peer_grace is not None:
-            from ltcx.callbacks import _launcher
+            from ltcx import ddp
 
-            _launcher.PEER_GRACE_S = self.peer_grace
+            ddp.PEER_GRACE_S = self.peer_grace
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.at_step and trainer.global_rank == self.rank:

@@ -9,7 +9,7 @@ import lightning as L
 import torch
 from torch.distributed.tensor import DTensor
 
-from ltcx.callbacks._launcher import launcher_outlives_workers
+from ltcx.ddp import launcher_outlives_workers
 from ltcx.errors import StoppedOnAllRanks
 
 FIX = "lower model.learning_rate, raise model.warmup_steps or set trainer.gradient_clip_val"

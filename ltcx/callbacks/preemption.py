@@ -11,7 +11,7 @@ from lightning.pytorch import callbacks as pl_callbacks
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from ltcx.callbacks._launcher import launcher_outlives_workers
+from ltcx.ddp import launcher_outlives_workers
 
 
 class Preemption(L.Callback):

@@ -26,7 +26,6 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar
-from ltcx.callbacks._launcher import launcher_outlives_workers, peer_stopped_line, watch_workers
 from ltcx.callbacks.preemption import Preemption
 from ltcx.cli.console import print_run_end, print_run_start, quiet_lightning
 from ltcx.cli.one_line_errors import OneLineErrors
@@ -34,6 +33,7 @@ from ltcx.cli.predict import write_predictions
 from ltcx.cli.run_folders import find_last_checkpoint, name_after_architecture, resolve_under_root
 from ltcx.cli.threads import set_cpu_threads
 from ltcx.data import RecallDataModule, TextDataModule  # noqa: F401 - the --data classes fit --help lists
+from ltcx.ddp import launcher_outlives_workers, peer_stopped_line, watch_workers
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.lm import LanguageModel, setting_problem
 from ltcx.persist.checkpoint import SafeCheckpointIO, read_checkpoint

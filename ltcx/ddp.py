@@ -1,7 +1,8 @@
-"""The process that launched the DDP or FSDP2 workers (rank 0 under Lightning's launcher) watches them in place of
-Lightning's observer: it outlives them in a stop every rank agreed on (``FiniteLossGuard``, ``Preemption``, ltcx's
-CLI), so its exit status is its own and its last lines are not lost, and a worker that stopped on its own (a crash,
-``kill -9``, the out-of-memory killer) ends it with one line and exit 2."""
+"""DDP and FSDP2 processes: the one that launched the workers (rank 0 under Lightning's launcher) watches them in
+place of Lightning's observer: it outlives them in a stop every rank agreed on (``FiniteLossGuard``, ``Preemption``,
+ltcx's CLI), so its exit status is its own and its last lines are not lost, and a worker that stopped on its own (a
+crash, ``kill -9``, the out-of-memory killer) ends it with one line and exit 2; ``peer_stopped_line``, what a rank
+whose peer is gone says."""
 
 from __future__ import annotations
 
