@@ -3,12 +3,17 @@
 FlopCounterMode counts matrix products (mm, bmm, addmm); on a CPU it does not count the fused SDPA kernel
 at all, so the tests register a formula for it that counts what the backbones' formulas count: scores and
 values of the (query, key) pairs a query may see (causal or masked), 2 FLOPs per multiply-add.
+
+``test_every_catalogue_shape_counts_its_flops`` checks every catalogue entry and variant: the counted forward,
+less the work each formula leaves out on purpose (named there, each checked exactly by the tests after it), x 3
+equals ``flops_per_token`` to 1e-9 (the sums' float rounding).
 """
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from ltcx.models.catalog import CATALOG
 from ltcx.models.gpt import GPT
 from ltcx.models.ltc import LTCGPT
 from ltcx.models.titans import Titans
@@ -40,6 +45,40 @@ def counted_forward_flops_per_token(model, batch: int, length: int) -> float:
     with FlopCounterMode(display=False, custom_mapping=CPU_SDPA) as counter:
         model(idx)
     return counter.get_total_flops() / (batch * length)
+
+
+def uncounted_forward_flops_per_token(model, batch: int, length: int) -> float:
+    """What the counter sees and a formula leaves out on purpose, per token of a forward of ``batch`` x ``length``:
+
+    * LTC: the fold of the modal basis into the q/k weights, once per call, not per token
+      (``test_ltc_counts_within_the_per_call_fold``);
+    * Titans: the keys its attention's math kernel scores and then masks (``masked_keys_per_token``);
+    * GTA: the zero columns padding q, k and the latent to one width for the fused kernel, when d_k != d_l.
+    """
+    c = model.config
+    if isinstance(model, LTCGPT):
+        return c.n_layer * 2 * (c.n_head + c.n_kv_head) * c.head_dim ** 2 * (c.n_embd + c.bias) / (batch * length)
+    if isinstance(model, Titans):
+        return 6 * c.head_dim * c.n_head * masked_keys_per_token(model, length)
+    if type(model).__name__ == "GTAGPT" and c.key_dim != c.latent_dim:
+        padding = 2 * max(c.key_dim, c.latent_dim) - c.key_dim - c.latent_dim
+        return c.n_layer * 2 * c.n_query_group * (length + 1) / 2 * padding
+    return 0.0
+
+
+CATALOGUE_SHAPES = [(name, variant) for name, entry in CATALOG.items() for variant in entry.shapes()]
+
+
+@pytest.mark.parametrize("name,variant", CATALOGUE_SHAPES, ids=[f"{n}-{v}" for n, v in CATALOGUE_SHAPES])
+def test_every_catalogue_shape_counts_its_flops(name, variant):
+    """flops_per_token(T) = 3 x (the counted forward - the uncounted terms above), to 1e-9: the formulas count every
+    matrix product of the training forms (the 3: the backward's two products per forward product)."""
+    torch.manual_seed(0)
+    model = CATALOG[name].build_tiny(96, variant).eval()
+    batch, length = 2, 24
+    counted = counted_forward_flops_per_token(model, batch, length)
+    uncounted = uncounted_forward_flops_per_token(model, batch, length)
+    assert model.flops_per_token(length) == pytest.approx(3 * (counted - uncounted), rel=1e-9)
 
 
 GPT_TINY = dict(block_size=32, vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, bias=True)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.config import ConfiguredModule
-from ltcx.models.state import reorder_state
+from ltcx.models.state import model_dtype, reorder_state
 from ltcx.ops.attention import causal_gqa_attention
 
 
@@ -231,6 +231,14 @@ class GPT(ConfiguredModule):
         """Training FLOPs per token (forward + backward = 3 x forward, the backward computing the gradients of
         both operands of each product); see ``forward_flops_per_token``."""
         return 3 * self.forward_flops_per_token(seq_len)
+
+    def state_bytes(self, tokens: int, dtype: torch.dtype | None = None) -> int:
+        """Bytes of the inference state after ``tokens`` tokens at batch 1, the model in ``dtype`` (None: its
+        parameters'): each layer's KV cache, keys and values [1, G, tokens, D], 2 L G D tokens numbers. Reads the
+        config alone, so a search may call it on a config (``ltcx/study/budget.py``)."""
+        c = self.config
+        _require(0 <= tokens <= c.block_size, f"tokens ({tokens}) must be in [0, block_size={c.block_size}]")
+        return 2 * c.n_layer * c.n_kv_head * c.head_dim * tokens * model_dtype(self, dtype).itemsize
 
     def no_weight_decay_param_names(self) -> set[str]:
         """Matrices that AdamW should not decay (besides every 1-D parameter): none for nanoGPT."""

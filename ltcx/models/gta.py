@@ -17,6 +17,7 @@ import torch.nn as nn
 from ltcx.errors import ConfigError
 from ltcx.models.gpt import GPT, GPTConfig
 from ltcx.models.inference_cache import derived_in_inference
+from ltcx.models.state import model_dtype
 from ltcx.ops import gta as gta_ops
 from ltcx.ops.attention import apply_rope
 
@@ -187,3 +188,11 @@ class GTAGPT(GPT):
         layer_weights = projections + 2 * c.n_embd * c.ffn_hidden
         scores_and_values = 2 * c.n_query_group * (c.key_dim + c.latent_dim) * (seq_len + 1) / 2
         return 2 * (c.n_layer * layer_weights + c.n_embd * c.vocab_size) + c.n_layer * scores_and_values
+
+    def state_bytes(self, tokens: int, dtype: torch.dtype | None = None) -> int:
+        """Bytes of the inference state after ``tokens`` tokens at batch 1, the model in ``dtype`` (None: its
+        parameters'): each layer's group keys [1, n_k, tokens, d_k] and latents [1, n_c, tokens, d_l]."""
+        c = self.config
+        _require(0 <= tokens <= c.block_size, f"tokens ({tokens}) must be in [0, block_size={c.block_size}]")
+        per_token = c.n_key_head * c.key_dim + c.n_latent_head * c.latent_dim
+        return c.n_layer * per_token * tokens * model_dtype(self, dtype).itemsize

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.gpt import GPT, GPTConfig, GQAAttention
 from ltcx.models.inference_cache import derived_in_inference
+from ltcx.models.state import model_dtype
 from ltcx.ops import ltc as ltc_ops
 from ltcx.ops.attention import causal_gqa_attention
 
@@ -232,6 +233,14 @@ class LTCGPT(GPT):
         else:
             weights = c.n_embd * out
         return super().forward_flops_per_token(seq_len) + c.n_layer * 2 * weights / seq_len
+
+    def state_bytes(self, tokens: int, dtype: torch.dtype | None = None) -> int:
+        """The GPT's KV cache (keys in the modal basis, values) plus each layer's time constants tau [1, G, M], kept
+        in float32 (float64 for a float64 model) from the first token on."""
+        c = self.config
+        tau = c.n_layer * c.n_kv_head * c.num_decay_modes * torch.promote_types(model_dtype(self, dtype),
+                                                                                 torch.float32).itemsize
+        return super().state_bytes(tokens, dtype) + (tau if tokens else 0)
 
     def no_weight_decay_param_names(self) -> set[str]:
         """LTC parameters AdamW should not decay (besides every 1-D parameter).

@@ -24,6 +24,13 @@ def map_state_tensors(state: Any, fn) -> Any:
     return state
 
 
+def model_dtype(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.dtype:
+    """``dtype``, or the dtype of the model's first floating-point parameter (what ``state_bytes`` counts in)."""
+    if dtype is not None:
+        return dtype
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+
+
 def reorder_state(state: Any, index: torch.Tensor) -> Any:
     """Select (reorder, repeat or drop) batch rows of every tensor in ``state``: row b becomes old row index[b].
 

@@ -38,7 +38,7 @@ from torch import Tensor
 from ltcx.errors import ConfigError
 from ltcx.models.config import ConfiguredModule
 from ltcx.models.gpt import MLP
-from ltcx.models.state import reorder_state
+from ltcx.models.state import model_dtype, reorder_state
 from ltcx.ops.attention import apply_rope, attention_with_persistent, sliding_window_mask
 from ltcx.ops.conv import causal_depthwise_conv
 from ltcx.ops.precision import compute_dtype, without_autocast
@@ -571,6 +571,35 @@ class Titans(ConfiguredModule):
         """Training FLOPs per token: 3 x ``forward_flops_per_token`` (the outer backward differentiates every
         product of the forward, including the memory's closed form)."""
         return 3 * self.forward_flops_per_token(seq_len)
+
+    def state_bytes(self, tokens: int, dtype: torch.dtype | None = None) -> int:
+        """Bytes of the inference state after ``tokens`` tokens at batch 1, the model in ``dtype`` (None: its
+        parameters'). The memory in float32 (float64 for a float64 model), the rest in the model's dtype
+        (G KV heads of D, H_m memory heads of dk, hidden dm, W = H_m dk, K the conv kernel):
+
+        * each memory: weights at the chunk start, current weights and momentum, (W1, W2) of [1, H_m, dm, dk]
+          each (6 H_m dm dk numbers; at a chunk boundary the first two equal the next two, and a decoder
+          keeping them in place needs both mid-chunk), and the conv buffer [1, K - 1, 3 W];
+        * sliding-window attention (mag, mal): RoPE'd keys and values of the last min(window - 1, tokens)
+          positions [1, G, ., D] each;
+        * MAC: the current segment's keys and values, of the memory's reads and of the tokens (4 x [1, G,
+          tokens mod segment, D]), the memory (W1, W2) at the segment start, the query conv buffer [1, K - 1, W].
+        """
+        if not tokens:
+            return 0
+        c = self.config
+        numbers = model_dtype(self, dtype)
+        memory_size, size = compute_dtype(numbers).itemsize, numbers.itemsize
+        weights = c.mem_heads * c.mem_hidden * c.mem_head_dim
+        kernel, width, kv = c.conv_kernel - 1, c.memory_width, c.n_kv_head * c.head_dim
+        memory = 6 * weights * memory_size + kernel * 3 * width * size
+        window = 2 * kv * min(c.window - 1, tokens) * size
+        if c.variant == "mac":
+            segment = 4 * kv * (tokens % c.segment) * size
+            return c.n_layer * (memory + segment + 2 * weights * memory_size + kernel * width * size)
+        kinds = {"mag": [memory + window] * c.n_layer, "lmm": [memory] * c.n_layer,
+                 "mal": [memory if i % 2 == 0 else window for i in range(c.n_layer)]}
+        return sum(kinds[c.variant])
 
     def no_weight_decay_param_names(self) -> set[str]:
         """The memory's initial weights (decaying M_0 to 0 would kill the inner gradient: with W2 = 0 both the

@@ -54,9 +54,9 @@ from torch import Tensor
 
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.config import ConfiguredModule
-from ltcx.models.state import reorder_state
+from ltcx.models.state import model_dtype, reorder_state
 from ltcx.ops.conv import causal_depthwise_conv
-from ltcx.ops.mlstm import FORGET_GATES, mlstm_chunkwise, mlstm_parallel, mlstm_step
+from ltcx.ops.mlstm import FORGET_GATES, mlstm_chunkwise, mlstm_parallel, mlstm_step, state_dtype
 from ltcx.ops.mlstm_kernels import (
     KERNEL_CHUNK,
     TRITON_KERNEL,
@@ -510,6 +510,25 @@ class XLSTM(ConfiguredModule):
         """Training FLOPs per token: 3 x ``forward_flops_per_token`` (the backward computes the gradients of
         both operands of each product)."""
         return 3 * self.forward_flops_per_token(seq_len)
+
+    def state_bytes(self, tokens: int, dtype: torch.dtype | None = None) -> int:
+        """Bytes of the inference state after ``tokens`` tokens at batch 1, the model in ``dtype`` (None: its
+        parameters'); a constant from the first token on. The cells in float32 (float64 for a float64 model), the
+        conv buffers (the last K - 1 conv inputs) in the model's dtype:
+
+        * mLSTM block: C [1, H, d, d], n [1, H, d], m [1, H] (d = I / H), conv buffer [1, K - 1, I];
+        * sLSTM block: c, n, h, m [1, Hs, E / Hs] each, conv buffer [1, K - 1, E].
+        """
+        if not tokens:
+            return 0
+        cfg = self.config
+        numbers = model_dtype(self, dtype)
+        cell, buffer = state_dtype(numbers).itemsize, numbers.itemsize
+        inner, heads, kernel = cfg.mlstm_inner_dim, cfg.num_heads, cfg.conv_kernel_size - 1
+        d = inner // heads
+        mlstm = heads * (d * d + d + 1) * cell + kernel * inner * buffer
+        slstm = 4 * cfg.embedding_dim * cell + kernel * cfg.embedding_dim * buffer
+        return sum(mlstm if t == "m" else slstm for t in cfg.block_types)
 
     def reorder_cache(self, state: Any, index: Tensor) -> Any:
         """Select / repeat batch entries of every tensor in ``state`` (dim 0), e.g. for beam search."""
