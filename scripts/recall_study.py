@@ -54,31 +54,31 @@ ANCHOR = ("gpt", 0.99)  # the GPT must recall the easiest cell this well, or the
 LAYERS = 2
 
 
+HEAD_DIM = 32  # heads of 32 dimensions: at these widths the YAMLs' 64 would leave one or two heads
+
+
 def backbone_shape(arch: str, width: int, seq_len: int, paper_init: bool = False) -> dict:
-    """Init args of ``arch`` at ``LAYERS`` layers of ``width`` (heads of 32 dimensions) for sequences of ``seq_len``,
-    on top of its YAML (which keeps the rest: Titans' window and segment, xLSTM's backend, ...). The GPT family and
-    Titans draw their matrices N(0, 1/width) (``init_std``) unless ``paper_init``: their papers' N(0, 0.02) is
-    GPT-2's for width 768, and at width 64 it keeps a GPT on MQAR's 1/P plateau for thousands of steps
+    """Init args of ``arch`` at ``LAYERS`` layers of ``width`` for sequences of ``seq_len``: the catalogue's scaling
+    rule (``Architecture.scaled``, ltcx/models/scaling.py: the YAML's proportions) with heads of ``HEAD_DIM``. The
+    GPT family and Titans draw their matrices N(0, 1/width) (``init_std``) unless ``paper_init``: their papers'
+    N(0, 0.02) is GPT-2's for width 768, and at width 64 it keeps a GPT on MQAR's 1/P plateau for thousands of steps
     (docs/recall.md, Initialisation); the xLSTM's own init already scales with the width."""
-    heads = max(1, width // 32)
-    kv_heads = max(1, heads // 2)
-    init = {} if paper_init else dict(init_std=round(width ** -0.5, 6))
-    gpt = dict(n_layer=LAYERS, n_embd=width, n_head=heads, n_kv_head=kv_heads, block_size=seq_len, **init)
-    shapes = {
-        "gpt": gpt,
-        "ltc": {**gpt, "num_decay_modes": width // heads},
-        "gta": dict(n_layer=LAYERS, n_embd=width, n_head=heads, n_query_group=kv_heads, block_size=seq_len,
-                    key_dim=width // heads, latent_dim=width // heads, **init),
-        "xlstm": dict(num_layers=LAYERS, embedding_dim=width, signature=[1, 1], num_heads=max(1, width // 32),
-                      slstm_num_heads=max(1, width // 32), chunk_size=min(64, seq_len)),
-    }
-    titans = dict(n_layer=LAYERS, n_embd=width, n_head=heads, n_kv_head=kv_heads, mlp_hidden=2 * width,
-                  mem_heads=heads, mem_head_dim=width // heads, mem_hidden=2 * (width // heads), **init)
-    for variant in ("mag", "mac", "mal", "lmm"):
-        shapes[f"titans_{variant}"] = titans
-    if arch not in shapes:
-        fail(f"no study shape for architecture '{arch}': add it to backbone_shape in scripts/recall_study.py")
-    return shapes[arch]
+    import dataclasses
+
+    from ltcx.models.catalog import get
+
+    try:
+        entry = get(arch)
+    except KeyError as error:
+        fail(str(error.args[0]))
+    if entry.scaling is None:
+        fail(f"no study shape for architecture '{arch}': give its catalogue entry a scaling rule "
+             "(Architecture.scaling in ltcx/models/catalog.py)")
+    shape = entry.scaled(width, LAYERS, seq_len, head_dim=HEAD_DIM)
+    fields = {f.name for f in dataclasses.fields(entry.backbone_class().config_class)}
+    if not paper_init and "init_std" in fields:
+        shape["init_std"] = round(width ** -0.5, 6)
+    return shape
 
 
 def cells(grid: dict) -> list[tuple[int, int, int]]:

@@ -18,6 +18,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from ltcx.models import scaling
+from ltcx.models.scaling import Knob, ScalingRule
+
 __all__ = ["CATALOG", "CONFIG_DIR", "Architecture", "add_to_catalog", "build_configured", "build_tiny", "config_path",
            "get", "names", "shipped_config", "shipped_config_names"]
 
@@ -32,7 +35,8 @@ class Architecture:
     """One architecture: ``module.class_name`` is its backbone, ``yaml`` its config (relative to the repository
     root; ``""`` for none) and ``yaml_parameters`` the ``parameter_count()`` of that YAML's model at GPT-2's padded
     vocabulary (50,304), ``tiny`` the constructor arguments (less ``vocab_size``) of a shape whose forward takes
-    milliseconds, ``variants`` named changes of ``tiny`` that take other code paths (each one a tiny shape too)."""
+    milliseconds, ``variants`` named changes of ``tiny`` that take other code paths (each one a tiny shape too),
+    ``scaling`` how it grows with the YAML's proportions (``ltcx/models/scaling.py``; the budget search's rule)."""
 
     name: str
     module: str
@@ -41,6 +45,15 @@ class Architecture:
     tiny: dict[str, Any] = field(default_factory=dict)
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)
     yaml_parameters: int | None = None
+    scaling: ScalingRule | None = None
+
+    def scaled(self, width: int, n_layer: int, seq_len: int, **options) -> dict[str, Any]:
+        """The init_args (less ``vocab_size``) of this architecture at ``width`` x ``n_layer`` for sequences of
+        ``seq_len`` tokens, with its YAML's proportions (``options``: the rule's, e.g. ``head_dim``)."""
+        if self.scaling is None:
+            raise ValueError(f"architecture '{self.name}' has no scaling rule (Architecture.scaling in "
+                             "ltcx/models/catalog.py)")
+        return self.scaling.shape(width, n_layer, seq_len, **options)
 
     def shapes(self) -> dict[str, dict[str, Any]]:
         """``{"tiny": tiny, variant: tiny changed by it, ...}``: every tiny shape of this architecture."""
@@ -71,34 +84,47 @@ _GPT_TINY = dict(block_size=64, n_layer=2, n_head=2, n_kv_head=1, n_embd=16, bia
 _TITANS_TINY = dict(n_embd=16, n_layer=2, n_head=2, n_kv_head=1, mlp_hidden=32, window=4, segment=4, n_persistent=2,
                     mem_heads=2, mem_head_dim=8, mem_hidden=16, memory_chunk_size=4)
 
+_MLP = Knob("mlp_hidden")  # the fine knob of parameters and FLOPs
+_GQA = dict(widths=scaling.gqa_widths, depth=6)
+
+
+def _titans_rule(variant: str) -> ScalingRule:
+    return ScalingRule(scaling.titans(variant), **_GQA, knobs={"params": _MLP, "flops": _MLP,
+                                                                "state": Knob("mem_hidden")})
+
+
 _ENTRIES = [
     Architecture("gpt", "ltcx.models.gpt", "GPT", "configs/gpt.yaml", _GPT_TINY,
-                 variants={"mha_bias": dict(n_kv_head=2, bias=True)}, yaml_parameters=28_758_912),
+                 variants={"mha_bias": dict(n_kv_head=2, bias=True)}, yaml_parameters=28_758_912,
+                 scaling=ScalingRule(scaling.gpt, **_GQA, knobs={"params": _MLP, "flops": _MLP})),
     Architecture("ltc", "ltcx.models.ltc", "LTCGPT", "configs/ltc.yaml", {**_GPT_TINY, "num_decay_modes": 4},
                  variants={"all_modes": dict(num_decay_modes=8),  # as many modes as the head's 8 coordinates
                            "low_rank_controller": dict(num_decay_modes=1, controller_rank=2),
                            "mlp_controller": dict(controller_hidden_size=16)},
-                 yaml_parameters=29_104_512),
+                 yaml_parameters=29_104_512,
+                 scaling=ScalingRule(scaling.ltc, **_GQA, knobs={"params": _MLP, "flops": _MLP})),
     Architecture("xlstm", "ltcx.models.xlstm", "XLSTM", "configs/xlstm.yaml",
                  dict(embedding_dim=16, num_layers=2, signature=[1, 1], num_heads=2, slstm_num_heads=2, chunk_size=4,
                       proj_round_to=8),
                  variants={"parallel": dict(mlstm_backend="parallel"),
                            "slstm_first_untied": dict(num_layers=3, slstm_at=[0, 2], tie_embeddings=False, bias=True),
                            "exp_forget": dict(forget_gate="exp")},
-                 yaml_parameters=28_664_616),
+                 yaml_parameters=28_664_616,
+                 scaling=ScalingRule(scaling.xlstm, scaling.xlstm_widths, depth=8, depth_field="num_layers")),
     Architecture("gta", "ltcx.models.gta", "GTAGPT", "configs/gta.yaml",
                  dict(block_size=64, n_layer=2, n_head=2, n_embd=16, bias=False, key_dim=8, latent_dim=8),
                  variants={"more_groups": dict(n_head=4, n_query_group=4, n_key_head=2, n_latent_head=1, latent_dim=4),
                            "rope": dict(rope=True),
                            "no_gate_bias": dict(gate=False, bias=True, n_latent_head=2, latent_dim=8)},
-                 yaml_parameters=29_053_824),
+                 yaml_parameters=29_053_824,
+                 scaling=ScalingRule(scaling.gta, scaling.gta_widths, depth=6, knobs={"params": _MLP, "flops": _MLP})),
     *(Architecture(f"titans_{variant}", "ltcx.models.titans", "Titans", f"configs/titans_{variant}.yaml",
                    {"variant": variant, **_TITANS_TINY},
                    # memory chunks of one token (the paper's online recurrence) and of a length that does not
                    # divide the segment or the tests' lengths (MAC's segments hold whole chunks: 2 there)
                    variants={"chunk_1": dict(memory_chunk_size=1),
                              "chunk_odd": dict(memory_chunk_size=2 if variant == "mac" else 5)},
-                   yaml_parameters=parameters)
+                   yaml_parameters=parameters, scaling=_titans_rule(variant))
       for variant, parameters in (("mag", 28_753_644), ("mac", 28_755_948), ("mal", 28_773_558),
                                   ("lmm", 28_763_628))),
 ]
