@@ -241,3 +241,26 @@ def matched_table(matches: Iterable[Match]) -> str:
         rows.append(f"| {m.name} | {m.width} x {m.depth} | {m.parameters:,} | {_si(m.flops_per_token)} | "
                     f"{_si(m.state_bytes, 'B')} | {m.distance:+.2%}{mark} |")
     return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m ltcx.study.budget 30e6``: every architecture matched to the reference architecture's parameters,
+    FLOPs per token and state at that many non-embedding parameters, one table per budget."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m ltcx.study.budget", description=main.__doc__)
+    parser.add_argument("parameters", type=float, help="the reference's non-embedding parameters, e.g. 30e6")
+    parser.add_argument("--reference", default="gpt", help="the architecture whose figures are the targets")
+    parser.add_argument("--seq_len", type=int, default=512)
+    parser.add_argument("--vocab_size", type=int, default=50304)
+    args = parser.parse_args(argv)
+    reference = match_shape(args.reference, "params", args.parameters, args.seq_len, args.vocab_size)
+    for kind in KINDS:
+        target = reference.figure(kind)
+        print(f"\n{kind}: {target:,.0f} ({args.reference} at {reference.parameters:,} parameters, "
+              f"{args.seq_len} tokens)\n")
+        print(matched_table(match_shape(name, kind, target, args.seq_len, args.vocab_size) for name in catalog.names()))
+
+
+if __name__ == "__main__":
+    main()
