@@ -21,10 +21,25 @@ def export_main(argv: list[str]) -> None:
         help="the tokenizer name to record instead of the checkpoint's: gpt2, bytes or a Hugging Face hub id (the "
         "folder holds no tokenizer, and a folder name is never recorded)",
     )
+    parser.add_argument(
+        "--format", choices=["ltcx", "hf", "gpt2"], default="ltcx",
+        help="ltcx: ltcx's own folder; hf: a transformers folder for every architecture (`import ltcx.hf`, then "
+        "AutoModelForCausalLM / AutoTokenizer.from_pretrained), with the tokenizer's files and a model card; gpt2: "
+        "a GPT as GPT2LMHeadModel, which transformers loads without ltcx",
+    )
+    parser.add_argument("--license", default=None, help="--format hf/gpt2: the model card's license (a hub license id)")
     args = parser.parse_args(argv)
     if not os.path.exists(args.ckpt_path):
         raise missing_checkpoint(args.ckpt_path)
     from ltcx.persist.export import export_model  # after parsing: --help and a mistyped flag answer at once
 
+    if args.format != "ltcx":
+        from ltcx.lm import LanguageModel
+        from ltcx.persist.hf_export import export_hf
+
+        out = export_hf(args.ckpt_path, args.out, tokenizer=args.tokenizer, model_class=LanguageModel,
+                        layout=args.format, license=args.license)
+        print(f"ltcx: exported to {out}/ ({', '.join(sorted(p.name for p in out.iterdir()))})")
+        return
     out = export_model(args.ckpt_path, args.out, tokenizer=args.tokenizer)
     print(f"ltcx: exported to {out}/ ({', '.join(sorted(p.name for p in out.iterdir()))})")

@@ -51,8 +51,12 @@ class GPTConfig:
     """standard deviation of the normal draw of every matrix and embedding (residual output projections: init_std
     / sqrt(2 n_layer)); 0.02 is GPT-2's, made for width 768. Narrow models learn faster from about n_embd ** -0.5
     (docs/recall.md, Initialisation)."""
+    activation: str = "gelu"
+    """the MLP's GELU: gelu (exact, erf) or gelu_tanh (the tanh approximation GPT-2's weights were trained with)."""
 
     def __post_init__(self) -> None:
+        _require(self.activation in ("gelu", "gelu_tanh"),
+                 f"activation ({self.activation!r}) must be 'gelu' or 'gelu_tanh'")
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         _require(
@@ -141,9 +145,10 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, hidden_size, bias=config.bias)
         self.c_proj = nn.Linear(hidden_size, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
+        self.approximate = "tanh" if getattr(config, "activation", "gelu") == "gelu_tanh" else "none"  # Titans: none
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate)))
 
 
 class Block(nn.Module):
@@ -186,6 +191,16 @@ class GPT(ConfiguredModule):
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(param, mean=0.0, std=residual_std)
+
+    @classmethod
+    def from_hf(cls, folder) -> GPT:
+        """A GPT holding the weights of a GPT-2-layout folder (``GPT2LMHeadModel.save_pretrained``): multi-head, with
+        biases, its logits those of the folder's model (``ltcx/models/gpt2_layout.py``)."""
+        if cls is not GPT:
+            raise LtcxError(f"{cls.__name__}.from_hf: only GPT has GPT-2's layout")
+        from ltcx.models.gpt2_layout import gpt_from_gpt2_folder
+
+        return gpt_from_gpt2_folder(folder, GPT)
 
     def make_attention(self, config: GPTConfig) -> nn.Module:
         """The attention of one block; subclasses swap in another kind."""

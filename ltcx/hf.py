@@ -1,0 +1,272 @@
+"""transformers integration: every catalogue architecture as a ``PreTrainedModel`` + ``GenerationMixin``, without
+remote code.
+
+Importing this module registers ``LtcxConfig`` (``model_type: ltcx``) with ``AutoConfig`` and ``LtcxForCausalLM``
+with ``AutoModelForCausalLM``, so that ``import ltcx.hf; AutoModelForCausalLM.from_pretrained(folder)`` loads a
+folder written by ``ltcx export --format hf``. The code is this installed package: ``config.json`` names a catalogue
+architecture (``gpt``, ``titans_mal``, ...), resolved through ltcx's registry, never a class path or a module read
+from the file, and a config asking for code of its own (``auto_map``) is refused before anything is imported.
+
+Generation runs through the backbone's own state (a KV cache, GTA's latent cache, the xLSTM's and Titans'
+constant-size states): ``LtcxCache`` is a ``transformers`` ``Cache`` that holds that state and its length, and beam
+search reorders it with the backbone's ``reorder_cache``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from ltcx.errors import LtcxError
+from ltcx.models import catalog
+from ltcx.models.registry import class_path, resolve_backbone
+
+__all__ = ["LtcxCache", "LtcxConfig", "LtcxForCausalLM", "MODEL_TYPE", "hf_model"]
+
+MODEL_TYPE = "ltcx"
+# Keys of a config.json that would make transformers (or a reader) import code named by the file.
+_CODE_KEYS = ("auto_map", "backbone_class", "class_path", "custom_pipelines")
+
+
+class LtcxConfig(PretrainedConfig):
+    """``architecture``: a catalogue name (``ltcx.models.catalog``); ``backbone_config``: its constructor arguments
+    (the backbone's ``config_dict()``); ``tokenizer_vocab_size``: the ids the tokenizer produces, when the model's
+    vocabulary is padded past them (generation never produces the padding ids, as in ``ltcx generate``)."""
+
+    model_type = MODEL_TYPE
+
+    def __init__(self, architecture: str | None = None, backbone_config: dict | None = None,
+                 tokenizer_vocab_size: int | None = None, use_cache: bool = True, **kwargs: Any) -> None:
+        for key in _CODE_KEYS:
+            if kwargs.get(key) is not None:
+                raise LtcxError(f"this ltcx config names code of its own ({key}), which ltcx never runs: an ltcx "
+                                "model's code is the installed ltcx package; remove the key or re-export the model")
+        if architecture is not None:
+            _entry(architecture, backbone_config or {})
+        self.architecture = architecture
+        self.backbone_config = dict(backbone_config or {})
+        self.tokenizer_vocab_size = tokenizer_vocab_size
+        self.use_cache = use_cache
+        if "vocab_size" in self.backbone_config:
+            kwargs.setdefault("vocab_size", self.backbone_config["vocab_size"])
+        super().__init__(**kwargs)
+
+
+def _entry(architecture: Any, backbone_config: dict) -> catalog.Architecture:
+    """The catalogue entry ``architecture`` names, consistent with ``backbone_config`` (Titans' ``variant``); one line
+    for anything else (a class path, an unknown name)."""
+    known = ", ".join(catalog.names())
+    if not isinstance(architecture, str) or architecture not in catalog.CATALOG:
+        raise LtcxError(f"config.json names architecture {str(architecture)[:100]!r}, which is not one of ltcx's "
+                        f"(known: {known}): the folder is not an ltcx export, or needs a newer ltcx")
+    entry = catalog.get(architecture)
+    if catalog.architecture_name(entry.class_path, backbone_config) not in (None, architecture):
+        raise LtcxError(f"config.json names architecture '{architecture}' but its backbone_config is that of "
+                        f"'{catalog.architecture_name(entry.class_path, backbone_config)}': re-export the model")
+    return entry
+
+
+class LtcxCache(Cache):
+    """A ``Cache`` holding one ltcx backbone state (whatever ``backbone(idx, state)`` returns) and the number of
+    tokens it has consumed. ``reorder_cache`` (beam search) selects batch rows with the backbone's own
+    ``reorder_cache``."""
+
+    def __init__(self, state: Any = None, length: int = 0, reorder=None) -> None:
+        super().__init__(layers=[])
+        self.state, self.length, self._reorder = state, length, reorder
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.state is not None:
+            self.state = self._reorder(self.state, beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.reorder_cache(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.state is not None:
+            batch = _batch_size(self.state)
+            self.reorder_cache(torch.arange(batch).repeat_interleave(repeats))
+
+    def reset(self) -> None:
+        self.state, self.length = None, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise LtcxError("an ltcx backbone's state can not drop tokens (crop): it only moves forward")
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self.state is None else _batch_size(self.state)
+
+    def __repr__(self) -> str:
+        return f"LtcxCache(length={self.length}, state={type(self.state).__name__})"
+
+
+def _batch_size(state: Any) -> int:
+    from ltcx.models.state import map_state_tensors
+
+    sizes: list[int] = []
+    map_state_tensors(state, lambda t: sizes.append(t.shape[0]) or t)
+    return sizes[0] if sizes else -1
+
+
+class LtcxForCausalLM(PreTrainedModel, GenerationMixin):
+    """A catalogue backbone as a causal LM: ``forward(input_ids, labels=None, cache=None, use_cache=None)`` returns
+    ``CausalLMOutputWithPast`` (logits [B, T, V] as the backbone's, the mean next-token loss when ``labels`` [B, T]
+    are given, -100 ignored); ``generate`` runs on the backbone's state through ``LtcxCache``."""
+
+    config_class = LtcxConfig
+    base_model_prefix = "backbone"
+    main_input_name = "input_ids"
+    _supports_cache_class = True
+    _is_stateful = True  # no assisted generation: a state can not be rolled back
+
+    def __init__(self, config: LtcxConfig) -> None:
+        super().__init__(config)
+        if config.architecture is None:
+            raise LtcxError("this ltcx config names no architecture: load a folder written by ltcx export --format hf")
+        backbone_class = resolve_backbone(_entry(config.architecture, config.backbone_config).class_path)
+        self.backbone = backbone_class(**config.backbone_config)
+        self._tied_weights_keys = _shared_parameters(self)
+        config.tie_word_embeddings = bool(self._tied_weights_keys)
+        self._computed_buffers = _non_persistent_buffers(self)
+        if any(value.is_meta for value in self._computed_buffers.values()):
+            # from_pretrained builds on the meta device; the file holds no non-persistent buffers (GTA's identity),
+            # so their values come from a build on the CPU (its weights dropped).
+            with torch.device("cpu"):
+                self._computed_buffers = {f"backbone.{name}": value for name, value in
+                                          _non_persistent_buffers(backbone_class(**config.backbone_config)).items()}
+        self.post_init()
+
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        """The backbone initialised its weights when built, or they come from the file."""
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any):
+        """transformers' ``from_pretrained``, then the non-persistent buffers (which the file does not hold and
+        transformers leaves empty) put back as the backbone computed them."""
+        loaded = super().from_pretrained(*args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        with torch.no_grad():
+            for name, value in model._computed_buffers.items():
+                buffer = model.get_buffer(name)
+                if buffer is not value:
+                    buffer.copy_(value.to(buffer.dtype))
+        return loaded
+
+    def get_input_embeddings(self) -> torch.nn.Module | None:
+        for name in ("wte", "embedding"):
+            if isinstance(getattr(self.backbone, name, None), torch.nn.Embedding):
+                return getattr(self.backbone, name)
+        return None
+
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                cache: LtcxCache | None = None, labels: torch.LongTensor | None = None, use_cache: bool | None = None,
+                past_key_values: LtcxCache | None = None, inputs_embeds: torch.Tensor | None = None,
+                return_dict: bool | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
+        """input_ids [B, T] following ``cache``'s tokens -> logits [B, T, V] and the extended cache (``use_cache``).
+
+        attention_mask [B, P + T]: ones, or right padding (a row's ones then zeros: causal logits of the real tokens
+        do not see the padding); a zero before a one (left padding) is one line, since no ltcx backbone takes a mask."""
+        if input_ids is None or inputs_embeds is not None:
+            raise LtcxError("an ltcx model takes input_ids, not inputs_embeds")
+        cache = cache if cache is not None else past_key_values
+        if cache is not None and not isinstance(cache, LtcxCache):
+            if cache.get_seq_length() != 0:
+                raise LtcxError(f"an ltcx model runs on its own state (LtcxCache), not a {type(cache).__name__}")
+            cache = None  # an empty cache made for it (e.g. transformers' DynamicCache): start fresh
+        if attention_mask is not None and attention_mask.ndim == 2 and attention_mask.shape[1] > 1:
+            mask = attention_mask.bool()
+            if bool((~mask[:, :-1] & mask[:, 1:]).any()):
+                raise LtcxError(
+                    f"padded prompts (a zero before a one in attention_mask) need an attention mask, which no ltcx "
+                    f"backbone takes ({self.config.architecture}: its state holds every token it is fed); generate "
+                    "prompts of equal length together (one call per length), as ltcx generate does"
+                )
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        state = None if cache is None else cache.state
+        logits, state = self.backbone(input_ids, state)
+        loss = None
+        if labels is not None:
+            shifted = labels[:, 1:].to(logits.device)
+            scores = logits[:, :-1].flatten(0, 1)
+            scores = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
+            loss = F.cross_entropy(scores, shifted.flatten(), ignore_index=-100)
+        new_cache = None
+        if use_cache:
+            length = (0 if cache is None else cache.length) + input_ids.shape[1]
+            new_cache = cache if cache is not None else LtcxCache(reorder=self.backbone.reorder_cache)
+            new_cache.state, new_cache.length = state, length
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=new_cache)
+
+    def _reorder_cache(self, cache: LtcxCache, beam_idx: torch.LongTensor) -> LtcxCache:
+        cache.reorder_cache(beam_idx)
+        return cache
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the forward makes its own LtcxCache
+
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, cache: LtcxCache | None = None,
+                                      attention_mask: torch.Tensor | None = None, use_cache: bool | None = None,
+                                      **kwargs: Any) -> dict[str, Any]:
+        """Only the tokens the state has not consumed yet, with the state."""
+        cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+        if cache is not None and use_cache is not False:
+            input_ids = input_ids[:, cache.get_seq_length():]
+        else:
+            cache = None
+        return {"input_ids": input_ids.contiguous(), "cache": cache, "attention_mask": attention_mask,
+                "use_cache": use_cache}
+
+
+def _non_persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {f"{prefix}.{name}" if prefix else name: module.get_buffer(name)
+            for prefix, module in model.named_modules() for name in module._non_persistent_buffers_set}
+
+
+def _shared_parameters(model: torch.nn.Module) -> dict[str, str]:
+    """``{target: source}`` for parameters registered under several names (tied embeddings), so that
+    ``save_pretrained`` stores them once and loading ties them again."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return tied
+
+
+def hf_model(backbone: torch.nn.Module, tokenizer_vocab_size: int | None = None) -> LtcxForCausalLM:
+    """``LtcxForCausalLM`` holding a copy of ``backbone``'s weights (float32 as it is; eval mode)."""
+    name = catalog.architecture_name(class_path(type(backbone)), backbone.config_dict())
+    if name is None:
+        raise LtcxError(f"backbone class '{class_path(type(backbone))}' is not a catalogue architecture: only those "
+                        "export to transformers")
+    vocab = backbone.config_dict().get("vocab_size")
+    context = {} if backbone.max_seq_len is None else {"max_position_embeddings": backbone.max_seq_len}  # lm_eval's
+    config = LtcxConfig(architecture=name, backbone_config=backbone.config_dict(),
+                        tokenizer_vocab_size=tokenizer_vocab_size if tokenizer_vocab_size != vocab else None, **context)
+    model = LtcxForCausalLM(config)
+    model.backbone.load_state_dict(backbone.state_dict())
+    return model.eval()
+
+
+AutoConfig.register(MODEL_TYPE, LtcxConfig, exist_ok=True)
+AutoModelForCausalLM.register(LtcxConfig, LtcxForCausalLM, exist_ok=True)

@@ -1,0 +1,173 @@
+"""Every catalogue architecture in transformers (``ltcx/hf.py``, ``ltcx export --format hf``): the exported folder
+loads with ``AutoModelForCausalLM`` / ``AutoTokenizer`` offline and without remote code, its logits are the backbone's
+(float64), greedy ``generate`` is ``ltcx generate``'s, sampling and beam search run on the backbone's state; a folder
+asking for code of its own is refused and runs none; lm_eval's own ``hf`` model scores as ``ltcx lm-eval`` does."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+import ltcx.hf  # noqa: F401 - registers the ltcx architectures
+from helpers import write_model_checkpoint
+from ltcx.cli import main
+from ltcx.errors import LtcxError
+from ltcx.generation import generate as ltcx_generate
+from ltcx.models.catalog import CATALOG
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB, TOKENIZER_VOCAB, EOT = 320, 257, 256  # the bytes tokenizer's 257 ids, padded to 320
+EXPORTED = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "README.md"}
+
+
+def exported(tmp_path, name: str, seed: int = 0):
+    """(backbone, checkpoint, folder): a tiny ``name`` backbone's checkpoint exported with ``--format hf``."""
+    torch.manual_seed(seed)
+    backbone = CATALOG[name].build_tiny(VOCAB).eval()
+    checkpoint = write_model_checkpoint(tmp_path / f"{name}.ckpt", backbone)
+    folder = tmp_path / f"{name}-hf"
+    main(["export", "--ckpt_path", str(checkpoint), "--out", str(folder), "--format", "hf"])
+    return backbone, checkpoint, folder
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+@torch.no_grad()
+def test_every_architecture_loads_generates_and_round_trips_in_transformers(tmp_path, capsys, name):
+    backbone, checkpoint, folder = exported(tmp_path, name)
+    assert {p.name for p in folder.iterdir()} == EXPORTED
+    card = (folder / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers\n") and f"- {name}\n" in card and "license: " in card
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert type(model).__name__ == "LtcxForCausalLM" and model.dtype == torch.float32
+    assert tokenizer.encode("héllo <|endoftext|>") == list("héllo <|endoftext|>".encode())  # the bytes tokenizer
+
+    # logits: the backbone's, in float64, whole and in pieces through the cache; the loss from labels
+    ids = torch.randint(0, TOKENIZER_VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+    reference = backbone.double()(ids)[0]
+    model64 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    out = model64(ids, labels=ids)
+    torch.testing.assert_close(out.logits, reference, rtol=0, atol=1e-12)
+    expected_loss = torch.nn.functional.cross_entropy(reference[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    assert math.isclose(out.loss.item(), expected_loss.item(), rel_tol=1e-12)
+    first = model64(ids[:, :6], use_cache=True)
+    second = model64(ids[:, 6:], cache=first.cache, use_cache=True)
+    assert second.cache.get_seq_length() == 11
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), reference, rtol=0, atol=1e-12)
+    backbone.float()
+
+    # greedy generate: ltcx generate's tokens (its sampling loop) and text (the command)
+    prompt = tokenizer("The cat", return_tensors="pt").input_ids
+    hf_ids = model.generate(prompt, max_new_tokens=8, do_sample=False)[0, prompt.shape[1]:].tolist()
+    ours = ltcx_generate(backbone, prompt, 8, temperature=0, stop_token=EOT, vocab_limit=TOKENIZER_VOCAB)
+    assert hf_ids == ours[0, prompt.shape[1]:].tolist()
+    capsys.readouterr()
+    main(["generate", "--ckpt_path", str(checkpoint), "--prompt", "The cat", "--max_new_tokens", "8",
+          "--temperature", "0"])
+    stopped = hf_ids[:hf_ids.index(EOT)] if EOT in hf_ids else hf_ids
+    assert capsys.readouterr().out == "The cat" + tokenizer.decode(stopped) + "\n"
+
+    # sampling, batched (equal-length prompts, several samples each); the padding ids never come out
+    prompts = torch.tensor([list(b"Once"), list(b"Onto")])
+    sampled = model.generate(prompts, do_sample=True, top_k=20, max_new_tokens=5, num_return_sequences=2)
+    assert sampled.shape[0] == 4 and sampled.shape[1] <= 9 and int(sampled.max()) < TOKENIZER_VOCAB
+
+    # beam search reorders the state: the best beam's score is its tokens' log-probabilities from a full forward
+    beams = model64.generate(prompts[:1], generation_config=GenerationConfig(
+        num_beams=3, max_new_tokens=4, length_penalty=0.0, pad_token_id=EOT, output_scores=True,
+        return_dict_in_generate=True, suppress_tokens=list(range(TOKENIZER_VOCAB, VOCAB))))
+    sequence = beams.sequences[:1]
+    log_probs = torch.log_softmax(model64(sequence).logits[0, 3:-1], -1)
+    assert math.isclose(beams.sequences_scores[0].item(),
+                        log_probs.gather(1, sequence[0, 4:, None]).sum().item(), rel_tol=1e-6)  # scores: float32
+
+    # save_pretrained then from_pretrained: the same model
+    model.save_pretrained(tmp_path / "again")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "again")
+    torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_left_padded_prompts_are_one_line(tmp_path):
+    _, _, folder = exported(tmp_path, "gpt")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    ids = torch.tensor([[EOT, EOT, 65, 66], [67, 68, 69, 70]])
+    with pytest.raises(LtcxError) as error:
+        model.generate(ids, attention_mask=(ids != EOT).long(), max_new_tokens=2)
+    assert str(error.value).startswith("padded prompts (a zero before a one in attention_mask) need an attention mask")
+    assert "\n" not in str(error.value)
+    # right padding (lm_eval's batches) leaves the real tokens' logits as they are
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    torch.testing.assert_close(model(ids, attention_mask=mask).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("change", ["unknown architecture", "class path", "auto_map"])
+def test_config_naming_code_is_refused_and_runs_none(tmp_path, change):
+    _, _, folder = exported(tmp_path, "gpt")
+    marker = tmp_path / "pwned"
+    (folder / "evil.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n\n"
+        "from transformers import PreTrainedModel, PretrainedConfig\n\n\n"
+        "class EvilConfig(PretrainedConfig):\n    model_type = 'ltcx'\n\n\n"
+        "class EvilModel(PreTrainedModel):\n    config_class = EvilConfig\n"
+    )
+    config = json.loads((folder / "config.json").read_text())
+    if change == "unknown architecture":
+        config["architecture"] = "mamba"
+        expected = "config.json names architecture 'mamba', which is not one of ltcx's (known: gpt, gta, ltc, "
+    elif change == "class path":
+        config["architecture"] = "evil.EvilModel"
+        expected = "config.json names architecture 'evil.EvilModel', which is not one of ltcx's"
+    else:
+        config["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}
+        expected = "this ltcx config names code of its own (auto_map), which ltcx never runs"
+    (folder / "config.json").write_text(json.dumps(config))
+    for load in (AutoModelForCausalLM.from_pretrained, ltcx.hf.LtcxForCausalLM.from_pretrained):
+        with pytest.raises(LtcxError) as error:
+            load(folder)
+        assert str(error.value).startswith(expected) and "\n" not in str(error.value)
+    assert not marker.exists()
+
+
+def test_export_hf_errors_are_one_line(tmp_path, capsys):
+    from helpers import one_error_line
+
+    backbone, checkpoint, folder = exported(tmp_path, "gpt")
+    line = one_error_line(["export", "--ckpt_path", str(checkpoint), "--out", str(folder), "--format", "hf"], capsys)
+    assert line == f"ltcx: error: '{folder}' already exists and is not an empty folder: pass --out a new folder"
+
+
+def test_lm_eval_hf_model_scores_as_ltcx_lm_eval(tmp_path):
+    """lm_eval's own ``hf`` model on the exported folder and ``ltcx lm-eval``'s adapter on the checkpoint give the
+    same per-sample log-likelihoods on a local multiple-choice task (float64 both)."""
+    lm_eval = pytest.importorskip("lm_eval")
+    pytest.importorskip("accelerate", reason="lm_eval's hf model imports accelerate, which is not in requirements.txt")
+    from lm_eval.tasks import TaskManager
+
+    from ltcx.eval.harness import LtcxLM
+    from ltcx.tokenizers import get_tokenizer
+    from test_harness import write_tasks
+
+    backbone, _, folder = exported(tmp_path, "gpt")
+    tasks = TaskManager(include_path=str(write_tasks(tmp_path / "tasks")), include_defaults=False)
+
+    def per_sample(model) -> list:
+        results = lm_eval.simple_evaluate(model=model, tasks=["ltcx_tiny_choice"], task_manager=tasks,
+                                          log_samples=True, bootstrap_iters=0, batch_size=2)
+        # resps: per choice [(log-likelihood, is_greedy)]
+        return [[(float(r[0][0]), bool(r[0][1])) for r in sample["resps"]]
+                for sample in results["samples"]["ltcx_tiny_choice"]]
+
+    from lm_eval.models.huggingface import HFLM
+
+    theirs = per_sample(HFLM(pretrained=str(folder), dtype="float64", batch_size=2, device="cpu"))
+    ours = per_sample(LtcxLM(backbone.double(), get_tokenizer("bytes"), batch_size=2))
+    assert len(ours) == 5 and all(len(a) == len(b) for a, b in zip(ours, theirs))
+    for a, b in zip(ours, theirs):
+        assert [greedy for _, greedy in a] == [greedy for _, greedy in b]
+        assert [ll for ll, _ in a] == pytest.approx([ll for ll, _ in b], rel=1e-9, abs=1e-9)
