@@ -1,13 +1,13 @@
 """LanguageModel: one LightningModule for every backbone that keeps the contract
 ``logits [B, T, V], state = backbone(idx [B, T], state=None)``.
 
-A batch is either a block ``LongTensor[B, T + 1]`` (text: every next token is a target) or a pair
-``(inputs LongTensor[B, T], targets LongTensor[B, T])`` whose targets are ``IGNORE_INDEX`` where nothing is asked
-(a recall task, ``ltcx/data/mqar.py``): the loss covers the targets asked, and validation then also logs
-``val/recall_acc``, the fraction of them predicted exactly (argmax)."""
+A batch is a block or an ``(inputs, targets)`` pair (``ltcx.batches``): the loss covers the targets asked, and a
+pair's validation also logs ``val/recall_acc``, the fraction of them predicted exactly (argmax). Loading a file is
+``ltcx.persist``'s, handed the class to build (``load_from_checkpoint``, ``from_pretrained``)."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 import time
@@ -20,20 +20,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
+from ltcx.batches import IGNORE_INDEX, split_batch
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.registry import Backbone, class_path
 from ltcx.sharding import shard_backbone, unsharded_class
 
-IGNORE_INDEX = -100  # a target nothing is asked of: left out of the loss and the accuracy (F.cross_entropy's default)
-
-
-def split_batch(batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch -> ``(inputs [B, T], targets [B, T])``: a block ``[B, T + 1]`` is cut one token apart (targets are
-    the next tokens); an ``(inputs, targets)`` pair is returned as it is."""
-    if isinstance(batch, torch.Tensor):
-        return batch[:, :-1], batch[:, 1:]
-    inputs, targets = batch
-    return inputs, targets
+__all__ = ["LanguageModel", "lr_at_step", "weight_decay_groups", "IGNORE_INDEX", "split_batch"]
 
 
 def lr_at_step(step: int, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:
@@ -57,31 +49,6 @@ def weight_decay_groups(backbone: nn.Module) -> tuple[list[str], list[str]]:
             continue
         (decay if param.dim() >= 2 and name not in exempt else no_decay).append(name)
     return decay, no_decay
-
-
-def setting_problem(settings: dict[str, Any]) -> tuple[str, str, str] | None:
-    """The first of LanguageModel's settings (``settings`` holds each of learning_rate, min_lr, warmup_steps,
-    decay_steps, weight_decay, betas and eps) that breaks its rule, as (name, value as a user types it, rule); None
-    when all hold. AdamW would refuse some mid-start with a traceback and accept others (a negative weight decay);
-    the CLI also asks it of a resumed checkpoint's settings, to name the file."""
-    lr, betas = settings["learning_rate"], settings["betas"]
-    betas_ok = isinstance(betas, (list, tuple)) and len(betas) == 2 and all(
-        isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)
-    checks = [
-        (0 < lr < math.inf, "learning_rate", lr, "must be a positive number"),
-        (0 <= settings["min_lr"] <= lr, "min_lr", settings["min_lr"], f"must be in [0, model.learning_rate={lr}]"),
-        (settings["warmup_steps"] >= 0, "warmup_steps", settings["warmup_steps"], "must be >= 0"),
-        (settings["decay_steps"] is None or settings["decay_steps"] >= 1, "decay_steps", settings["decay_steps"],
-         "must be >= 1 (null: max_steps)"),
-        (0 <= settings["weight_decay"] < math.inf, "weight_decay", settings["weight_decay"], "must be >= 0"),
-        (betas_ok, "betas", betas, "must be two numbers in [0, 1), such as [0.9, 0.95]"),
-        (0 < settings["eps"] < math.inf, "eps", settings["eps"], "must be a positive number, such as 1e-8"),
-    ]
-    for ok, key, value, rule in checks:
-        if not ok:
-            shown = "[" + ", ".join(str(v) for v in value) + "]" if isinstance(value, (list, tuple)) else str(value)
-            return key, shown, rule
-    return None
 
 
 class LanguageModel(L.LightningModule):
@@ -113,7 +80,7 @@ class LanguageModel(L.LightningModule):
         compile: bool = False,
     ) -> None:
         super().__init__()
-        problem = setting_problem(dict(learning_rate=learning_rate, min_lr=min_lr, warmup_steps=warmup_steps,
+        problem = self.setting_problem(dict(learning_rate=learning_rate, min_lr=min_lr, warmup_steps=warmup_steps,
                                        decay_steps=decay_steps, weight_decay=weight_decay, betas=betas, eps=eps))
         if problem:
             key, value, rule = problem
@@ -131,6 +98,34 @@ class LanguageModel(L.LightningModule):
         # The tokenizer name the checkpoint or export this model was loaded from holds: used by ``generate`` only
         # through ``stored_tokenizer_name`` (a file never chooses a folder of this machine).
         self.saved_tokenizer: Any = None
+
+    @staticmethod
+    def setting_problem(settings: dict[str, Any]) -> tuple[str, str, str] | None:
+        """The first of the settings (learning_rate, min_lr, warmup_steps, decay_steps, weight_decay, betas, eps; one
+        missing from ``settings`` is its default) that breaks its rule, as (name, value as a user types it, rule); None
+        when all hold. AdamW would refuse some mid-start with a traceback and accept others (a negative weight decay);
+        a file's settings are asked too (``ltcx.persist``, a resumed checkpoint's), to name the file."""
+        defaults = {n: p.default for n, p in inspect.signature(LanguageModel.__init__).parameters.items()
+                    if p.default is not inspect.Parameter.empty}
+        settings = {**defaults, **settings}
+        lr, betas = settings["learning_rate"], settings["betas"]
+        betas_ok = isinstance(betas, (list, tuple)) and len(betas) == 2 and all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)
+        checks = [
+            (0 < lr < math.inf, "learning_rate", lr, "must be a positive number"),
+            (0 <= settings["min_lr"] <= lr, "min_lr", settings["min_lr"], f"must be in [0, model.learning_rate={lr}]"),
+            (settings["warmup_steps"] >= 0, "warmup_steps", settings["warmup_steps"], "must be >= 0"),
+            (settings["decay_steps"] is None or settings["decay_steps"] >= 1, "decay_steps", settings["decay_steps"],
+             "must be >= 1 (null: max_steps)"),
+            (0 <= settings["weight_decay"] < math.inf, "weight_decay", settings["weight_decay"], "must be >= 0"),
+            (betas_ok, "betas", betas, "must be two numbers in [0, 1), such as [0.9, 0.95]"),
+            (0 < settings["eps"] < math.inf, "eps", settings["eps"], "must be a positive number, such as 1e-8"),
+        ]
+        for ok, key, value, rule in checks:
+            if not ok:
+                shown = "[" + ", ".join(str(v) for v in value) + "]" if isinstance(value, (list, tuple)) else str(value)
+                return key, shown, rule
+        return None
 
     # -- model ---------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -425,13 +420,15 @@ class LanguageModel(L.LightningModule):
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path, map_location=None, hparams_file=None, strict=None, **kwargs):
         """Lightning's usual call: the model of a checkpoint written by ``ltcx fit`` (or a folder written by
-        ``ltcx export``), read as data and rebuilt through ltcx's backbone registry (``load_language_model``);
-        ``kwargs`` override saved hyper-parameters. In train mode, as Lightning returns it."""
-        from ltcx.persist.load import load_language_model  # persist builds LanguageModels: imported when called
+        ``ltcx export``), read as data and rebuilt through ltcx's backbone registry (``load_language_model``) as an
+        instance of this class (a subclass's call returns the subclass); ``kwargs`` override saved hyper-parameters.
+        In train mode, as Lightning returns it."""
+        from ltcx.persist.load import load_language_model
 
         if hparams_file is not None:
             raise LtcxError("hparams_file is not used: an ltcx checkpoint carries its own configuration")
-        model, _ = load_language_model(checkpoint_path, map_location="cpu" if map_location is None else map_location)
+        model, _ = load_language_model(checkpoint_path, model_class=cls,
+                                       map_location="cpu" if map_location is None else map_location)
         if kwargs:
             rebuilt = cls(model.backbone, **{**dict(model.hparams), **kwargs})
             rebuilt.tokens_seen, rebuilt.saved_tokenizer = model.tokens_seen, model.saved_tokenizer
@@ -440,10 +437,11 @@ class LanguageModel(L.LightningModule):
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, map_location: str | torch.device = "cpu") -> LanguageModel:
-        """The model of a folder written by ``ltcx export`` (weights-only safetensors + config.json), in eval mode."""
-        from ltcx.persist.export import load_exported
+        """The model of a folder written by ``ltcx export`` (weights-only safetensors + config.json), an instance of
+        this class, in eval mode."""
+        from ltcx.persist.load import load_exported
 
-        return load_exported(folder, map_location=map_location)[0]
+        return load_exported(folder, model_class=cls, map_location=map_location)[0]
 
     # -- checkpoints ---------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -462,14 +460,3 @@ class LanguageModel(L.LightningModule):
         self._checkpoint_decay_steps = meta.get("decay_steps")
         if self.decay_steps is not None and self._trainer is not None:  # optimizers already configured
             self.decay_steps = self._schedule_end()
-
-
-
-def __getattr__(name: str):
-    """``from ltcx.lm import load_language_model`` (as the README shows) still works: the loaders live in
-    ``ltcx.persist``, which imports this module, so they are looked up there when asked for, not imported above."""
-    if name in ("load_language_model", "load_exported", "export_model"):
-        import ltcx.persist
-
-        return getattr(ltcx.persist, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

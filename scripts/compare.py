@@ -174,10 +174,11 @@ def measure_checkpoint(checkpoint: Path, block_size: int) -> dict:
     figures no load changes (speeds come from the timing pass)."""
     import torch
 
+    from ltcx.lm import LanguageModel
     from ltcx.models.state import map_state_tensors
     from ltcx.persist import load_language_model
 
-    model, _ = load_language_model(checkpoint)
+    model, _ = load_language_model(checkpoint, model_class=LanguageModel)
     backbone = model.backbone
     vocab = backbone.config.vocab_size  # every ltcx backbone has a config with its vocabulary
     generator = torch.Generator().manual_seed(0)
@@ -256,6 +257,7 @@ def timing_pass(out: Path, checkpoints: dict[str, Path], args) -> dict:
     import torch
 
     from ltcx.cli.threads import usable_cores
+    from ltcx.lm import LanguageModel
     from ltcx.persist import load_language_model
 
     device = torch.device(args.timing_device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -274,7 +276,7 @@ def timing_pass(out: Path, checkpoints: dict[str, Path], args) -> dict:
             return stored
     print(f"compare: timing pass: {len(checkpoints)} models interleaved, {args.timing_rounds} rounds on {device}",
           flush=True)
-    backbones = {model: load_language_model(path, map_location=device)[0].backbone.to(device)
+    backbones = {model: load_language_model(path, model_class=LanguageModel, map_location=device)[0].backbone.to(device)
                  for model, path in checkpoints.items()}
     speeds, loads = interleaved_timings(
         backbones, args.batch_size, args.block_size, device, args.timing_rounds,

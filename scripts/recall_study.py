@@ -116,9 +116,10 @@ def run_one(arch: str, cell: tuple[int, int, int], lr: float, grid: dict, out: P
     losses = compare.read_logs(run_root, "val/loss")
     if not curve:
         fail(f"{label} logged no val/recall_acc; see {run_root / 'run.log'}")
+    from ltcx.lm import LanguageModel
     from ltcx.persist import load_language_model
 
-    params = load_language_model(checkpoint)[0].backbone.parameter_count()
+    params = load_language_model(checkpoint, model_class=LanguageModel)[0].backbone.parameter_count()
     result = {
         "arch": arch, "seq_len": seq_len, "pairs": pairs, "width": width, "lr": lr, "steps": steps,
         "recall_acc": curve[-1][1], "val_loss": losses[-1][1] if losses else None,

@@ -58,7 +58,7 @@ def files(tmp_path_factory):
         patch.setattr(sys, "argv", ["ltcx"])
         main(lean_fit_args(root, data, *BYTES, "--trainer.max_steps", "1", "--trainer.default_root_dir", str(root)))
     checkpoint = root / "checkpoints/gpt/version_0/last.ckpt"
-    return checkpoint, export_model(checkpoint, root / "exported"), data
+    return checkpoint, export_model(checkpoint, root / "exported", model_class=LanguageModel), data
 
 
 def resume_args(tmp_path: Path, data: Path, *extra: str) -> list[str]:
@@ -173,7 +173,7 @@ def test_a_model_larger_than_memory_is_refused_before_building(tmp_path, files, 
     checkpoint["ltcx"]["backbone_config"] = config
     path = tmp_path / "views.ckpt"
     torch.save(checkpoint, path)
-    monkeypatch.setattr("ltcx.persist.fit.memory_limit", lambda: 64 * 2**30)
+    monkeypatch.setattr("ltcx.persist.file_fits.memory_limit", lambda: 64 * 2**30)
     line = one_error_line(["generate", "--ckpt_path", str(path)], capsys)
     count = sum(math.prod(s) for k, s in shapes.items() if k != "backbone.lm_head.weight")  # tied to the embedding
     assert line == (f"ltcx: error: checkpoint '{path}' holds a model of {count:,} parameters, "

@@ -13,6 +13,7 @@ from helpers import (
     one_error_line,
 )
 from ltcx.cli import main
+from ltcx.lm import LanguageModel
 from ltcx.models.gpt import GPT
 from ltcx.persist import atomic_save, load_language_model
 
@@ -165,7 +166,7 @@ def test_generate_device_cuda_without_cuda(capsys, checkpoint):
 def test_generate_reads_a_good_checkpoint(capsys, checkpoint):
     main(["generate", "--ckpt_path", str(checkpoint), "--prompt", "ab", "--max_new_tokens", "4", "--seed", "0"])
     assert capsys.readouterr().out.startswith("ab")
-    model, meta = load_language_model(checkpoint)
+    model, meta = load_language_model(checkpoint, model_class=LanguageModel)
     assert type(model.backbone) is GPT and meta["tokenizer"] == "bytes"
 
 

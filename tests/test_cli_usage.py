@@ -175,7 +175,7 @@ def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path, monkeypatch, cap
 def test_lightning_load_from_checkpoint(tmp_path):
     path = write_checkpoint(tmp_path / "model.ckpt")
     model = LanguageModel.load_from_checkpoint(path)
-    reference, _ = load_language_model(path)
+    reference, _ = load_language_model(path, model_class=LanguageModel)
     assert type(model.backbone) is GPT and model.training
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
     assert LanguageModel.load_from_checkpoint(str(path), learning_rate=1e-3).hparams.learning_rate == 1e-3
@@ -204,7 +204,7 @@ def test_export_is_weights_only_and_reloads_in_one_call(tmp_path, capsys):
     assert config["global_step"] == 3
 
     model = LanguageModel.from_pretrained(out)
-    reference, _ = load_language_model(path)
+    reference, _ = load_language_model(path, model_class=LanguageModel)
     idx = torch.randint(0, 256, (2, 9))
     assert not model.training and torch.equal(model(idx)[0], reference(idx)[0])
     generated = []
@@ -305,7 +305,8 @@ def test_a_checkpoint_folder_means_its_latest_runs_last_ckpt(tmp_path, capsys):
         (folder / f"version_{version}").mkdir(parents=True)
         write_checkpoint(folder / f"version_{version}/last.ckpt", tokenizer=tokenizer)
     (folder / "version_11").mkdir()  # a run that saved nothing (yet)
-    assert load_language_model(folder)[1]["tokenizer"] == "gpt2"  # version_10, not version_2 (numeric order)
+    # version_10, not version_2 (numeric order)
+    assert load_language_model(folder, model_class=LanguageModel)[1]["tokenizer"] == "gpt2"
     write_checkpoint(folder / "version_10/last-v1.ckpt")
     line = one_error_line(["generate", "--ckpt_path", str(folder)], capsys)
     assert line == (f"ltcx: error: '{folder}' is a folder with several runs' last checkpoints ({folder}/version_10/"

@@ -84,12 +84,13 @@ def test_evaluate_scores_several_models_up_to_their_lengths(tmp_path, capsys):
     """A GPT (context limit 64: says so in one line and stops there) and an exported xLSTM trained on 32-token blocks
     (no limit: runs to 4 x 32) in one call; the JSON's losses are those of ``position_loss`` on the same text."""
     from ltcx.cli import main
+    from ltcx.lm import LanguageModel
     from ltcx.persist import export_model, load_language_model
 
     gpt = write_checkpoint(tmp_path / "gpt.ckpt")
     torch.manual_seed(0)
     xlstm = write_model_checkpoint(tmp_path / "xlstm.ckpt", build_tiny("xlstm", VOCAB), train_block_size=32)
-    export_model(xlstm, tmp_path / "xlstm-export")
+    export_model(xlstm, tmp_path / "xlstm-export", model_class=LanguageModel)
     capsys.readouterr()
     out = tmp_path / "eval"
     main(["evaluate", "--ckpt_path", str(gpt), "--ckpt_path", str(tmp_path / "xlstm-export"), "--data.path", "sample",
@@ -112,13 +113,13 @@ def test_evaluate_scores_several_models_up_to_their_lengths(tmp_path, capsys):
 
     data = TextDataModule(path="sample", tokenizer="bytes", block_size=128, batch_size=3, val_batches=1)
     blocks = next(iter(data.val_dataloader()))
-    model, _ = load_language_model(tmp_path / "xlstm-export")
+    model, _ = load_language_model(tmp_path / "xlstm-export", model_class=LanguageModel)
     expected = position_loss(model.backbone, [blocks], length=128)
     assert math.isclose(xlstm_result["mean_loss"], expected.mean(), rel_tol=1e-6)
     for span in xlstm_result["spans"]:
         assert math.isclose(span["loss"], expected.mean(span["start"], span["end"]), rel_tol=1e-6)
     assert math.isclose(gpt_result["mean_loss"], position_loss(
-        load_language_model(gpt)[0].backbone, [blocks], length=64).mean(), rel_tol=1e-6)
+        load_language_model(gpt, model_class=LanguageModel)[0].backbone, [blocks], length=64).mean(), rel_tol=1e-6)
 
 
 @pytest.mark.parametrize(

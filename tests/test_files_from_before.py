@@ -25,7 +25,7 @@ def prompt_ids() -> torch.Tensor:
 
 
 def test_checkpoint_loads_with_the_same_numbers():
-    model, meta = load_language_model(CHECKPOINT)
+    model, meta = load_language_model(CHECKPOINT, model_class=LanguageModel)
     assert meta["backbone_class"] == "ltcx.models.gpt.GPT" and meta["tokenizer"] == "bytes"
     with torch.no_grad():
         logits, _ = model.backbone(prompt_ids())

@@ -182,7 +182,7 @@ def test_model_generate_text_in_text_out(tmp_path, capsys):
     from ltcx.persist import export_model
 
     checkpoint = write_checkpoint(tmp_path / "model.ckpt")
-    exported = LanguageModel.from_pretrained(export_model(checkpoint, tmp_path / "export"))
+    exported = LanguageModel.from_pretrained(export_model(checkpoint, tmp_path / "export", model_class=LanguageModel))
     for model in (LanguageModel.load_from_checkpoint(checkpoint), exported):
         one = model.generate("The cat", 16, temperature=0)
         both = model.generate(["The cat", "A dog ran"], 16, temperature=0)

@@ -71,11 +71,48 @@ def test_compile_keeps_checkpoint_keys():
 
 def test_load_language_model_errors(tmp_path):
     with pytest.raises(LtcxError, match="does not exist"):
-        load_language_model(tmp_path / "missing.ckpt")
+        load_language_model(tmp_path / "missing.ckpt", model_class=LanguageModel)
     junk = tmp_path / "junk.ckpt"
     junk.write_text("not a checkpoint")
     with pytest.raises(LtcxError, match="could not be read"):
-        load_language_model(junk)
+        load_language_model(junk, model_class=LanguageModel)
     torch.save({"state_dict": {}}, tmp_path / "foreign.ckpt")
     with pytest.raises(LtcxError, match="not written by ltcx"):
-        load_language_model(tmp_path / "foreign.ckpt")
+        load_language_model(tmp_path / "foreign.ckpt", model_class=LanguageModel)
+
+
+class Mine(LanguageModel):
+    """A user's subclass that changes nothing ltcx reads."""
+
+
+class Smoothed(LanguageModel):
+    """A user's subclass with a setting of its own, passing LanguageModel's on."""
+
+    def __init__(self, backbone, label_smoothing: float = 0.0, **kwargs):
+        super().__init__(backbone, **kwargs)
+
+
+def test_a_subclass_loads_as_itself(tmp_path):
+    """``load_from_checkpoint`` / ``from_pretrained`` called on a subclass return that subclass (the class is handed
+    to ltcx.persist, which builds it), with the file's weights and settings; on LanguageModel, a LanguageModel."""
+    from helpers import write_checkpoint
+    from ltcx.persist import export_model
+
+    path = write_checkpoint(tmp_path / "good.ckpt")
+    stored = torch.load(path, weights_only=True)["state_dict"]
+    plain = LanguageModel.load_from_checkpoint(path)
+    mine = Mine.load_from_checkpoint(path)
+    changed = Mine.load_from_checkpoint(path, learning_rate=1e-3)
+    exported = Mine.from_pretrained(export_model(path, tmp_path / "export", model_class=Mine))
+    assert type(plain) is LanguageModel
+    assert type(mine) is Mine and type(changed) is Mine and type(exported) is Mine
+    assert changed.hparams.learning_rate == 1e-3 and mine.hparams.warmup_steps == 2
+    for model in (mine, changed, exported):
+        assert all(torch.equal(value, stored[name]) for name, value in model.state_dict().items())
+
+    own = Smoothed(GPT(block_size=64, vocab_size=320, n_layer=1, n_head=2, n_kv_head=1, n_embd=32),
+                   label_smoothing=0.1, warmup_steps=2)
+    torch.save({**torch.load(path, weights_only=True), "hyper_parameters": dict(own.hparams),
+                "state_dict": own.state_dict()}, tmp_path / "smoothed.ckpt")
+    loaded = Smoothed.load_from_checkpoint(tmp_path / "smoothed.ckpt")
+    assert type(loaded) is Smoothed and loaded.hparams.label_smoothing == 0.1 and loaded.hparams.warmup_steps == 2

@@ -36,7 +36,7 @@ from ltcx.ops.mlstm_kernels import (
     padded_length,
 )
 from ltcx.ops.naive.mlstm import mlstm_parallel_naive
-from ltcx.persist.fit import check_same_backbone
+from ltcx.persist.file_fits import check_same_backbone
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
 

@@ -203,6 +203,7 @@ def test_saved_files_have_the_permissions_the_umask_gives(tmp_path, umask):
     """Checkpoints, copies, exports and prepared shards are readable as any file the user writes (0o666 less the
     umask): safetensors writes through a 0o600 temp file, which would make an exported model private."""
     from ltcx.data.shard_format import write_json, write_shard
+    from ltcx.lm import LanguageModel
     from ltcx.persist import atomic_copy, export_model
     from ltcx.persist.files import current_umask
 
@@ -211,7 +212,7 @@ def test_saved_files_have_the_permissions_the_umask_gives(tmp_path, umask):
     atomic_save({"w": torch.ones(3)}, tmp_path / "a.ckpt")
     atomic_copy(str(tmp_path / "a.ckpt"), str(tmp_path / "last.ckpt"))
     SafeCheckpointIO().save_checkpoint({"ltcx": {}, "w": torch.ones(3)}, str(tmp_path / "b.ckpt"))
-    export = export_model(write_checkpoint(tmp_path / "good.ckpt"), tmp_path / "export")
+    export = export_model(write_checkpoint(tmp_path / "good.ckpt"), tmp_path / "export", model_class=LanguageModel)
     write_shard(str(tmp_path / "shard.bin"), torch.arange(5).numpy().astype("uint16"), 1)
     write_json(str(tmp_path / "meta.json"), {})
     written = [tmp_path / name for name in ("a.ckpt", "last.ckpt", "b.ckpt", "shard.bin", "meta.json")]

@@ -29,6 +29,7 @@ from helpers import (
     step_and_weights,
     write_corpus,
 )
+from ltcx.lm import LanguageModel
 from ltcx.persist import export_model, load_exported, read_checkpoint
 
 F32_REL = 1e-5  # float32: the same sums in another order (all-reduce vs reduce-scatter)
@@ -125,7 +126,8 @@ def test_fsdp_fit_matches_ddp_and_its_checkpoint_loads_in_one_process(tmp_path, 
                                        atol=1e-4 * ddp_adam["state"][number][key].abs().max().item())
 
     assert_generates(last["fsdp"], capsys)
-    model, _ = load_exported(export_model(last["fsdp"], tmp_path / "exported"))
+    model, _ = load_exported(export_model(last["fsdp"], tmp_path / "exported", model_class=LanguageModel),
+                             model_class=LanguageModel)
     exported = model.backbone.state_dict()
     assert all(torch.equal(value, fsdp_weights[f"backbone.{key}"]) for key, value in exported.items())
 

@@ -44,7 +44,8 @@ def custom_code_tokenizer(folder: Path, marker: Path) -> Path:
 
 def export_naming(tmp_path: Path, tokenizer: str) -> Path:
     """A folder written by `ltcx export` whose config.json was then edited to name ``tokenizer``."""
-    folder = export_model(write_checkpoint(tmp_path / "for-export.ckpt"), tmp_path / "export")
+    folder = export_model(write_checkpoint(tmp_path / "for-export.ckpt"), tmp_path / "export",
+                          model_class=LanguageModel)
     config = json.loads((folder / "config.json").read_text())
     config["tokenizer"] = tokenizer
     (folder / "config.json").write_text(json.dumps(config))
@@ -118,7 +119,7 @@ def test_export_never_records_a_tokenizer_folder(tmp_path, capsys):
     assert line == (f"ltcx: error: --tokenizer '{folder}', which is a path on this machine: an export names only "
                     "gpt2, bytes or a Hugging Face hub id")
     assert not (tmp_path / "out").exists()
-    export_model(checkpoint, tmp_path / "out", tokenizer="some-org/my-tokenizer")
+    export_model(checkpoint, tmp_path / "out", tokenizer="some-org/my-tokenizer", model_class=LanguageModel)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["tokenizer"] == "some-org/my-tokenizer"
 
 

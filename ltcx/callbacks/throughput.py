@@ -10,8 +10,8 @@ import time
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from ltcx.batches import split_batch
 from ltcx.errors import LtcxError
-from ltcx.lm import split_batch
 from ltcx.throughput import default_peak_flops, model_flops_per_token
 
 

@@ -79,13 +79,14 @@ def evaluate_main(argv: list[str]) -> None:
 
     from ltcx.cli.generate import _device
     from ltcx.eval.position_loss import context_spans, plot_position_loss, position_loss, to_json
+    from ltcx.lm import LanguageModel
     from ltcx.persist.load import load_model_and_tokenizer
 
     device = _device(("cuda" if torch.cuda.is_available() else "cpu") if args.device is None else args.device)
     # Every model is loaded and checked before any text is read: a bad path is one line at once.
     runs = []
     for path in args.ckpt_path:
-        model, meta, tokenizer = load_model_and_tokenizer(path, args.tokenizer)
+        model, meta, tokenizer = load_model_and_tokenizer(path, args.tokenizer, model_class=LanguageModel)
         backbone = model.backbone
         limit = getattr(backbone, "max_seq_len", None)
         train_context = meta.get("train_block_size") or limit

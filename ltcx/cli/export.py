@@ -31,15 +31,15 @@ def export_main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     if not os.path.exists(args.ckpt_path):
         raise missing_checkpoint(args.ckpt_path)
-    from ltcx.persist.export import export_model  # after parsing: --help and a mistyped flag answer at once
+    from ltcx.lm import LanguageModel  # after parsing: --help and a mistyped flag answer at once
+    from ltcx.persist.export import export_model
 
     if args.format != "ltcx":
-        from ltcx.lm import LanguageModel
         from ltcx.persist.hf_export import export_hf
 
         out = export_hf(args.ckpt_path, args.out, tokenizer=args.tokenizer, model_class=LanguageModel,
                         layout=args.format, license=args.license)
         print(f"ltcx: exported to {out}/ ({', '.join(sorted(p.name for p in out.iterdir()))})")
         return
-    out = export_model(args.ckpt_path, args.out, tokenizer=args.tokenizer)
+    out = export_model(args.ckpt_path, args.out, tokenizer=args.tokenizer, model_class=LanguageModel)
     print(f"ltcx: exported to {out}/ ({', '.join(sorted(p.name for p in out.iterdir()))})")

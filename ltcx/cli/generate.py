@@ -55,13 +55,15 @@ def generate_main(argv: list[str]) -> None:
     import torch
 
     from ltcx.generation import check_generation_args, stream_tokens
+    from ltcx.lm import LanguageModel
     from ltcx.persist.load import load_model_and_tokenizer
 
     if args.num_samples < 1:
         raise LtcxError(f"--num_samples ({args.num_samples}) must be >= 1")
     device = _device(("cuda" if torch.cuda.is_available() else "cpu") if args.device is None else args.device)
 
-    model, _, tokenizer = load_model_and_tokenizer(args.ckpt_path, args.tokenizer, map_location=device)
+    model, _, tokenizer = load_model_and_tokenizer(args.ckpt_path, args.tokenizer, map_location=device,
+                                                   model_class=LanguageModel)
     backbone = model.backbone.to(device=device, dtype=getattr(torch, args.dtype))
     generator = torch.Generator(device=device)
     if args.seed is not None:

@@ -2,7 +2,7 @@
 
 The parser's errors are one line; bf16 falls back to float32 on a CPU; torch's threads fit the usable cores
 (``threads``); ``--ckpt_path`` (a file, a checkpoint folder or ``last``: ``run_folders``) is read and checked once
-before anything is written, its model configuration replacing the YAML's as ``ltcx.persist.resume`` says;
+before anything is written, its model configuration replacing the YAML's as ``ltcx.cli.resume`` says;
 checkpoints are written through ``SafeCheckpointIO``; ``predict`` writes its losses (``predict``).
 """
 
@@ -30,15 +30,15 @@ from ltcx.callbacks.preemption import Preemption
 from ltcx.cli.console import print_run_end, print_run_start, quiet_lightning
 from ltcx.cli.one_line_errors import OneLineErrors
 from ltcx.cli.predict import write_predictions
+from ltcx.cli.resume import checkpoint_model_config, typed_model_keys
 from ltcx.cli.run_folders import find_last_checkpoint, name_after_architecture, resolve_under_root
 from ltcx.cli.threads import set_cpu_threads
 from ltcx.data import RecallDataModule, TextDataModule  # noqa: F401 - the --data classes fit --help lists
 from ltcx.ddp import launcher_outlives_workers, peer_stopped_line, watch_workers
 from ltcx.errors import ConfigError, LtcxError
-from ltcx.lm import LanguageModel, setting_problem
+from ltcx.lm import LanguageModel
 from ltcx.persist.checkpoint import SafeCheckpointIO, read_checkpoint
-from ltcx.persist.fit import check_same_backbone, check_weights_fit
-from ltcx.persist.resume import checkpoint_model_config, typed_model_keys
+from ltcx.persist.file_fits import check_same_backbone, check_weights_fit
 from ltcx.persist.runs import checkpoint_in_folder
 
 DESCRIPTION = (
@@ -150,7 +150,7 @@ class LtcxCLI(LightningCLI):
         ``last`` and reads the file once through ``read_checkpoint``: a bad file is one line before anything is built
         or written, and the trainer is later handed this same copy. Then the checkpoint's model configuration
         (``hyper_parameters`` and its backbone's config) replaces the YAML's, except the ``--model.*`` flags typed on
-        the command line, which win (``ltcx.persist.resume``)."""
+        the command line, which win (``ltcx.cli.resume``)."""
         self._checkpoint = None
         subcommand = self.config.get("subcommand")
         if not subcommand:
@@ -168,7 +168,7 @@ class LtcxCLI(LightningCLI):
             self._checkpoint, config.model, typed_model_keys(getattr(self, "_command_line", [])), config.ckpt_path,
             self.model_class, notice=_notice if subcommand == "fit" else None,
         )
-        check_checkpoint_settings(config.model, model, config.ckpt_path)
+        check_checkpoint_settings(self.model_class, config.model, model, config.ckpt_path)
         if model:
             self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
 
@@ -318,11 +318,12 @@ def check_devices(devices, on_cpu: bool) -> None:
         raise ConfigError(f"trainer.devices ({shown}) must be {accepted}: fix --trainer.devices")
 
 
-def check_checkpoint_settings(configured, taken: dict, path: str) -> None:
-    """The settings a resumed checkpoint gives the model (``taken``: every one not typed) keep LanguageModel's rules;
-    else its line would name a flag nobody typed instead of the file."""
-    names = [name for name in inspect.signature(LanguageModel).parameters if name != "backbone"]
-    problem = setting_problem({name: taken[name] if name in taken else configured.get(name) for name in names})
+def check_checkpoint_settings(model_class: type, configured, taken: dict, path: str) -> None:
+    """The settings a resumed checkpoint gives the model (``taken``: every one not typed) keep ``model_class``'s rules
+    (``setting_problem``); else its line would name a flag nobody typed instead of the file."""
+    names = {*inspect.signature(model_class).parameters, *taken} - {"backbone"}
+    problem = model_class.setting_problem({name: taken[name] if name in taken else configured.get(name)
+                                           for name in names if name in taken or name in configured})
     if problem and problem[0] in taken:
         key, value, rule = problem
         raise LtcxError(f"checkpoint '{path}' has model.{key} {value}, which {rule}: type --model.{key} to resume "

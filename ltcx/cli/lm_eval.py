@@ -83,10 +83,11 @@ def lm_eval_main(argv: list[str]) -> None:
 
     from ltcx.cli.generate import _device
     from ltcx.eval.harness import LtcxLM
+    from ltcx.lm import LanguageModel
     from ltcx.persist.load import load_model_and_tokenizer
 
     device = _device(("cuda" if torch.cuda.is_available() else "cpu") if args.device is None else args.device)
-    model, _, tokenizer = load_model_and_tokenizer(args.ckpt_path, args.tokenizer)
+    model, _, tokenizer = load_model_and_tokenizer(args.ckpt_path, args.tokenizer, model_class=LanguageModel)
     manager, loaded = _load_tasks(tasks, args.include_path)
     lm = LtcxLM(model.backbone, tokenizer, batch_size=args.batch_size, device=device, piece_len=args.piece_len,
                 name=args.ckpt_path)

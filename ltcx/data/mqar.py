@@ -34,9 +34,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from ltcx.batches import IGNORE_INDEX
 from ltcx.data.block_source import loader_checks, make_loader
 from ltcx.errors import ConfigError, refuse_bad_settings
-from ltcx.lm import IGNORE_INDEX
 from ltcx.tokenizers import padded_vocab_size as _pad_vocab
 
 __all__ = ["RecallBatches", "RecallDataModule", "check_mqar", "mqar_batch", "query_gap_probabilities"]

@@ -421,8 +421,8 @@ class XLSTM(ConfiguredModule):
 
     config_class = XLSTMConfig
     max_seq_len = None  # recurrent: no context limit
-    # what a resumed run may change (ltcx/persist/fit.py): dropout, and how the mLSTM is computed (the same function
-    # of the same weights), e.g. to continue a chunkwise run on NX-AI's kernels
+    # what a resumed run may change (ltcx/persist/file_fits.py): dropout, and how the mLSTM is computed (the same
+    # function of the same weights), e.g. to continue a chunkwise run on NX-AI's kernels
     resumable_fields = frozenset({"dropout", "mlstm_backend", "chunk_size"})
 
     def __init__(self, **fields) -> None:

@@ -21,8 +21,8 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ltcx.errors import LtcxError, missing_checkpoint
 from ltcx.persist.digest import check_digest, with_digest
+from ltcx.persist.file_fits import check_backbone_fits, check_counts
 from ltcx.persist.files import atomic_save
-from ltcx.persist.fit import check_backbone_fits, check_counts
 
 __all__ = ["read_checkpoint", "check_checkpoint_sizes", "non_finite_weights", "SafeCheckpointIO"]
 

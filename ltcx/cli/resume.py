@@ -1,4 +1,4 @@
-"""The model configuration of a run resumed from a checkpoint (``--ckpt_path``).
+"""The model configuration of a run resumed from a checkpoint (``--ckpt_path``): the ``fit`` command's policy.
 
 A ``--model.*`` flag typed on the command line wins over the checkpoint (on ``fit``, a notice line when its value
 differs); every other value (a YAML's or a default) is the checkpoint's, so resuming continues the run that was saved
@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 from ltcx.errors import ANOTHER_VERSION, LtcxError
 from ltcx.models.registry import resolve_backbone
-from ltcx.persist.fit import check_setting_types, resumable_fields, unknown_settings
+from ltcx.persist.file_fits import check_setting_types, resumable_fields, unknown_settings
 
 __all__ = ["typed_model_keys", "checkpoint_model_config", "checkpoint_backbone"]
 
