@@ -29,7 +29,7 @@ setup(
     ],
     extras_require={
         # `ltcx lm-eval` (lm-evaluation-harness tasks): pip install -e .[eval]
-        "eval": ["lm_eval>=0.4.13,<0.5"],
+        "eval": ["lm_eval>=0.4.13,<0.5", "accelerate>=0.26"],  # accelerate: lm_eval's own hf model
         # `mlstm_backend: kernels`: NX-AI's TFLA Triton kernels for the xLSTM's mLSTM on CUDA (Triton comes with
         # PyTorch's CUDA build); Python >= 3.11. NXAI Community License (attribution; a commercial licence above
         # EUR 100M yearly revenue), so it is not in requirements.txt.
