@@ -34,6 +34,9 @@ def parsed(args: list[str]) -> LtcxCLI:
      "to keep it)"),
     (["--trainer.accelerator", "cpu", "--trainer.precision", "bf16-mixed"], "bf16-mixed", None),
     (["--trainer.accelerator=cpu", "--trainer.precision=bf16-true"], "bf16-true", None),
+    # typed by a prefix the parser takes as the flag: typed all the same
+    (["--trainer.accelerator", "cpu", "--trainer.precisio", "bf16-mixed"], "bf16-mixed", None),
+    (["--trainer.accelerator", "cpu", "--trainer.prec=bf16-true"], "bf16-true", None),
 ])
 def test_bf16_on_a_cpu_falls_back_unless_asked_for(tmp_path, monkeypatch, capsys, flags, precision, notice):
     monkeypatch.setattr(sys, "argv", ["ltcx"])

@@ -61,6 +61,18 @@ def test_typed_learning_rate_and_weight_decay_win_and_drive_the_optimizer(tmp_pa
     assert resumed["optimizer_states"][0]["state"][0]["step"] == 5  # AdamW's moments were resumed, not reset
 
 
+def test_a_flag_typed_by_a_prefix_wins_too(tmp_path, fit_env, first_run, capsys):
+    """The parser takes a unique prefix of a flag as the flag (``--model.learning_rat``): it is typed all the same, so
+    the run resumes with its value and says so, as for the whole name."""
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "4", "--ckpt_path", "last",
+                       "--model.learning_rat", "1e-3"))
+    assert notices(capsys.readouterr().err) == [
+        "ltcx: resuming with model.learning_rate 0.001 (the checkpoint has 0.0006)"]
+    resumed = read_checkpoint(tmp_path / "checkpoints/gpt/version_1/last.ckpt")
+    assert resumed["hyper_parameters"]["learning_rate"] == 1e-3
+    assert resumed["lr_schedulers"][0]["base_lrs"] == [1e-3, 1e-3]
+
+
 def test_untyped_values_are_the_checkpoints(tmp_path, fit_env, capsys):
     """A first run's typed flags need not be typed again: configs/gpt.yaml's values (learning_rate 6e-4, n_layer 6)
     do not replace the checkpoint's; each such YAML value is named once, and no override notice is printed."""

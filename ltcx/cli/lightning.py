@@ -30,7 +30,7 @@ from ltcx.callbacks.preemption import Preemption
 from ltcx.cli.console import print_run_end, print_run_start, quiet_lightning
 from ltcx.cli.one_line_errors import OneLineErrors
 from ltcx.cli.predict import write_predictions
-from ltcx.cli.resume import checkpoint_model_config, typed_model_keys
+from ltcx.cli.resume import checkpoint_model_config, model_keys
 from ltcx.cli.run_folders import find_last_checkpoint, name_after_architecture, resolve_under_root
 from ltcx.cli.threads import set_cpu_threads
 from ltcx.data import RecallDataModule, TextDataModule  # noqa: F401 - the --data classes fit --help lists
@@ -58,7 +58,25 @@ PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pi
 
 class LtcxArgumentParser(OneLineErrors, LightningArgumentParser):
     """LightningCLI's parser, whose errors are one ``LtcxError`` line (``OneLineErrors``) instead of its usage (~75
-    lines) and message, a file that is not YAML included."""
+    lines) and message, a file that is not YAML included. It records the keys typed on the command line
+    (``typed_keys``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.typed_keys: set[str] = set()
+
+    def _parse_optional(self, arg_string):
+        """argparse's reading of one word of the command line: the option it names, by its whole name or by a prefix
+        of one (``--trainer.precisio``), is recorded in ``typed_keys`` as its key (``trainer.precision``); a key
+        inside a class argument as typed (``--model.backbone.init_args.dropout``). A YAML, an environment variable
+        or a default is never read here."""
+        found = super()._parse_optional(arg_string)
+        for option in found if isinstance(found, list) else [found]:  # a list from Python 3.12.7 on
+            if isinstance(option, tuple) and option[0] is not None and isinstance(option[1], str):
+                action, typed = option[0], option[1]
+                inside = typed.startswith("--") and typed not in self._option_string_actions  # jsonargparse's subkey
+                self.typed_keys.add(typed[2:] if inside else action.dest)
+        return found
 
     def parse_path(self, path, *args, **kwargs):
         try:
@@ -79,7 +97,8 @@ class LtcxArgumentParser(OneLineErrors, LightningArgumentParser):
 class LtcxCLI(LightningCLI):
     def __init__(self, *args, subclass_mode_data: bool = True, **kwargs) -> None:
         # --data takes TextDataModule's arguments as before (no class_path needed), or another data module by
-        # class_path: ltcx.data.RecallDataModule (configs/data/mqar.yaml).
+        # class_path: ltcx.data.RecallDataModule (configs/data/mqar.yaml). The parser records what was typed.
+        kwargs.setdefault("parser_class", LtcxArgumentParser)
         super().__init__(*args, subclass_mode_data=subclass_mode_data, **kwargs)
 
     def instantiate_classes(self) -> None:
@@ -104,10 +123,12 @@ class LtcxCLI(LightningCLI):
         )
 
     def parse_arguments(self, parser, args) -> None:
-        # The command line as given, to tell a flag the user typed from a value a YAML file set.
-        self._command_line = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
+        for each in [parser, *getattr(self, "_subcommand_parsers", {}).values()]:
+            getattr(each, "typed_keys", set()).clear()
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
+        self._typed = frozenset(getattr(self._subcommand_parsers[subcommand] if subcommand else parser, "typed_keys",
+                                        ()))
         name_after_architecture(self.config[subcommand] if subcommand else self.config)
 
     def _set_seed(self) -> None:
@@ -117,10 +138,12 @@ class LtcxCLI(LightningCLI):
                               "--seed_everything")
         super()._set_seed()
 
-    def _on_command_line(self, key: str) -> bool:
-        """Whether ``--key`` (``--key value`` or ``--key=value``) was typed on the command line."""
-        flag = f"--{key}"
-        return any(arg == flag or arg.startswith(flag + "=") for arg in getattr(self, "_command_line", []))
+    def typed_keys(self) -> frozenset[str]:
+        """The keys the user typed on the command line (``trainer.precision``, ``model.learning_rate``,
+        ``model.backbone.init_args.dropout``), as the parser read them: by whole name or by a prefix it accepts, as
+        ``--key value`` or ``--key=value``; never a YAML's value, an environment variable's or a default. Every
+        policy that lets a typed value win asks this (bf16 on a CPU, a resumed checkpoint's settings)."""
+        return getattr(self, "_typed", frozenset())
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -129,7 +152,7 @@ class LtcxCLI(LightningCLI):
         check_accelerator(accelerator)
         on_cpu = accelerator == "cpu" or (accelerator in ("auto", "cuda", "gpu") and not torch.cuda.is_available())
         check_devices(config.trainer.devices, on_cpu)
-        if "bf16" in precision and on_cpu and not self._on_command_line("trainer.precision"):
+        if "bf16" in precision and on_cpu and "trainer.precision" not in self.typed_keys():
             # The same YAML trains in bf16 on a GPU and in float32 on a CPU, where bf16 is emulated and many
             # times slower on most processors; a bf16 typed on the command line is kept.
             reason = "training on the CPU" if accelerator == "cpu" else "no CUDA device"
@@ -165,8 +188,8 @@ class LtcxCLI(LightningCLI):
             return
         self._checkpoint = read_checkpoint(config.ckpt_path)
         model = checkpoint_model_config(
-            self._checkpoint, config.model, typed_model_keys(getattr(self, "_command_line", [])), config.ckpt_path,
-            self.model_class, notice=_notice if subcommand == "fit" else None,
+            self._checkpoint, config.model, model_keys(self.typed_keys()), config.ckpt_path, self.model_class,
+            notice=_notice if subcommand == "fit" else None,
         )
         check_checkpoint_settings(self.model_class, config.model, model, config.ckpt_path)
         if model:

@@ -1,11 +1,12 @@
 """The model configuration of a run resumed from a checkpoint (``--ckpt_path``): the ``fit`` command's policy.
 
-A ``--model.*`` flag typed on the command line wins over the checkpoint (on ``fit``, a notice line when its value
-differs); every other value (a YAML's or a default) is the checkpoint's, so resuming continues the run that was saved
-(on ``fit``, a notice line names each YAML value left out, but for a null: not set). A typed backbone field that
-would change the architecture (the class, or any field but ``resumable_fields``: dropout) is one error line before
-anything is built; an untyped backbone of another class is left to ``check_same_backbone``. (A YAML does not win: it
-is usually the architecture's own config, whose values a first run's typed flags changed.)
+A ``--model.*`` flag typed on the command line (``LtcxCLI.typed_keys``: by its whole name or a prefix argparse takes)
+wins over the checkpoint (on ``fit``, a notice line when its value differs); every other value (a YAML's or a default)
+is the checkpoint's, so resuming continues the run that was saved (on ``fit``, a notice line names each YAML value left
+out, but for a null: not set). A typed backbone field that would change the architecture (the class, or any field but
+``resumable_fields``: dropout) is one error line before anything is built; an untyped backbone of another class is left
+to ``check_same_backbone``. (A YAML does not win: it is usually the architecture's own config, whose values a first
+run's typed flags changed.)
 """
 
 from __future__ import annotations
@@ -16,18 +17,18 @@ from ltcx.errors import ANOTHER_VERSION, LtcxError
 from ltcx.models.registry import resolve_backbone
 from ltcx.persist.file_fits import check_setting_types, resumable_fields, unknown_settings
 
-__all__ = ["typed_model_keys", "checkpoint_model_config", "checkpoint_backbone"]
+__all__ = ["model_keys", "checkpoint_model_config", "checkpoint_backbone"]
 
 Notice = Callable[[str], None] | None  # prints one notice line; None: no notices (not ``fit``)
 
 
-def typed_model_keys(command_line: Iterable[Any]) -> set[str]:
-    """The ``model.*`` keys typed on the command line (``--model.KEY value`` or ``--model.KEY=value``), without
-    ``model.`` and ``init_args.``: ``learning_rate``, ``backbone.dropout``, ``backbone`` (the whole backbone)."""
+def model_keys(typed: Iterable[str]) -> set[str]:
+    """The ``model.*`` keys of ``typed`` (``LtcxCLI.typed_keys``), without ``model.`` and ``init_args.``:
+    ``learning_rate``, ``backbone.dropout``, ``backbone`` (the whole backbone)."""
     keys = set()
-    for arg in command_line:
-        if isinstance(arg, str) and arg.startswith("--model."):
-            parts = [p for p in arg[len("--model."):].split("=", 1)[0].split(".") if p != "init_args"]
+    for key in typed:
+        if key.startswith("model."):
+            parts = [p for p in key[len("model."):].split(".") if p != "init_args"]
             if parts and parts[-1] != "help":
                 keys.add(".".join(parts))
     return keys
@@ -36,7 +37,7 @@ def typed_model_keys(command_line: Iterable[Any]) -> set[str]:
 def checkpoint_model_config(checkpoint: dict, model: Any, typed: set[str], path: str, model_class: type,
                             notice: Notice) -> dict:
     """The part of ``checkpoint``'s model configuration that replaces the configured ``model`` namespace, given the
-    ``typed`` keys (``typed_model_keys``); ``notice`` is called with each notice line, in order, as the checks go (so
+    ``typed`` model keys (``model_keys``); ``notice`` is called with each notice line, in order, as the checks go (so
     the lines before an error are printed too)."""
     stored = {
         k: v for k, v in checkpoint.get("hyper_parameters", {}).items()
