@@ -205,6 +205,11 @@ class LanguageModel(L.LightningModule):
         self.start_step = self.trainer.global_step  # the step this run started (or resumed) at
         self._follow_hparams_after_restore()
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Counted here: callbacks' on_train_batch_end (a ModelCheckpoint's every_n_train_steps, Preemption's) run
+        # before this module's and save this step, whose tokens their checkpoint must hold.
+        self.tokens_seen += split_batch(batch)[0].numel() * self.trainer.world_size
+
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
         self.log("train/loss", loss, prog_bar=True)
@@ -212,7 +217,6 @@ class LanguageModel(L.LightningModule):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         step_tokens = split_batch(batch)[0].numel() * self.trainer.world_size
-        self.tokens_seen += step_tokens
         now = time.perf_counter()
         # The rates go under work/: TensorBoard lays its groups out alphabetically, and train/ and val/ first make
         # its first view the loss curves (docs/training.md).

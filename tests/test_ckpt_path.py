@@ -50,6 +50,20 @@ def test_ckpt_path_last_takes_the_latest_run(tmp_path, fit_env, capsys):
 
 
 
+def test_a_checkpoint_saved_every_n_steps_holds_the_tokens_of_its_steps(tmp_path, fit_env):
+    """``every_n_train_steps`` saves in the step's ``on_train_batch_end``, before the model's own hook: the tokens of
+    that step are counted already (6 steps of 4 x 32 tokens: 768, not 640), and a run resumed from it continues the
+    count."""
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "7", every=3))
+    folder = tmp_path / "checkpoints/gpt/version_0"
+    periodic = read_checkpoint(folder / "epoch=0-step=6.ckpt")
+    assert (periodic["global_step"], periodic["ltcx"]["tokens_seen"]) == (6, 6 * 4 * 32)
+    assert read_checkpoint(folder / "last.ckpt")["ltcx"]["tokens_seen"] == 7 * 4 * 32
+    main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "8", "--ckpt_path",
+                       str(folder / "epoch=0-step=6.ckpt")))
+    assert read_checkpoint(tmp_path / "checkpoints/gpt/version_1/last.ckpt")["ltcx"]["tokens_seen"] == 8 * 4 * 32
+
+
 def test_ckpt_path_last_refuses_when_runs_share_the_folder(tmp_path, fit_env, capsys, checkpoint):
     folder = tmp_path / "checkpoints/gpt"
     folder.mkdir(parents=True)

@@ -40,8 +40,13 @@ def first_run(tmp_path, fit_env, capsys):
 def test_typed_learning_rate_and_weight_decay_win_and_drive_the_optimizer(tmp_path, fit_env, first_run, capsys,
                                                                          monkeypatch):
     used = []  # the rate and weight decay each resumed step runs with, read before its optimizer step
-    monkeypatch.setattr(LanguageModel, "on_train_batch_start", lambda self, batch, batch_idx: used.append(
-        [(g["lr"], g["weight_decay"]) for g in self.trainer.optimizers[0].param_groups]), raising=False)
+    start = LanguageModel.on_train_batch_start
+
+    def record(self, batch, batch_idx):
+        used.append([(g["lr"], g["weight_decay"]) for g in self.trainer.optimizers[0].param_groups])
+        start(self, batch, batch_idx)
+
+    monkeypatch.setattr(LanguageModel, "on_train_batch_start", record)
     main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "5", "--ckpt_path", "last",
                        "--model.learning_rate", "1e-3", "--model.weight_decay", "0.05"))
     assert notices(capsys.readouterr().err) == [
@@ -52,7 +57,7 @@ def test_typed_learning_rate_and_weight_decay_win_and_drive_the_optimizer(tmp_pa
     rates = [pytest.approx(lr_at_step(step, 1e-3, 6e-5, 2, 10)) for step in (3, 4)]
     assert used == [[(rate, 0.05), (rate, 0.0)] for rate in rates]
     resumed = read_checkpoint(tmp_path / "checkpoints/gpt/version_1/last.ckpt")
-    assert resumed["global_step"] == 5
+    assert resumed["global_step"] == 5 and resumed["ltcx"]["tokens_seen"] == 5 * 4 * 32
     assert resumed["hyper_parameters"]["learning_rate"] == 1e-3 and resumed["hyper_parameters"]["weight_decay"] == 0.05
     decay, no_decay = resumed["optimizer_states"][0]["param_groups"]
     assert decay["lr"] == no_decay["lr"] == pytest.approx(lr_at_step(5, 1e-3, 6e-5, 2, 10))  # the next step's
