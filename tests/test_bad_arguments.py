@@ -52,7 +52,9 @@ def test_bad_training_flags(tmp_path, fit_env, capsys, override, message):
     (["--bogus_flag", "1"], "unrecognized arguments: --bogus_flag 1"),
     (["--trainer.max_stepz", "5"], "unrecognized arguments: --trainer.max_stepz 5 (did you mean --trainer.max_steps?)"),
     (["--model.lr", "1e-3"], "unrecognized arguments: --model.lr 1e-3 (did you mean --model.learning_rate?)"),
-], ids=["int", "float", "union", "unknown", "misspelt", "initials"])
+    (["--model.backbone.init_args.dropou", "0.1"], "--model.backbone: ltcx.models.gpt.GPT has no option 'dropou' "
+                                                   "(its options: --model.backbone.help GPT)"),
+], ids=["int", "float", "union", "unknown", "misspelt", "initials", "a class's option"])
 def test_flags_jsonargparse_refuses_are_one_line_not_its_usage(tmp_path, fit_env, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:
         main(fit_args(fit_env, *flags))

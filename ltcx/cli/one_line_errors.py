@@ -64,6 +64,12 @@ def one_line(message: str) -> str:
     if key is None:
         return lines[0]
     for at, line in enumerate(lines[:-1]):  # a class's own argument (--data.block_size): its reason, not the union's
+        unknown = re.match(r"(?:- )?Problem with given class_path '([\w.]+)':", line)
+        option = re.match(r"Option '(\w+)' is not accepted", lines[at + 1])
+        if unknown and option:  # --model.backbone.init_args.dropou: a name the class does not take
+            name = unknown.group(1)
+            return (f"--{key.group(1)}: {name} has no option '{option.group(1)}' (its options: --{key.group(1)}.help "
+                    f"{name.rpartition('.')[2]})")
         if line.startswith("- Problem with given class_path "):
             inner = re.match(r'Parser key "([^"]+)":\s*(.*)', lines[at + 1])
             reason = (inner.group(2) or (lines[at + 2] if at + 2 < len(lines) else "")) if inner else lines[at + 1]
