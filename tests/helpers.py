@@ -79,12 +79,16 @@ def mlstm_inputs(B=2, H=3, T=37, D=8, f_bias=0.0, dtype=torch.float64, seed=0):
     return q, k, v, i_pre, f_pre
 
 
-def write_corpus(folder: Path, train_docs: int = 300, val_docs: int = 30) -> Path:
-    """train.txt and validation.txt of 40-word documents from a 19-word vocabulary (seeded) in ``folder``."""
+def write_corpus(folder: Path, train_docs: int = 300, val_docs: int = 30, test_docs: int | None = None) -> Path:
+    """train.txt, validation.txt and test.txt (``test_docs``, default ``val_docs``: ``ltcx test`` reads it) of
+    40-word documents from a 19-word vocabulary (seeded) in ``folder``."""
     rng = random.Random(0)
     words = "the cat dog ran sat on a mat big small red blue happy sad tree house sun moon".split()
     folder.mkdir(parents=True, exist_ok=True)
-    for name, count in (("train.txt", train_docs), ("validation.txt", val_docs)):
+    test_docs = val_docs if test_docs is None else test_docs
+    for name, count in (("train.txt", train_docs), ("validation.txt", val_docs), ("test.txt", test_docs)):
+        if not count:
+            continue
         docs = [" ".join(rng.choice(words) for _ in range(40)) + "." for _ in range(count)]
         (folder / name).write_text("\n\n".join(docs) + "\n")
     return folder

@@ -12,11 +12,17 @@ import torch
 from torch.utils.data import DataLoader
 
 from helpers import unit_docs
-from ltcx.data import DataError, TextDataModule, in_holdout, pack_blocks
+from ltcx.data import DataError, TextDataModule, in_holdout, in_test_holdout, pack_blocks
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.tokenizers import get_tokenizer
 
 B = 16  # block_size in most tests; blocks hold B + 1 tokens
+TEST_FRACTION = 0.005  # data.test_fraction's default: a source without a test split trains without these documents
+
+
+def trains_on(doc: str, holdout_fraction: float) -> bool:
+    """Whether a document of a source with no validation or test split is a training document."""
+    return not in_holdout(doc, holdout_fraction) and not in_test_holdout(doc, TEST_FRACTION)
 
 
 # ---------------------------------------------------------------- helpers
@@ -122,7 +128,7 @@ def test_formats_produce_expected_blocks(tmp_path, fmt, tokenizer):
     writer = {"txt": write_txt, "jsonl": write_jsonl, "parquet": write_parquet}[fmt]
     path = writer(tmp_path / f"corpus.{fmt}", docs)
     dm = make_dm(path, tokenizer=tokenizer, holdout_fraction=0.1)
-    train_docs = [d for d in docs if not in_holdout(d, 0.1)]
+    train_docs = [d for d in docs if trains_on(d, 0.1)]
     val_docs = [d for d in docs if in_holdout(d, 0.1)]
     assert 0 < len(val_docs) < len(docs)
     got = as_lists(dm.train_dataset(infinite=False))
@@ -174,9 +180,10 @@ def test_single_file_holdout_is_disjoint_and_stable(tmp_path):
     dm = make_dm(path, holdout_fraction=0.05, val_batches=40, batch_size=1, shuffle_buffer=50)
     train, val = split(dm)
     held = [d for d in docs if in_holdout(d, 0.05)]
+    tested = [d for d in docs if in_test_holdout(d, TEST_FRACTION)]
     assert held and set(val) == set(held)
     assert not set(train) & set(val)
-    assert sorted(train + held) == sorted(docs)
+    assert sorted(train + held + tested) == sorted(docs)
     assert split(make_dm(path, holdout_fraction=0.05, val_batches=40, batch_size=1, shuffle_buffer=50)) == (train, val)
 
 
@@ -292,7 +299,8 @@ def test_state_dict_counts_consumed_batches(tmp_path):
     dm = make_dm(write_txt(tmp_path / "a.txt", unit_docs(4)), val_batches=0)
     assert dm.state_dict() == {"train_batches_consumed": 0}
     dm.trainer = SimpleNamespace(global_step=7, accumulate_grad_batches=3, global_rank=0, world_size=1)
-    assert dm.state_dict() == {"train_batches_consumed": 21, "stream_positions": [[[-1, -1, -1]]]}
+    assert dm.state_dict() == {"train_batches_consumed": 21, "stream_positions": [[[-1, -1, -1]]],
+                               "test_holdout": TEST_FRACTION}
 
 
 def test_vocab_properties(tmp_path):
@@ -395,7 +403,8 @@ def test_error_data_too_small_for_a_rank(tmp_path, num_workers):
 
 
 def test_error_validation_too_small(tmp_path):
-    dm = make_dm(write_txt(tmp_path / "a.txt", ["tiny"]), holdout_fraction=0.999999, val_batches=1)
+    dm = make_dm(write_txt(tmp_path / "a.txt", ["tiny"]), holdout_fraction=0.999999, test_fraction=0.0,
+                 val_batches=1)
     with pytest.raises(DataError, match=r"validation data too small: rank 0 of 1 got no block of 17 tokens"):
         list(dm.val_dataset())
 
@@ -493,7 +502,8 @@ def test_hub_code_path_splits(tmp_path, monkeypatch, hf_offline):
     dm = make_dm(repo, val_split="dev", val_batches=1, batch_size=1, holdout_fraction=0.2)
     held = [d for d in unit_docs(40) if in_holdout(d, 0.2)]
     assert held and [doc_of(b) for b in dm.val_dataset()] == held[:1]
-    assert sorted(doc_of(b) for b in dm.train_dataset(infinite=False)) == sorted(set(unit_docs(40)) - set(held))
+    assert sorted(doc_of(b) for b in dm.train_dataset(infinite=False)) == sorted(
+        d for d in unit_docs(40) if trains_on(d, 0.2))
     with pytest.raises(ConfigError, match=r"no split 'training' \(splits: train, validation\): set --data.train_split"):
         make_dm(repo, train_split="training")
 

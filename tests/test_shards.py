@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 import ltcx.data.prepare as prepare_module
 from helpers import lean_fit_args, one_error_line, read_events, unit_docs
 from ltcx.cli import main
-from ltcx.data import TextDataModule, in_holdout
+from ltcx.data import TextDataModule, in_holdout, in_test_holdout
 from ltcx.data.prepare import prepare
 from ltcx.data.shard_format import HEADER_BYTES, token_dtype, verify_shards, write_shard
 from ltcx.errors import LtcxError
@@ -72,13 +72,15 @@ def test_prepare_dedups_splits_by_document_and_checksums(tmp_path, corpus):
     out, meta = prepared(tmp_path, corpus)
     docs = corpus[1]
     val = [d for d in docs if in_holdout(d, 0.1)]
+    test = [d for d in docs if in_test_holdout(d, 0.001)]  # --test_fraction's default (none of these 300)
     assert 10 < len(val) < 50
+    train = 300 - len(val) - len(test)
     assert meta["counts"] == {
-        "documents_read": 330, "empty": 5, "duplicates": 25, "train_documents": 300 - len(val),
-        "validation_documents": len(val), "train_tokens": (300 - len(val)) * (B + 1),
-        "validation_tokens": len(val) * (B + 1),
+        "documents_read": 330, "empty": 5, "duplicates": 25, "train_documents": train,
+        "validation_documents": len(val), "train_tokens": train * (B + 1),
+        "validation_tokens": len(val) * (B + 1), "test_documents": len(test), "test_tokens": len(test) * (B + 1),
     }
-    assert shard_docs(out, meta, "train") == [d for d in docs if d not in val]  # first copies, in order
+    assert shard_docs(out, meta, "train") == [d for d in docs if d not in val + test]  # first copies, in order
     assert shard_docs(out, meta, "validation") == val
     assert meta["dtype"] == "uint16" and meta["complete"] and len(meta["shards"]["train"]) > 3
     for shard in meta["shards"]["train"] + meta["shards"]["validation"]:
@@ -148,7 +150,8 @@ def test_prepare_takes_the_sources_validation_files_and_shards_validate_on_them(
     assert shard_docs(out, meta, "validation") == val and shard_docs(out, meta, "train") == train
     assert meta["counts"] == {"documents_read": 231, "empty": 0, "duplicates": 1, "train_documents": 200,
                               "validation_documents": 30, "train_tokens": 200 * (B + 1),
-                              "validation_tokens": 30 * (B + 1)}
+                              "validation_tokens": 30 * (B + 1),
+                              "test_documents": 0, "test_tokens": 0}  # no document in --test_fraction 0.001's slice
     assert len(meta["shards"]["validation"]) == 2  # committed at shard_tokens like the training shards
     dm = shard_dm(out, val_batches=15, batch_size=2)
     assert sorted(block_ids(dm.val_dataset(0, 1))) == sorted(val)

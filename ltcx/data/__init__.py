@@ -4,6 +4,6 @@ synthetic recall tasks (MQAR, ``ltcx.data.mqar``) made on the fly."""
 from ltcx.data.block_source import DataError
 from ltcx.data.module import TextDataModule
 from ltcx.data.mqar import RecallDataModule
-from ltcx.data.packing import in_holdout, pack_blocks
+from ltcx.data.packing import in_holdout, in_test_holdout, pack_blocks
 
-__all__ = ["DataError", "RecallDataModule", "TextDataModule", "in_holdout", "pack_blocks"]
+__all__ = ["DataError", "RecallDataModule", "TextDataModule", "in_holdout", "in_test_holdout", "pack_blocks"]

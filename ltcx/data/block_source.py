@@ -1,8 +1,9 @@
 """The interface ``TextDataModule`` serves its data through: a block source, picked once from ``--data.path``.
 
-Two sources keep it: ``StreamSource`` (text streamed through ``datasets``, ``text_stream.py``) and ``ShardSource``
-(token shards made by ``ltcx prepare``, ``token_shards.py``). The data module holds the arguments, the tokenizer and
-the trainer; a source holds its own data and resume state and never asks which kind it is.
+Two sources keep it, each with a training, a validation and a test split: ``StreamSource`` (text streamed through
+``datasets``, ``text_stream.py``) and ``ShardSource`` (token shards made by ``ltcx prepare``, ``token_shards.py``).
+The data module holds the arguments, the tokenizer and the trainer; a source holds its own data and resume state and
+never asks which kind it is.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ class BlockSource(Protocol):
         """Exactly ``val_batches * batch_size`` validation blocks of ``rank``, the same in every run."""
         ...
 
+    def test_dataset(self, rank: int, world_size: int) -> IterableDataset:
+        """Exactly ``test_batches * batch_size`` blocks of ``rank`` from the test split (documents training never
+        reads), the same in every run; one line when the source has none."""
+        ...
+
     def dataloader(self, dataset: IterableDataset) -> DataLoader:
         """The loader of one of this source's data sets (it knows whether they yield blocks or whole batches)."""
         ...
@@ -76,12 +82,13 @@ class BlockSource(Protocol):
         ...
 
 
-def loader_checks(batch_size: int, val_batches: int, num_workers: int,
-                  pad_vocab_to_multiple_of: int) -> list[tuple[bool, str, object, str]]:
+def loader_checks(batch_size: int, val_batches: int, num_workers: int, pad_vocab_to_multiple_of: int,
+                  test_batches: int | None = None) -> list[tuple[bool, str, object, str]]:
     """The settings every data module has, as ``refuse_bad_settings`` checks (``ltcx.errors``)."""
     return [
         (batch_size >= 1, "batch_size", batch_size, "must be >= 1"),
         (val_batches >= 0, "val_batches", val_batches, "must be >= 0"),
+        (test_batches is None or test_batches >= 0, "test_batches", test_batches, "must be >= 0 (null: val_batches)"),
         (num_workers >= 0, "num_workers", num_workers, "must be >= 0"),
         (pad_vocab_to_multiple_of >= 1, "pad_vocab_to_multiple_of", pad_vocab_to_multiple_of, "must be >= 1"),
     ]

@@ -77,6 +77,7 @@ class LocalFiles:
     builder: str
     train: list[str]
     validation: list[str] = field(default_factory=list)
+    test: list[str] = field(default_factory=list)  # test-named files beside validation-named ones
     kind: str = ""  # the extension, for messages
 
 
@@ -97,7 +98,8 @@ def resolve_local_files(path: str, flag: str = "--data.path") -> LocalFiles:
     """Resolve ``path`` (a file, a folder searched recursively, or a glob) to data files and assign them to splits.
 
     Files whose path below the folder (or whose name) contains ``val``/``valid``/``validation`` as a word go to
-    validation; if there are none, files named ``test`` do; files named ``test`` never go to training. A single
+    validation; if there are none, files named ``test`` do, else those are the test split; files named ``test``
+    never go to training. A single
     file, or a set without a validation-named file, is training data only. Hidden files and files of other types
     in a folder or glob are ignored; mixing types, and an empty file, are errors, which name ``flag`` (the
     caller's option that set ``path``) as the fix.
@@ -141,6 +143,7 @@ def resolve_local_files(path: str, flag: str = "--data.path") -> LocalFiles:
     for f in files:
         by_split[_split_of(os.path.relpath(f, base or "."))].append(f)
     validation = by_split["validation"] or by_split["test"]
+    test = by_split["test"] if by_split["validation"] else []
     if not by_split["train"]:  # only validation/test-named files: use them all for training (and hold out)
         return LocalFiles(builder=kinds[0], train=files, kind=kind)
-    return LocalFiles(builder=kinds[0], train=by_split["train"], validation=validation, kind=kind)
+    return LocalFiles(builder=kinds[0], train=by_split["train"], validation=validation, test=test, kind=kind)

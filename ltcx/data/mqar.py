@@ -17,7 +17,8 @@ without replacement as Gumbel top-k, which gives the same distribution as drawin
 Batch ``g`` of a split is a function of ``(seed, split, g)`` alone (a NumPy generator seeded by that triple), so:
 rank ``r`` of ``R`` takes global batches ``r, r + R, ...`` (ranks never share a batch, and the union over ranks is
 the single-device stream), a resume at batch ``b`` computes batch ``b`` directly, dataloader workers take every
-W-th batch, and the training and validation streams come from different seeds. Batches are pairs
+W-th batch, and the training, validation and test streams come from different seeds (``split`` 0, 1, 2 in the
+triple), so ``ltcx test`` reads batches no run trained or chose on. Batches are pairs
 ``(inputs LongTensor[B, T], targets LongTensor[B, T])``, ``T = block_size``, targets ``IGNORE_INDEX`` where nothing
 is asked; ``LanguageModel`` scores them and logs ``val/recall_acc``.
 """
@@ -41,7 +42,8 @@ from ltcx.tokenizers import padded_vocab_size as _pad_vocab
 
 __all__ = ["RecallBatches", "RecallDataModule", "check_mqar", "mqar_batch", "query_gap_probabilities"]
 
-TRAIN, VALIDATION = 0, 1  # the split's entry in a batch's seed: the two streams never share a seed
+TRAIN, VALIDATION, TEST = 0, 1, 2  # the split's entry in a batch's seed: the streams never share a seed
+SPLITS = {"train": TRAIN, "val": VALIDATION, "validation": VALIDATION, "test": TEST}
 
 
 def check_mqar(vocab_size: int, block_size: int, num_kv_pairs: int, power_a: float) -> None:
@@ -119,7 +121,7 @@ class RecallBatches(IterableDataset):
     def __init__(
         self,
         *,
-        split: int,
+        split: int | str,
         rank: int,
         world_size: int,
         batch_size: int,
@@ -133,6 +135,7 @@ class RecallBatches(IterableDataset):
         num_batches: int | None = None,
     ) -> None:
         check_mqar(vocab_size, block_size, num_kv_pairs, power_a)
+        split = SPLITS[split] if isinstance(split, str) else split  # "train", "val" or "test"; or 0, 1, 2
         self.split, self.rank, self.world_size, self.seed = split, rank, world_size, seed
         self.start_batch, self.num_batches = start_batch, num_batches
         self.task = dict(batch_size=batch_size, block_size=block_size, num_kv_pairs=num_kv_pairs,
@@ -173,8 +176,10 @@ class RecallDataModule(L.LightningDataModule):
             ``random_non_queries``).
         batch_size: sequences per batch on each device.
         val_batches: validation batches per validation run on each device (0 disables validation).
+        test_batches: test batches of ``ltcx test`` on each device, from a seed stream of their own; None:
+            ``val_batches``.
         num_workers: dataloader worker processes per device.
-        seed: seed of the task; the training and validation streams are drawn from different seeds made from it.
+        seed: seed of the task; the training, validation and test streams are drawn from different seeds made from it.
         pad_vocab_to_multiple_of: round the model's vocabulary up to a multiple of this (1 = no padding).
     """
 
@@ -190,15 +195,17 @@ class RecallDataModule(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 1234,
         pad_vocab_to_multiple_of: int = 64,
+        test_batches: int | None = None,
     ) -> None:
         super().__init__()
-        checks = loader_checks(batch_size, val_batches, num_workers, pad_vocab_to_multiple_of)
+        checks = loader_checks(batch_size, val_batches, num_workers, pad_vocab_to_multiple_of, test_batches)
         refuse_bad_settings("data", [*checks, (seed >= 0, "seed", seed, "must be >= 0")])
         check_mqar(vocab_size, block_size, num_kv_pairs, power_a)
         self.save_hyperparameters()
         self.vocab_size, self.block_size, self.num_kv_pairs = vocab_size, block_size, num_kv_pairs
         self.power_a, self.random_fillers = power_a, random_fillers
         self.batch_size, self.val_batches, self.num_workers = batch_size, val_batches, num_workers
+        self.test_batches = val_batches if test_batches is None else test_batches
         self.seed, self.pad_vocab_to_multiple_of = seed, pad_vocab_to_multiple_of
         self.tokenizer = None  # what a checkpoint records as its tokenizer: these ids are no text
         self._resume_batches = 0
@@ -242,6 +249,16 @@ class RecallDataModule(L.LightningDataModule):
             raise ConfigError("validation is disabled (data.val_batches=0): set --data.val_batches > 0")
         return self._batches(VALIDATION, rank, world_size, num_batches=self.val_batches)
 
+    def test_dataset(self, rank: int | None = None, world_size: int | None = None) -> RecallBatches:
+        """``test_batches`` test batches of ``rank``, from the test seed stream, the same in every run."""
+        if self.test_batches == 0:
+            raise ConfigError("the test split is disabled (data.test_batches=0): set --data.test_batches > 0")
+        return self._batches(TEST, rank, world_size, num_batches=self.test_batches)
+
+    def setup(self, stage: str | None = None) -> None:
+        if stage == "test":
+            self.test_dataset()  # a disabled test split is one line before the test run writes anything
+
     def train_dataloader(self) -> DataLoader:
         return make_loader(self.train_dataset(), batch_size=None, num_workers=self.num_workers)
 
@@ -250,11 +267,13 @@ class RecallDataModule(L.LightningDataModule):
             return []
         return make_loader(self.val_dataset(), batch_size=None, num_workers=self.num_workers)
 
-    def test_dataloader(self) -> DataLoader | list:
-        """``ltcx test`` and ``ltcx predict`` read the validation batches."""
-        return self.val_dataloader()
+    def test_dataloader(self) -> DataLoader:
+        """``ltcx test`` reads the test batches (``test_dataset``)."""
+        return make_loader(self.test_dataset(), batch_size=None, num_workers=self.num_workers)
 
-    predict_dataloader = test_dataloader
+    def predict_dataloader(self) -> DataLoader | list:
+        """``ltcx predict`` scores the validation batches."""
+        return self.val_dataloader()
 
     # ------------------------------------------------------------------ exact resume
     def state_dict(self) -> dict[str, Any]:

@@ -1,12 +1,14 @@
 """Pure helpers of the text pipeline: cutting a token stream into blocks (with positions to resume from), and the
-document-level hold-out."""
+document-level hold-outs: validation takes the documents whose 32-bit text hash is in the lowest ``holdout_fraction``
+of the range, test those in the highest ``test_fraction``, so the two never share a document and changing one
+fraction never moves the other's documents."""
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable, Iterator
 
-__all__ = ["in_holdout", "pack_blocks", "pack_positions"]
+__all__ = ["in_holdout", "in_test_holdout", "pack_blocks", "pack_positions"]
 
 
 def pack_blocks(token_lists: Iterable[list[int]], block_len: int) -> Iterator[list[int]]:
@@ -49,3 +51,11 @@ def in_holdout(text: str, fraction: float) -> bool:
     if fraction <= 0.0:
         return False
     return zlib.crc32(text.encode("utf-8")) < fraction * 4294967296.0
+
+
+def in_test_holdout(text: str, fraction: float) -> bool:
+    """Whether a document belongs to the test hold-out: the same hash as ``in_holdout`` falls in the top
+    ``fraction`` of its range (disjoint from the validation hold-out while the two fractions sum to at most 1)."""
+    if fraction <= 0.0:
+        return False
+    return zlib.crc32(text.encode("utf-8")) >= (1.0 - fraction) * 4294967296.0

@@ -6,7 +6,9 @@
 
 Validation is the source's own validation split when it has one (a hub data set's ``val_split``; local files named
 val/valid/validation, else test, as ``--data.path`` reads them), read first and in full; otherwise a stable hash of
-the normalised text sends ``val_fraction`` of the documents to validation. Documents are read in order; exact
+the normalised text sends ``val_fraction`` of the documents to validation. The test split likewise: the source's
+``test_split`` (local files named test beside validation-named ones), read next and in full, else the documents
+whose hash is in the top ``test_fraction`` of its range (``in_test_holdout``). Documents are read in order; exact
 duplicates (after whitespace normalisation) are dropped, across the splits too (so they share no document);
 worker processes tokenize batches of documents; the main process appends them, each followed by end-of-text, to
 the current shard of its split. A shard is committed when it holds ``shard_tokens``: shard files first, then the
@@ -36,13 +38,14 @@ from typing import Any
 import numpy as np
 
 from ltcx.data.files import looks_local
-from ltcx.data.packing import in_holdout
+from ltcx.data.packing import in_holdout, in_test_holdout
 from ltcx.data.shard_format import (
     FORMAT,
     META,
     VERSION,
     holds_shards,
     more_validation,
+    test_source,
     token_dtype,
     validation_source,
     write_json,
@@ -56,7 +59,8 @@ __all__ = ["prepare"]
 
 SEEN = "seen.u64"  # 8-byte hashes of the normalised documents kept so far (append-only, cut back on resume)
 COUNTS = ("documents_read", "empty", "duplicates", "train_documents", "validation_documents", "train_tokens",
-          "validation_tokens")
+          "validation_tokens", "test_documents", "test_tokens")
+SPLITS = ("train", "validation", "test")  # the order of a batch's kept documents and of its token arrays
 
 
 def _key(normalised: str) -> int:
@@ -100,9 +104,10 @@ def _init_worker(tokenizer: str) -> None:
     _TOKENIZER = get_tokenizer(tokenizer)
 
 
-def _tokenize(job: tuple[list[str], list[str], str]) -> tuple[np.ndarray, np.ndarray]:
-    """Token arrays of the training and validation documents of one batch, each document followed by end-of-text."""
-    train, val, dtype = job
+def _tokenize(job: tuple[list[list[str]], str]) -> list[np.ndarray]:
+    """Token arrays of the training, validation and test documents of one batch (``SPLITS``), each document
+    followed by end-of-text."""
+    splits, dtype = job
     tok = _TOKENIZER
     assert tok is not None
 
@@ -119,7 +124,7 @@ def _tokenize(job: tuple[list[str], list[str], str]) -> tuple[np.ndarray, np.nda
                 ids.append(tok.eot_id)
         return np.asarray(ids, dtype=dtype)
 
-    return flat(train), flat(val)
+    return [flat(texts) for texts in splits]
 
 
 class _Shards:
@@ -149,10 +154,12 @@ def prepare(
     name: str | None = "sample-10BT",
     split: str = "train",
     val_split: str | None = "validation",
+    test_split: str | None = "test",
     text_column: str = "text",
     txt_sample_by: str = "paragraph",
     tokenizer: str = "gpt2",
     val_fraction: float = 0.001,
+    test_fraction: float = 0.001,
     shard_tokens: int = 100_000_000,
     max_tokens: int | None = None,
     num_proc: int | None = None,
@@ -162,7 +169,9 @@ def prepare(
 
     ``val_split``: the source's validation split (hub: that split; local files: those named val/valid/validation,
     else test), used when the source has it; None, or a source without one: ``val_fraction`` of the documents held
-    out by a hash of their text (local validation-named files are then read as training text).
+    out by a hash of their text (local validation-named files are then read as training text). ``test_split`` and
+    ``test_fraction`` the same for the test split (local files: those named test beside validation-named ones),
+    whose documents lie at the other end of the hash's range.
     ``max_tokens`` stops after about that many training tokens (at a batch boundary). Rerunning the same call
     resumes an interrupted preparation and does nothing for a finished one.
     """
@@ -170,6 +179,9 @@ def prepare(
         raise LtcxError("no output folder: pass --out (a new or empty folder, or one to resume)")
     if not 0.0 <= val_fraction < 1.0:
         raise LtcxError(f"--val_fraction ({val_fraction}) must be in [0, 1)")
+    if not 0.0 <= test_fraction < 1.0 - val_fraction:
+        raise LtcxError(f"--test_fraction ({test_fraction}) must be in [0, 1 - --val_fraction) = "
+                        f"[0, {1.0 - val_fraction:g})")
     for flag, value in (("--shard_tokens", shard_tokens), ("--max_tokens", max_tokens), ("--num_proc", num_proc),
                         ("batch_docs", batch_docs)):  # None: the default (no limit, one process per CPU)
         if value is not None and value < 1:
@@ -181,31 +193,45 @@ def prepare(
         "source": source, "name": None if local else name, "split": None if local else split,
         "text_column": text_column, "txt_sample_by": txt_sample_by if local else None, "tokenizer": tokenizer,
         "val_fraction": val_fraction, "shard_tokens": shard_tokens, "max_tokens": max_tokens, "val_split": val_split,
+        "test_split": test_split, "test_fraction": test_fraction,
     }
     meta = _existing(out, settings)
     if meta is not None and meta["complete"]:
         print(f"ltcx: '{out}' is already prepared ({_summary(meta)})", file=sys.stderr)
         return meta
     if local:
-        ds, val, what = open_local(source, txt_sample_by=txt_sample_by, validation=val_split is not None,
-                                   flag="--source")
+        ds, val, test, what = open_local(source, txt_sample_by=txt_sample_by, validation=val_split is not None,
+                                         test=test_split is not None, flag="--source")
     else:
-        ds, val, what = open_hub(source, name, split, val_split, flags=("--source", "--split"))
+        if test_split is not None and test_split in (split, val_split):
+            raise LtcxError(f"--test_split '{test_split}' is the {'--split' if test_split == split else '--val_split'}"
+                            " being prepared: pass another split, or --test_split none to hold out --test_fraction "
+                            "of its documents")
+        ds, val, test, what = open_hub(source, name, split, val_split, test_split, flags=("--source", "--split"))
         if val is not None and val_split == split:
             raise LtcxError(f"--val_split '{val_split}' is the --split being prepared: pass another split, or "
                             "--val_split none to hold out --val_fraction of its documents")
     check_text(ds, source, what, text_column, split=split if not local else "train",
                flags=("--source", "--text_column"))
-    if val is not None:
-        check_text(val, source, what, text_column, split=val_split if not local else "validation",
-                   flags=("--source", "--text_column"))
-    streams = ([("validation", val)] if val is not None else []) + [("train", ds)]
+    for held, name_there, name_local in ((val, val_split, "validation"), (test, test_split, "test")):
+        if held is not None:
+            check_text(held, source, what, text_column, split=name_there if not local else name_local,
+                       flags=("--source", "--text_column"))
+    streams = [(kind, held) for kind, held in (("validation", val), ("test", test)) if held is not None]
+    streams.append(("train", ds))
     if meta is None:  # everything checked: only now is anything written
         meta = _create(out, settings, tok, dtype)
     validation = {"split": val_split if val is not None else None, "holdout": 0.0 if val is not None else val_fraction}
     if meta.setdefault("validation", validation) != validation:  # the source gained or lost its validation split
         raise LtcxError(f"the source's validation split changed since '{out}' was started "
                         f"({validation_source(meta)} then): prepare it into a new --out")
+    tested = {"split": test_split if test is not None else None, "holdout": 0.0 if test is not None else test_fraction}
+    if meta.setdefault("test", tested) != tested:
+        raise LtcxError(f"the source's test split changed since '{out}' was started ({test_source(meta)} then): "
+                        "prepare it into a new --out")
+    meta["shards"].setdefault("test", [])  # a folder started before the test split: resumed with none
+    for key in COUNTS:
+        meta["counts"].setdefault(key, 0)
 
     num_proc = num_proc or os.cpu_count() or 1
     # The workers only tokenize (no `datasets` or fsspec state is used after the fork).
@@ -247,6 +273,8 @@ def _existing(out: str, settings: dict) -> dict[str, Any] | None:
         theirs = meta.get("settings", {})
         if isinstance(theirs, dict) and "val_split" not in theirs:  # prepared before validation splits were read:
             theirs = {**theirs, "val_split": None}  # one stream, documents held out by hash, as val_split None does
+        if isinstance(theirs, dict) and "test_split" not in theirs:  # prepared before the test split: it has none
+            theirs = {**theirs, "test_split": None, "test_fraction": 0.0}
         if meta.get("format") != FORMAT or theirs != settings:
             diff = ", ".join(f"{k}: {theirs.get(k)!r} there, {v!r} now"
                              for k, v in settings.items() if theirs.get(k) != v)
@@ -289,7 +317,7 @@ def _write_start(out: str, settings: dict, tok: Any, dtype: np.dtype) -> dict[st
     meta = {
         "format": FORMAT, "version": VERSION, "complete": False, "settings": settings,
         "tokenizer": settings["tokenizer"], "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "dtype": dtype.name,
-        "counts": dict.fromkeys(COUNTS, 0), "shards": {"train": [], "validation": []},
+        "counts": dict.fromkeys(COUNTS, 0), "shards": {"train": [], "validation": [], "test": []},
         "resume": {"stream": None, "seen": 0},
     }
     open(os.path.join(out, SEEN), "wb").close()
@@ -338,12 +366,15 @@ def _run(
     from tqdm import tqdm
 
     settings, counts, holdout = meta["settings"], meta["counts"], meta["validation"]["holdout"]
+    test_holdout = meta["test"]["holdout"]
     seen_path = os.path.join(out, SEEN)
     with open(seen_path, "r+b") as f:  # cut back to the last commit: later hashes belong to uncommitted documents
         f.truncate(meta["resume"]["seen"] * 8)
     seen = set(np.fromfile(seen_path, dtype="<u8").tolist())
     train = _Shards(out, "train", meta["shards"]["train"])
     val = _Shards(out, "val", meta["shards"]["validation"])
+    test = _Shards(out, "test", meta["shards"]["test"])
+    shards = (train, val, test)  # SPLITS' order
     # The pool reads jobs() in a thread of its own, ahead of the tokenizers (a semaphore caps how far): each
     # batch's stream position, new hashes and counts wait here until its tokens arrive, and only then join what
     # the next commit writes.
@@ -352,14 +383,14 @@ def _run(
     new_keys: list[int] = []
     pending = dict.fromkeys(COUNTS, 0)
 
-    def jobs() -> Iterator[tuple[list[str], list[str], str]]:
+    def jobs() -> Iterator[tuple[list[list[str]], str]]:
         for split, texts, state in _batches(streams, column, batch_docs, meta["resume"]["stream"]):
             while not room.acquire(timeout=0.1):
                 if stop.is_set():
                     return
             keys: list[int] = []
             tally = dict(documents_read=len(texts), empty=0, duplicates=0)
-            kept: tuple[list[str], list[str]] = ([], [])
+            kept: tuple[list[str], list[str], list[str]] = ([], [], [])
             for text in texts:
                 normalised = " ".join(text.split()) if isinstance(text, str) else ""
                 key = _key(normalised) if normalised else None
@@ -368,10 +399,14 @@ def _run(
                     continue
                 seen.add(key)
                 keys.append(key)
-                kept[split == "validation" or in_holdout(normalised, holdout)].append(text)
-            tally.update(train_documents=len(kept[0]), validation_documents=len(kept[1]))
+                if split != "train":
+                    kept[SPLITS.index(split)].append(text)
+                else:
+                    kept[1 if in_holdout(normalised, holdout) else 2 if in_test_holdout(normalised, test_holdout)
+                         else 0].append(text)
+            tally.update({f"{name}_documents": len(docs) for name, docs in zip(SPLITS, kept)})
             in_flight.append((state, keys, tally))
-            yield kept[0], kept[1], dtype.name
+            yield list(kept), dtype.name
 
     def commit(state: dict, *, complete: bool) -> None:
         try:
@@ -380,9 +415,9 @@ def _run(
             raise _write_error(out, exc) from None
 
     def write_commit(state: dict, *, complete: bool) -> None:
-        pending.update(train_tokens=train.tokens, validation_tokens=val.tokens)
-        train.flush()
-        val.flush()
+        pending.update({f"{name}_tokens": split.tokens for name, split in zip(SPLITS, shards)})
+        for split in shards:
+            split.flush()
         with open(seen_path, "ab") as f:
             f.write(np.asarray(new_keys, dtype="<u8").tobytes())
             f.flush()
@@ -401,19 +436,19 @@ def _run(
     bar = tqdm(desc="prepare", unit="tok", unit_scale=True, total=limit, initial=counts["train_tokens"],
                dynamic_ncols=True)
     try:
-        for train_ids, val_ids in results:
+        for ids in results:
             state, keys, tally = in_flight.popleft()
             room.release()
             new_keys.extend(keys)
             for k, v in tally.items():
                 pending[k] += v
-            train.add(train_ids, tally["train_documents"])
-            val.add(val_ids, tally["validation_documents"])
-            bar.update(train_ids.size)
+            for name, split, split_ids in zip(SPLITS, shards, ids):
+                split.add(split_ids, tally[f"{name}_documents"])
+            bar.update(ids[0].size)
             bar.set_postfix(docs=counts["documents_read"] + pending["documents_read"],
                             dups=counts["duplicates"] + pending["duplicates"], refresh=False)
             done = limit is not None and counts["train_tokens"] + train.tokens >= limit
-            if max(train.tokens, val.tokens) >= settings["shard_tokens"] or done:
+            if max(split.tokens for split in shards) >= settings["shard_tokens"] or done:
                 commit(state, complete=done)
             if done:
                 break
@@ -426,8 +461,9 @@ def _run(
 
 def _summary(meta: dict) -> str:
     c = meta["counts"]
-    return (f"{c['train_tokens']:,} training and {c['validation_tokens']:,} validation tokens in "
-            f"{len(meta['shards']['train'])} + {len(meta['shards']['validation'])} shards; {c['documents_read']:,} "
-            f"documents read, {c['duplicates']:,} duplicates and {c['empty']:,} empty dropped; validation: "
-            f"{validation_source(meta)}")
+    shards = meta["shards"]
+    return (f"{c['train_tokens']:,} training, {c['validation_tokens']:,} validation and {c.get('test_tokens', 0):,} "
+            f"test tokens in {len(shards['train'])} + {len(shards['validation'])} + {len(shards.get('test', []))} "
+            f"shards; {c['documents_read']:,} documents read, {c['duplicates']:,} duplicates and {c['empty']:,} empty "
+            f"dropped; validation: {validation_source(meta)}; test: {test_source(meta)}")
 

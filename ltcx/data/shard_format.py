@@ -1,14 +1,16 @@
 """The token-shard format on disk: written by ``ltcx prepare``, memory-mapped by ``ShardSource`` (``token_shards.py``).
 
-A prepared folder holds ``train_NNNNNN.bin``, ``val_NNNNNN.bin`` and ``meta.json`` (tokenizer, settings, counts, and
-for every shard its token and document counts, largest id and SHA-256). A shard is a 64-byte header and the token ids:
+A prepared folder holds ``train_NNNNNN.bin``, ``val_NNNNNN.bin``, ``test_NNNNNN.bin`` and ``meta.json`` (tokenizer,
+settings, counts, and for every shard its token and document counts, largest id and SHA-256). A shard is a 64-byte
+header and the token ids:
 
     magic b"LTCXTOK\\0" | version u32 | bytes per token u32 (2: uint16, 4: uint32) | tokens u64 | documents u64 | 0...
     tokens x little-endian uint16/uint32, every document followed by the tokenizer's end-of-text id
 
 so the fast check (file size and header against meta.json) needs no reading beyond 64 bytes a shard. A shard's
 ``max_id`` was added to meta.json later (same format version): folders prepared before it load as before, and for
-them only the full check sees ids outside the vocabulary.
+them only the full check sees ids outside the vocabulary. So was the test split (``shards["test"]``, ``meta["test"]``):
+folders prepared before it have neither.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from ltcx.errors import LtcxError
 
 __all__ = [
     "HEADER_BYTES", "META", "Shard", "holds_shards", "is_prepared", "load_meta", "open_shard", "token_dtype",
-    "more_validation", "outside_vocabulary", "validation_source", "verify_shards", "write_json", "write_shard",
+    "more_validation", "outside_vocabulary", "test_source", "validation_source", "verify_shards", "write_json",
+    "write_shard",
 ]
 
 MAGIC = b"LTCXTOK\0"
@@ -38,7 +41,7 @@ FORMAT = "ltcx-token-shards"
 VERIFY_MODES = ("fast", "full", "none")
 
 Shard = dict[str, Any]  # meta.json's record of one shard: file, tokens, documents, max_id (newer folders), sha256
-_SHARD_NAME = re.compile(r"(train|val)_\d{6}\.bin")
+_SHARD_NAME = re.compile(r"(train|val|test)_\d{6}\.bin")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -139,6 +142,17 @@ def validation_source(meta: dict[str, Any]) -> str:
     return f"--val_fraction {meta['settings']['val_fraction']} of the documents held out by hash"
 
 
+def test_source(meta: dict[str, Any]) -> str:
+    """Where a prepared folder's test documents came from, in words (for messages)."""
+    test = meta.get("test")  # absent in folders prepared before ltcx prepare wrote a test split
+    if test is None:
+        return "prepared before ltcx prepare wrote a test split"
+    if test["split"] is not None:
+        local = meta["settings"].get("split") is None
+        return "the source's test-named files" if local else f"the source's {test['split']!r} split"
+    return f"--test_fraction {meta['settings']['test_fraction']} of the documents held out by hash"
+
+
 def more_validation(meta: dict[str, Any]) -> str:
     """How to prepare more validation documents than the folder of ``meta`` holds (for messages)."""
     validation = meta.get("validation")
@@ -165,7 +179,7 @@ def verify_shards(folder: str, meta: dict[str, Any], mode: str = "fast", vocab_s
     if mode == "none":
         return
     dtype = np.dtype(meta["dtype"]).newbyteorder("<")
-    for shard in meta["shards"]["train"] + meta["shards"]["validation"]:
+    for shard in meta["shards"]["train"] + meta["shards"]["validation"] + meta["shards"].get("test", []):
         path = os.path.join(folder, shard["file"])
         problem, max_id = _shard_problem(path, shard, dtype, full=mode == "full")
         if problem:

@@ -34,16 +34,19 @@ def hub_error(path: str, reason: str, flag: str = "--data.path") -> LtcxError:
 
 
 def open_local(
-    path: str, *, txt_sample_by: str, validation: bool = True, flag: str = "--data.path"
-) -> tuple[Any, Any, str]:
-    """``(train, validation or None, description)`` of local files; ``validation=False`` reads every file,
-    validation-named ones included, as one training stream. ``flag``: the option that set ``path``, for messages."""
+    path: str, *, txt_sample_by: str, validation: bool = True, test: bool = True, flag: str = "--data.path"
+) -> tuple[Any, Any, Any, str]:
+    """``(train, validation or None, test or None, description)`` of local files; ``validation=False`` reads every
+    file, validation-named ones included, as one training stream; ``test=False`` leaves the test-named files beside
+    validation-named ones out (they never train). ``flag``: the option that set ``path``, for messages."""
     import datasets
 
     files: LocalFiles = resolve_local_files(path, flag)
     data_files = {"train": files.train if validation else files.train + files.validation}
     if validation and files.validation:
         data_files["validation"] = files.validation
+    if test and files.test:
+        data_files["test"] = files.test
     kwargs: dict[str, Any] = {"sample_by": txt_sample_by} if files.builder == "text" else {}
     what = f"data files '{path}'"
     try:
@@ -52,15 +55,16 @@ def open_local(
         raise LtcxError(
             f"cannot read {what} ({_short_reason(exc)}): check that they are valid {files.kind} files"
         ) from exc
-    return dd["train"], dd.get("validation"), what
+    return dd["train"], dd.get("validation"), dd.get("test"), what
 
 
 def open_hub(
-    path: str, name: str | None, train_split: str, val_split: str | None,
+    path: str, name: str | None, train_split: str, val_split: str | None, test_split: str | None = None,
     *, flags: tuple[str, str] = ("--data.path", "--data.train_split"),
-) -> tuple[Any, Any, str]:
-    """``(train, validation or None, description)`` of a hub data set, streamed; a missing ``val_split`` is None.
-    ``flags``: the options that set the data set and the split, as messages name them."""
+) -> tuple[Any, Any, Any, str]:
+    """``(train, validation or None, test or None, description)`` of a hub data set, streamed; a missing
+    ``val_split`` or ``test_split`` is None. ``flags``: the options that set the data set and the split, as messages
+    name them."""
     import datasets
 
     source, split_flag = flags
@@ -74,21 +78,32 @@ def open_hub(
     what = f"data set '{path}'" + (f" ({name})" if name else "")
     if train_split not in dd:
         raise ConfigError(f"{what} has no split '{train_split}' (splits: {', '.join(dd)}): set {split_flag}")
-    return dd[train_split], dd[val_split] if val_split and val_split in dd else None, what
+
+    def split(wanted: str | None) -> Any:
+        return dd[wanted] if wanted and wanted in dd else None
+
+    return dd[train_split], split(val_split), split(test_split), what
 
 
 def open_text(
-    path: str, *, name: str | None, train_split: str, val_split: str | None, txt_sample_by: str, text_column: str
-) -> tuple[Any, Any, str]:
-    """Local files or a hub data set (``val_split`` None: no validation stream), each split checked."""
+    path: str, *, name: str | None, train_split: str, val_split: str | None, test_split: str | None,
+    txt_sample_by: str, text_column: str,
+) -> tuple[Any, Any, Any, str]:
+    """Local files or a hub data set (``val_split`` / ``test_split`` None: no such stream), each split checked."""
     if looks_local(path):
-        train, val, what = open_local(path, txt_sample_by=txt_sample_by, validation=val_split is not None)
+        train, val, test, what = open_local(path, txt_sample_by=txt_sample_by, validation=val_split is not None,
+                                            test=test_split is not None)
     else:
-        train, val, what = open_hub(path, name, train_split, val_split)
+        if test_split is not None and test_split in (train_split, val_split):
+            which = "training split" if test_split == train_split else "validation split (--data.val_split)"
+            raise ConfigError(f"--data.test_split '{test_split}' is the {which}: pass another split, or null to "
+                              "hold out --data.test_fraction of the training documents by hash")
+        train, val, test, what = open_hub(path, name, train_split, val_split, test_split)
     check_text(train, path, what, text_column, split="train")
-    if val is not None:
-        check_text(val, path, what, text_column, split="validation")
-    return train, val, what
+    for ds, split in ((val, "validation"), (test, "test")):
+        if ds is not None:
+            check_text(ds, path, what, text_column, split=split)
+    return train, val, test, what
 
 
 def check_text(

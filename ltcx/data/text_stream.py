@@ -4,14 +4,16 @@ blocks, split over ranks and dataloader workers, with an exact resume.
 One code path for the hub and for local files: both become ``datasets`` streaming ``IterableDataset`` s
 (``text_datasets.open_text``). ``StreamSource``, in the main process, opens and checks the text, picks each rank's and
 worker's part, and keeps where every part's stream stands. The dataloader-worker side (``Documents``, ``TrainBlocks``,
-``ValBlocks``), per split and pass: (shuffle) -> split by DDP rank -> split by dataloader worker -> tokenize -> append
-end-of-text -> cut blocks of ``block_size + 1`` tokens. Training blocks carry the stream position after them
-(``StreamSource`` keeps them for the checkpoint); a resume reads the documents before it without tokenizing them.
+``ValBlocks``, which serves the test split too), per split and pass: (shuffle) -> split by DDP rank -> split by
+dataloader worker -> tokenize -> append end-of-text -> cut blocks of ``block_size + 1`` tokens. Training blocks carry
+the stream position after them (``StreamSource`` keeps them for the checkpoint); a resume reads the documents before it
+without tokenizing them.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ltcx.data.block_source import DataError, Gather, make_loader
-from ltcx.data.packing import in_holdout, pack_blocks, pack_positions
+from ltcx.data.packing import in_holdout, in_test_holdout, pack_blocks, pack_positions
 from ltcx.data.text_datasets import file_being_read, open_text
 from ltcx.errors import ConfigError
 from ltcx.tokenizers import _short_reason, get_tokenizer
@@ -37,7 +39,13 @@ _READ_BATCH = 128  # documents read and tokenized together
 class StreamSource:
     """``BlockSource`` of text streamed through ``datasets``: the hub or local files, opened (lazily) and checked
     here. Its resume state is ``stream_positions[rank][part] = (pass, doc, tok)``: where the stream of every rank's
-    dataloader part (``max(num_workers, 1)`` of them) continues, ``(-1, -1, -1)`` for a part not read yet."""
+    dataloader part (``max(num_workers, 1)`` of them) continues, ``(-1, -1, -1)`` for a part not read yet; and
+    ``test_holdout``, the fraction of documents the training stream leaves out for the test split by hash (0 when
+    the source has its own test split), which a resume keeps so that the stream continues exactly.
+
+    The test split is the source's own (``test_split``: a hub split; local files named test beside validation-named
+    ones), else the documents whose hash is in the top ``test_fraction`` (``in_test_holdout``), left out of training.
+    """
 
     def __init__(
         self,
@@ -56,13 +64,16 @@ class StreamSource:
         seed: int,
         holdout_fraction: float,
         txt_sample_by: str,
+        test_split: str | None = None,
+        test_batches: int = 0,
+        test_fraction: float = 0.0,
     ) -> None:
         self.block_len = block_size + 1
         self.batch_size = batch_size
         self.num_workers = num_workers
-        train, val, what = open_text(
+        train, val, test, what = open_text(
             path, name=name, train_split=train_split,
-            val_split=val_split if val_batches > 0 else None,
+            val_split=val_split if val_batches > 0 else None, test_split=test_split,
             txt_sample_by=txt_sample_by, text_column=text_column,
         )
         holdout = val is None and val_batches > 0
@@ -71,18 +82,20 @@ class StreamSource:
                 f"{what} has no validation split and data.holdout_fraction is 0: set --data.holdout_fraction "
                 "(e.g. 0.005) or --data.val_batches 0"
             )
-        common = dict(
-            text_column=text_column,
-            tokenizer=tokenizer,
-            holdout_fraction=holdout_fraction,
-            seed=seed,
-            shuffle_buffer=shuffle_buffer,
-        )
-        self.val_batches = val_batches
-        self._train = Documents(train, holdout="train" if holdout else None, **common)
+        common = dict(text_column=text_column, tokenizer=tokenizer, seed=seed, shuffle_buffer=shuffle_buffer)
+        val_holdout = holdout_fraction if holdout else 0.0
+        test_holdout = test_fraction if test is None else 0.0  # held out of training whatever test_batches says
+        self.what, self.val_batches, self.test_batches = what, val_batches, test_batches
+        self._train = Documents(train, split="train", holdout_fraction=val_holdout, test_fraction=test_holdout,
+                                **common)
         self._val: Documents | None = None
         if val_batches > 0:
-            self._val = Documents(val if val is not None else train, holdout="val" if holdout else None, **common)
+            self._val = Documents(val if val is not None else train, split="val", holdout_fraction=val_holdout,
+                                  **common)
+        self._test: Documents | None = None
+        if test is not None or test_holdout > 0:
+            self._test = Documents(test if test is not None else train, split="test", test_fraction=test_holdout,
+                                   **common)
         self._resume_batches = 0
         self._resume_positions: list | None = None  # [rank][part] = (pass, doc, tok) saved by the last run
         self._positions: dict[int, list[int]] = {}  # part -> (pass, doc, tok) after the last batch trained on
@@ -130,6 +143,23 @@ class StreamSource:
             num_batches=self.val_batches,
         )
 
+    def test_dataset(self, rank: int, world_size: int) -> ValBlocks:
+        """``test_batches`` batches of the test split, read as validation is (fixed, the same every run)."""
+        if self._test is None:
+            raise ConfigError(
+                f"{self.what} has no test split and data.test_fraction is 0: set --data.test_fraction (e.g. 0.005) "
+                "and train again, so that training leaves the test documents out"
+            )
+        return ValBlocks(
+            self._test,
+            block_len=self.block_len,
+            rank=rank,
+            world_size=world_size,
+            batch_size=self.batch_size,
+            num_batches=self.test_batches,
+            split="test",
+        )
+
     def dataloader(self, dataset: IterableDataset) -> DataLoader:
         return make_loader(dataset, batch_size=self.batch_size, num_workers=self.num_workers)
 
@@ -146,11 +176,27 @@ class StreamSource:
         mine = torch.full((max(self.num_workers, 1), 3), -1, dtype=torch.long)
         for part, position in self._positions.items():
             mine[part] = torch.tensor(position)
-        return {"stream_positions": gather(mine).cpu().tolist()}
+        return {"stream_positions": gather(mine).cpu().tolist(), "test_holdout": self._train.test_fraction}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._resume_batches = int(state.get("train_batches_consumed", 0))
         self._resume_positions = state.get("stream_positions")
+        if "train_batches_consumed" not in state:  # a fresh run
+            return
+        # A checkpoint's training stream left out its own test hold-out (none before it was recorded): keep it.
+        resumed, configured = float(state.get("test_holdout", 0.0)), self._train.test_fraction
+        if resumed != configured:
+            self._train.test_fraction = resumed
+            doubt = "; the test split may hold documents it trained on" if resumed < configured else ""
+            _notice(f"the checkpoint's training stream held out {resumed} of the documents for the test split by "
+                    f"hash (data.test_fraction {configured} here): training continues that stream{doubt}")
+
+
+def _notice(text: str) -> None:
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    if getattr(rank_zero_only, "rank", 0) == 0:
+        print(f"ltcx: {text}", file=sys.stderr)
 
 
 # The dataloader-worker side: what each worker reads, tokenizes and packs.
@@ -186,18 +232,35 @@ class Documents:
         *,
         text_column: str,
         tokenizer: str,
-        holdout: str | None,
-        holdout_fraction: float,
+        split: str,
         seed: int,
         shuffle_buffer: int,
+        holdout_fraction: float = 0.0,
+        test_fraction: float = 0.0,
     ) -> None:
         self.ds = ds  # datasets.IterableDataset of the split
         self.text_column = text_column
         self.tokenizer = tokenizer
-        self.holdout = holdout  # None: all documents; "train": outside the hold-out; "val": inside it
+        # The hash hold-outs taken out of ``ds`` (0: none): "train" keeps the documents outside both, "val" those
+        # in the validation one, "test" those in the test one (a split of its own: every document).
+        self.split = split
         self.holdout_fraction = holdout_fraction
+        self.test_fraction = test_fraction
         self.seed = seed
         self.shuffle_buffer = shuffle_buffer
+
+    def _held(self, texts: list[str]) -> list[str]:
+        """The documents of ``texts`` this split keeps (``split``, the hold-out fractions)."""
+        val, test = self.holdout_fraction, self.test_fraction
+        if self.split == "train":
+            if not (val or test):
+                return texts
+            return [t for t in texts if not in_holdout(t, val) and not in_test_holdout(t, test)]
+        if self.split == "val" and val > 0:
+            return [t for t in texts if in_holdout(t, val)]
+        if self.split == "test" and test > 0:
+            return [t for t in texts if in_test_holdout(t, test)]
+        return texts
 
     def token_lists(
         self, *, epoch: int | None, parts: list[tuple[int, int]], first_doc: int = 0
@@ -220,14 +283,12 @@ class Documents:
         tok = get_tokenizer(self.tokenizer)
         eot = tok.eot_id
         col = self.text_column
-        keep_val = self.holdout == "val"
         # .iter() reads this process's part as set up above; plain iteration inside a torch worker would let
         # `datasets` re-split by worker on its own (by shards only, leaving workers idle on single-file sets).
         try:
             for batch in ds.iter(batch_size=_READ_BATCH):
                 texts = [t for t in batch[col] if isinstance(t, str) and t.strip()]
-                if self.holdout is not None:
-                    texts = [t for t in texts if in_holdout(t, self.holdout_fraction) == keep_val]
+                texts = self._held(texts)
                 if first_doc:
                     texts, first_doc = texts[first_doc:], max(0, first_doc - len(texts))
                 if not texts:
@@ -303,16 +364,19 @@ class TrainBlocks(IterableDataset):
 
 
 class ValBlocks(IterableDataset):
-    """Exactly ``num_batches * batch_size`` validation blocks for one rank, the same for any number of workers.
+    """Exactly ``num_batches * batch_size`` validation (or test) blocks for one rank, the same for any number of
+    workers.
 
     The rank's part is read in file order, cycled if it is shorter than needed; in a dataloader with W workers,
     worker w yields the blocks of batches w, w + W, ..., so the loader's round-robin restores the order.
     """
 
     def __init__(
-        self, source: Documents, *, block_len: int, rank: int, world_size: int, batch_size: int, num_batches: int
+        self, source: Documents, *, block_len: int, rank: int, world_size: int, batch_size: int, num_batches: int,
+        split: str = "validation",
     ) -> None:
         self.source = source
+        self.split = split  # "validation" or "test", for messages
         self.block_len = block_len
         self.rank = rank
         self.world_size = world_size
@@ -336,9 +400,10 @@ class ValBlocks(IterableDataset):
             if len(blocks) == total:
                 break
         if not blocks:
+            fraction = "holdout_fraction" if self.split == "validation" else "test_fraction"
             raise DataError(
-                f"validation data too small: {_where(self.rank, self.world_size, worker, num_workers)} got no block "
-                f"of {self.block_len} tokens; use more validation data, a larger holdout_fraction, a smaller "
+                f"{self.split} data too small: {_where(self.rank, self.world_size, worker, num_workers)} got no block "
+                f"of {self.block_len} tokens; use more {self.split} data, a larger {fraction}, a smaller "
                 "block_size or fewer devices"
             )
         full = list(itertools.islice(itertools.cycle(blocks), total))

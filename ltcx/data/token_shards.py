@@ -14,7 +14,8 @@ is seen twice in an epoch by any rank). Sample ``p`` of a rank is entry ``p % (N
 dataloader worker ``w`` of ``W`` makes batches ``start + w, start + w + W, ...`` (the order the loader takes them in)
 and a resume at batch ``start`` reads nothing it skips.
 
-Validation: rank ``r`` takes blocks ``r, r + R, ...`` in order, cycled to exactly ``num_batches`` batches.
+Validation and test: rank ``r`` takes blocks ``r, r + R, ...`` of the split in order, cycled to exactly ``num_batches``
+batches. A folder prepared before ``ltcx prepare`` wrote a test split has none: ``ltcx test`` says so in one line.
 
 Every batch's ids are checked against the tokenizer's vocabulary as it is read (a max over ``[B, block_len]``): the
 start-up check (``verify="fast"``) reads only headers and the ``max_id`` meta.json records, so a shard edited in place
@@ -39,6 +40,7 @@ from ltcx.data.shard_format import (
     more_validation,
     open_shard,
     outside_vocabulary,
+    test_source,
     validation_source,
     verify_shards,
 )
@@ -66,6 +68,7 @@ class ShardSource:
         seed: int,
         sampling: str,
         verify: str,
+        test_batches: int = 0,
     ) -> None:
         meta = load_meta(folder)
         made_with = repr(meta["tokenizer"])  # a name from a file, shown as data (a newline stays one line)
@@ -88,12 +91,13 @@ class ShardSource:
         verify_shards(folder, meta, verify, vocab_size=vocab_size)
         self.folder, self.path, self.meta = folder, path, meta
         self.block_len, self.batch_size, self.val_batches = block_size + 1, batch_size, val_batches
+        self.test_batches = test_batches
         self.num_workers, self.seed, self.sampling = num_workers, seed, sampling
         self._resume_batches = 0
 
     def _blocks(self, split: str, rank: int, world_size: int, **kw: Any) -> ShardBlocks:
         return ShardBlocks(
-            self.folder, self.meta["shards"][split], self.meta["dtype"], vocab_size=self.meta["vocab_size"],
+            self.folder, self.meta["shards"].get(split, []), self.meta["dtype"], vocab_size=self.meta["vocab_size"],
             tokenizer=self.meta["tokenizer"], block_len=self.block_len, rank=rank,
             world_size=world_size, batch_size=self.batch_size, seed=self.seed, sampling=self.sampling, **kw,
         )
@@ -118,6 +122,25 @@ class ShardSource:
             )
         return self._blocks("validation", rank, world_size, num_batches=self.val_batches)
 
+    def test_dataset(self, rank: int, world_size: int) -> ShardBlocks:
+        """``test_batches`` whole batches of the test shards; one line when the folder has none or too few."""
+        shards = self.meta["shards"].get("test", [])
+        if not shards:
+            raise ConfigError(
+                f"the token shards in '{self.path}' hold no test documents ({test_source(self.meta)}): prepare the "
+                "data again into a new --out with ltcx prepare, which writes a test split (the source's own, else "
+                "--test_fraction of the documents by hash)"
+            )
+        blocks = sum(shard["tokens"] // self.block_len for shard in shards)
+        if blocks <= rank:
+            tokens = sum(shard["tokens"] for shard in shards)
+            raise ConfigError(
+                f"the test shards in '{self.path}' hold {tokens:,} tokens ({test_source(self.meta)}): {blocks} "
+                f"blocks of {self.block_len} tokens (--data.block_size + 1), fewer than one for each of {world_size} "
+                "rank(s); prepare again into a new --out with a larger --test_fraction, or lower --data.block_size"
+            )
+        return self._blocks("test", rank, world_size, num_batches=self.test_batches)
+
     def dataloader(self, dataset: ShardBlocks) -> DataLoader:
         return make_loader(dataset, batch_size=None, num_workers=self.num_workers)  # ShardBlocks makes batches
 
@@ -134,7 +157,8 @@ class ShardSource:
 class ShardBlocks(IterableDataset):
     """Batches ``LongTensor[batch_size, block_len]`` of one rank from one split's shards (use ``batch_size=None`` in
     the DataLoader). ``num_batches`` None: endless training batches from batch ``start_batch`` on; else exactly that
-    many validation batches. ``vocab_size``: every id read must be below it (``tokenizer`` names it in the error)."""
+    many validation (or test) batches. ``vocab_size``: every id read must be below it (``tokenizer`` names it in the
+    error)."""
 
     def __init__(
         self,
@@ -167,7 +191,7 @@ class ShardBlocks(IterableDataset):
         if sampling not in SAMPLING:
             raise LtcxError(f"data.sampling={sampling!r} must be 'blocks' or 'random': fix --data.sampling")
         if (self._windows.sum() if sampling == "random" and num_batches is None else self.blocks_per_rank) == 0:
-            what = "validation" if num_batches is not None else "training"
+            what = "validation or test" if num_batches is not None else "training"
             raise LtcxError(
                 f"{what} shards in '{folder}' too small: {self.num_blocks} blocks of {block_len} tokens for "
                 f"{world_size} rank(s); use a smaller block_size, fewer devices or more data"
