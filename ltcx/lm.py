@@ -2,7 +2,9 @@
 ``logits [B, T, V], state = backbone(idx [B, T], state=None)``.
 
 A batch is a block or an ``(inputs, targets)`` pair (``ltcx.batches``): the loss covers the targets asked, and a
-pair's validation also logs ``val/recall_acc``, the fraction of them predicted exactly (argmax). Loading a file is
+pair's validation also logs ``val/recall_acc``, the fraction of them predicted exactly (argmax). Text validation and
+test also log bits per byte (``val/bpb``, ``test/bpb``) from the bytes each token id decodes to, which the data
+module hands over (``token_bytes``). Loading a file is
 ``ltcx.persist``'s, handed the class to build (``load_from_checkpoint``, ``from_pretrained``)."""
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, SumMetric
 
 from ltcx.batches import IGNORE_INDEX, split_batch
 from ltcx.errors import ConfigError, LtcxError
@@ -37,6 +39,51 @@ def lr_at_step(step: int, max_lr: float, min_lr: float, warmup_steps: int, decay
         return min_lr
     progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (max_lr - min_lr)
+
+
+class EvalScores(nn.Module):
+    """One evaluation split's scores, over every rank's batches: the mean loss; the recall accuracy of pair batches
+    that leave targets out; the target tokens; and, given the bytes per token id, the nats and the bytes for bits per
+    byte (summed nats / ln 2 / the UTF-8 bytes the targets decode to). Metric states only: nothing in a state_dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loss, self.recall_acc = MeanMetric(), MeanMetric()
+        self.nats, self.tokens, self.bytes = (SumMetric().set_dtype(torch.float64) for _ in range(3))
+        self.recall_scored = False
+
+    def update(self, loss: torch.Tensor, correct: torch.Tensor | None, targets: torch.Tensor,
+               token_bytes: torch.Tensor | None) -> None:
+        """``loss``: the batch's mean over its asked targets ``[B, T]``; ``token_bytes``: ``[V]`` or None."""
+        asked = targets != IGNORE_INDEX
+        count = asked.sum()
+        self.loss.update(loss, weight=targets.shape[0])
+        self.tokens.update(count)
+        if correct is not None:
+            self.recall_acc.update(correct.float().mean(), weight=correct.numel())
+            self.recall_scored = True
+        if token_bytes is not None:
+            self.nats.update(loss.double() * count)
+            self.bytes.update(token_bytes[targets.clamp(min=0)].masked_fill(~asked, 0).sum())
+
+    def log_to(self, module: L.LightningModule, prefix: str, bpb: bool) -> dict[str, int]:
+        """Log ``{prefix}/loss``, ``/ppl``, ``/bpb`` (``bpb``), ``/recall_acc`` (pair batches) and reset; returns the
+        tokens (and bytes) counted."""
+        loss = self.loss.compute()
+        module.log(f"{prefix}/loss", loss, prog_bar=prefix == "val")
+        module.log(f"{prefix}/ppl", torch.exp(loss))
+        counts = {"tokens": int(self.tokens.compute())}
+        if bpb:
+            total = self.bytes.compute()
+            counts["bytes"] = int(total)
+            if counts["bytes"] > 0:
+                module.log(f"{prefix}/bpb", self.nats.compute() / math.log(2) / total)
+        if self.recall_scored:  # every rank reads the same kind of batches: all of them take this branch
+            module.log(f"{prefix}/recall_acc", self.recall_acc.compute(), prog_bar=prefix == "val")
+        for metric in (self.loss, self.recall_acc, self.nats, self.tokens, self.bytes):
+            metric.reset()
+        self.recall_scored = False
+        return counts
 
 
 def weight_decay_groups(backbone: nn.Module) -> tuple[list[str], list[str]]:
@@ -87,9 +134,9 @@ class LanguageModel(L.LightningModule):
             raise ConfigError(f"model.{key} ({value}) {rule}: fix --model.{key}")
         self.save_hyperparameters(ignore=["backbone"])
         self.backbone = backbone
-        self.val_loss = MeanMetric()
-        self.val_recall_acc = MeanMetric()  # updated by batches whose targets leave positions out (recall tasks)
-        self._recall_scored = False
+        self.val_scores, self.test_scores = EvalScores(), EvalScores()
+        self._token_bytes: torch.Tensor | None = None  # [V] bytes per token id, from the data module (bpb)
+        self.test_counts: dict[str, int] = {}  # the last test run's target tokens and bytes
         self.tokens_seen = 0
         self._last_step_time: float | None = None
         self.start_step: int | None = None  # set when training starts
@@ -227,34 +274,35 @@ class LanguageModel(L.LightningModule):
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         self.log("step", float(self.global_step))  # the x axis: optimizer steps done, as checkpoints and samples
 
+    def _data_token_bytes(self) -> torch.Tensor | None:
+        """The data module's ``[V]`` bytes per token id on this device (None: no bits per byte, e.g. MQAR)."""
+        table = getattr(getattr(self.trainer, "datamodule", None), "token_bytes", None)
+        return None if table is None else table.to(self.device)
+
     def on_validation_start(self) -> None:
         self._last_step_time = None  # time spent validating is not training throughput
+        self._token_bytes = self._data_token_bytes()
+
+    def _score(self, scores: EvalScores, batch: Any) -> None:
+        loss, correct = self.loss_and_recall(batch)
+        scores.update(loss, correct, split_batch(batch)[1], self._token_bytes)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        loss, correct = self.loss_and_recall(batch)
-        self.val_loss.update(loss, weight=split_batch(batch)[0].shape[0])
-        if correct is not None:
-            self.val_recall_acc.update(correct.float().mean(), weight=correct.numel())
-            self._recall_scored = True
+        self._score(self.val_scores, batch)
 
     def on_validation_epoch_end(self) -> None:
-        val_loss = self.val_loss.compute()  # averaged over every rank's batches
-        self.val_loss.reset()
-        self.log("val/loss", val_loss, prog_bar=True)
-        self.log("val/ppl", torch.exp(val_loss))
-        if self._recall_scored:  # every rank reads the same kind of batches: all of them take this branch
-            self.log("val/recall_acc", self.val_recall_acc.compute(), prog_bar=True)
-            self.val_recall_acc.reset()
-            self._recall_scored = False
+        self.val_scores.log_to(self, "val", bpb=self._token_bytes is not None)
         if self.trainer.state.fn == "fit":  # validation after step N is drawn at N (Lightning's default: N - 1)
             self.log("step", float(self.global_step))
 
+    def on_test_start(self) -> None:
+        self._token_bytes = self._data_token_bytes()
+
     def test_step(self, batch: Any, batch_idx: int) -> None:
-        loss, correct = self.loss_and_recall(batch)
-        batch_size = split_batch(batch)[0].shape[0]
-        self.log("test/loss", loss, sync_dist=True, batch_size=batch_size)
-        if correct is not None:
-            self.log("test/recall_acc", correct.float().mean(), sync_dist=True, batch_size=batch_size)
+        self._score(self.test_scores, batch)
+
+    def on_test_epoch_end(self) -> None:
+        self.test_counts = self.test_scores.log_to(self, "test", bpb=self._token_bytes is not None)
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """Mean loss over each block's targets [B] (scores text; `ltcx predict` returns them)."""

@@ -64,6 +64,11 @@ class Tokenizer:
         """Text of ``ids``. Ids outside ``[0, vocab_size)`` (e.g. padding rows of a model's vocabulary) are skipped."""
         raise NotImplementedError
 
+    def token_bytes(self) -> list[int] | None:
+        """``[vocab_size]``: how many UTF-8 bytes each id decodes to, 0 for end-of-text (so bits per byte can be
+        summed over any targets); None when an id's bytes depend on its neighbours (a Hugging Face tokenizer)."""
+        return None
+
     def _valid(self, ids: Iterable[int]) -> list[int]:
         return [i for i in _as_int_list(ids) if 0 <= i < self.vocab_size]
 
@@ -89,6 +94,14 @@ class TiktokenTokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         return self.encoding.decode(self._valid(ids), errors="replace")
 
+    def token_bytes(self) -> list[int]:
+        """Byte-level BPE: every id stands for a fixed byte string (special tokens such as end-of-text for none)."""
+        if not hasattr(self, "_token_bytes"):
+            special = {self.encoding.encode_single_token(t) for t in self.encoding.special_tokens_set}
+            self._token_bytes = [0 if i in special else len(self.encoding.decode_single_token_bytes(i))
+                                 for i in range(self.vocab_size)]
+        return self._token_bytes
+
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as ids 0..255 and 256 as end of text."""
@@ -100,6 +113,9 @@ class ByteTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def token_bytes(self) -> list[int]:
+        return [1] * 256 + [0]
 
     def decode(self, ids: Iterable[int]) -> str:
         out: list[str] = []

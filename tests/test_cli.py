@@ -26,7 +26,7 @@ def test_fit_resume_and_generate(tmp_path):
     events = read_events(run_dir)
     samples = {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors("samples/text_summary")}
     assert sorted(samples) == [2, 4] and all(text.startswith("Once upon a time") for text in samples.values())
-    for tag in ("train/loss", "val/loss", "val/ppl", "work/tokens_per_sec", "work/tokens_seen", "train/lr"):
+    for tag in ("train/loss", "val/loss", "val/ppl", "val/bpb", "work/tokens_per_sec", "work/tokens_seen", "train/lr"):
         assert tag in events.Tags()["scalars"], tag
     assert torch.load(checkpoint, weights_only=False)["global_step"] == 4
     # TensorBoard's first view holds train/ and val/ only (no epoch or hp_metric placeholder), on one step axis:
@@ -34,12 +34,12 @@ def test_fit_resume_and_generate(tmp_path):
     scalars = events.Tags()["scalars"]
     assert not {"epoch", "hp_metric"} & set(scalars)
     # Its Time Series view shows groups (a tag's part before "/") alphabetically, two charts a row at 1400 px: train/
-    # (loss, lr) then val/ (loss, ppl) fill the first screen, the rates (work/) come below them
+    # (loss, lr) then val/ (bpb, loss; ppl below) fill the first screen, the rates (work/) come below them
     # (scripts/tensorboard_view.py sees it in Chromium: tests/test_tensorboard_view.py).
     groups = sorted({tag.split("/")[0] for tag in scalars})
     assert groups[:2] == ["train", "val"], groups
-    assert sorted(t for t in scalars if t.startswith(("train/", "val/"))) == ["train/loss", "train/lr", "val/loss",
-                                                                             "val/ppl"]
+    assert sorted(t for t in scalars if t.startswith(("train/", "val/"))) == ["train/loss", "train/lr", "val/bpb",
+                                                                             "val/loss", "val/ppl"]
     assert [e.step for e in events.Scalars("val/loss")] == [2, 4]
     assert [e.step for e in events.Scalars("train/loss")][0] >= 1
     # The console: where the run writes, first and last; none of Lightning's lines that say nothing on a CPU.

@@ -25,5 +25,5 @@ def test_a_runs_first_view_shows_its_train_and_validation_loss(tmp_path):
                            str(tmp_path / "lightning_logs/gpt"), "--out", str(shot), "--settle_ms", "2000"],
                           capture_output=True, text=True, timeout=300)
     assert seen.returncode == 0, seen.stdout + seen.stderr
-    assert seen.stdout.strip().endswith("charts on screen: train/loss, train/lr, val/loss, val/ppl")
+    assert seen.stdout.strip().endswith("charts on screen: train/loss, train/lr, val/bpb, val/loss")
     assert shot.stat().st_size > 10_000

@@ -28,7 +28,7 @@ __all__ = ["main", "USAGE"]
 LIGHTNING_COMMANDS = {
     "fit": "train a model (ltcx fit --config configs/gpt.yaml)",
     "validate": "the validation loss of a model or checkpoint",
-    "test": "the loss on the test data (the validation stream: the data sets have no test split)",
+    "test": "loss, ppl, bpb or recall on the test split, to test_metrics.json",
     "predict": "each block's loss, to predictions.csv",
 }
 OWN_COMMANDS = {
@@ -37,6 +37,7 @@ OWN_COMMANDS = {
     "prepare": "tokenize a corpus once into deduplicated token shards",
     "evaluate": "mean loss by position, up to several times the training length",
     "lm-eval": "lm-evaluation-harness tasks (--tasks hellaswag,...)",
+    "study": "a study spec: tuned learning rates, paired seeds, a ladder, a report",
 }
 USAGE = "usage: ltcx <command> [options]   (python run.py <command> is the same)\n\ncommands:\n" + "".join(
     f"  {name:<10} {what}\n" for name, what in {**LIGHTNING_COMMANDS, **OWN_COMMANDS}.items()
@@ -84,6 +85,10 @@ def main(argv: list[str] | None = None) -> None:
             from ltcx.cli.lm_eval import lm_eval_main
 
             lm_eval_main(command_line[1:])
+        elif command == "study":
+            from ltcx.cli.study import study_main
+
+            study_main(command_line[1:])
         elif command in LIGHTNING_COMMANDS:
             from ltcx.cli.early_checks import check_lightning_command_line
 

@@ -32,6 +32,7 @@ from ltcx.cli.one_line_errors import OneLineErrors
 from ltcx.cli.predict import write_predictions
 from ltcx.cli.resume import checkpoint_model_config, model_keys
 from ltcx.cli.run_folders import find_last_checkpoint, name_after_architecture, resolve_under_root
+from ltcx.cli.test_metrics import write_test_metrics
 from ltcx.cli.threads import set_cpu_threads
 from ltcx.data import RecallDataModule, TextDataModule  # noqa: F401 - the --data classes fit --help lists
 from ltcx.ddp import launcher_outlives_workers, peer_stopped_line, watch_workers
@@ -241,6 +242,11 @@ class LtcxCLI(LightningCLI):
 
     def after_fit(self) -> None:
         print_run_end(self.trainer)
+
+    def after_test(self) -> None:
+        """``test`` from the command line: the test split's metrics to ``test_metrics.json`` in the run's log
+        folder, and a line saying where."""
+        write_test_metrics(self.trainer, self.model)
 
     def after_predict(self) -> None:
         """``predict`` from the command line: each block's mean loss to ``predictions.csv`` in the run's log folder
