@@ -70,16 +70,29 @@ class KillSelf(L.Callback):
 class SignalSelf(L.Callback):
     """After optimizer step ``at_step``, send ``signal_name`` (e.g. SIGTERM) to this process; with ``rank``, only the
     process of that global rank sends it (under DDP, rank 0 is the launching process); with ``group``, to this
-    process's whole process group (every rank, as Ctrl-C in a terminal or a job scheduler does)."""
+    process's whole process group (every rank, as Ctrl-C in a terminal or a job scheduler does). With
+    ``count_file``, only the run that is the ``skip_runs + 1``-th to reach ``at_step`` sends it (the file counts the
+    runs, e.g. of a study, that reached it)."""
 
-    def __init__(self, at_step: int, signal_name: str, rank: int | None = None, group: bool = False) -> None:
+    def __init__(self, at_step: int, signal_name: str, rank: int | None = None, group: bool = False,
+                 count_file: str | None = None, skip_runs: int = 0) -> None:
         self.at_step = at_step
         self.signal_name = signal_name
         self.rank = rank
         self.group = group
+        self.count_file = count_file
+        self.skip_runs = skip_runs
+
+    def _counted_out(self) -> bool:
+        if self.count_file is None:
+            return False
+        seen = int(open(self.count_file).read()) if os.path.exists(self.count_file) else 0
+        with open(self.count_file, "w") as counter:
+            counter.write(str(seen + 1))
+        return seen != self.skip_runs
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.at_step and self.rank in (None, trainer.global_rank):
+        if trainer.global_step == self.at_step and self.rank in (None, trainer.global_rank) and not self._counted_out():
             if self.group:
                 os.killpg(os.getpgid(0), getattr(signal, self.signal_name))
             else:

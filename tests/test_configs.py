@@ -15,7 +15,8 @@ from ltcx.models.catalog import CATALOG, architecture_name
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "configs/recipe.yaml"
 MODELS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml") if p != RECIPE)
-PIECES = [None] + sorted(str(p.relative_to(ROOT / "configs")) for p in (ROOT / "configs").glob("*/*.yaml"))
+PIECES = [None] + sorted(str(p.relative_to(ROOT / "configs")) for p in (ROOT / "configs").glob("*/*.yaml")
+                         if p.parent.name != "study")  # study specs (ltcx study --spec), not fit configs
 
 
 def test_the_architecture_yamls_are_the_catalogues():

@@ -208,8 +208,10 @@ def shipped_config(name: str) -> Path | None:
 
 
 def shipped_config_names() -> list[str]:
-    """What ``shipped_config`` takes, in its short form (``gpt``, ``trainer/smoke``, ...)."""
-    return sorted(path.relative_to(CONFIG_DIR).with_suffix("").as_posix() for path in CONFIG_DIR.rglob("*.yaml"))
+    """What ``shipped_config`` takes, in its short form (``gpt``, ``trainer/smoke``, ...); the study presets
+    (``configs/study/``, ``ltcx study --spec``) are not fit configs."""
+    return sorted(path.relative_to(CONFIG_DIR).with_suffix("").as_posix() for path in CONFIG_DIR.rglob("*.yaml")
+                  if path.parent.name != "study")
 
 
 def builtin_class_paths() -> dict[str, tuple[str, str]]:

@@ -1,0 +1,352 @@
+"""A study's numbers and its report: ``summarize`` turns the runs into every statistic the study reports
+(``summary.json``), ``write_report`` writes ``summary.json``, ``summary.md``, the PNG figures and ``report.html``
+(one file: the tables and the figures embedded as base64, nothing fetched).
+
+What is chosen and what is reported are kept apart: the learning rate comes from the validation split of the
+tuning seed (``runner.select_learning_rates``); every number of the results table, the paired differences and the
+ladder come from the test split (``test/<metric>``) of the runs at that rate.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from ltcx.study.ladder import compute_multiplier, fit_power_law, frontier
+from ltcx.study.spec import StudySpec
+from ltcx.study.stats import mean_interval, paired_difference
+
+__all__ = ["summarize", "tables", "write_json", "write_report"]
+
+FIGURES = ("curves.png", "final.png", "ladder.png", "state.png")
+
+
+def write_json(path: Path, value: Any) -> None:
+    """``value`` as JSON, atomically: a file that marks something done is whole or absent."""
+    import os
+
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(value, indent=2))
+    os.replace(temporary, path)
+
+
+def _interval(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    found = mean_interval(values)
+    return {"mean": found.mean, "ci95": found.half_width, "sd": found.sd, "n": found.n, "low": found.low,
+            "high": found.high}
+
+
+def summarize(spec: StudySpec, tuning: list[dict], final: list[dict], chosen: dict) -> dict:
+    """Every number of the study from its results (``runner.train``'s dicts; ``final`` with their ``test``)."""
+    metric = spec.metric
+    test_key, val_key = f"test/{metric}", f"val/{metric}"
+    sizes = list(dict.fromkeys(r["size_label"] for r in final))
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for result in final:
+        groups.setdefault((result["arch"], result["size_label"]), []).append(result)
+    results = []
+    for (arch, label), runs in groups.items():
+        good = [r for r in runs if not r.get("diverged") and test_key in r.get("test", {})]
+        first = good[0] if good else runs[0]
+        entry = {"arch": arch, "size_label": label, "size": first["size"], "lr": chosen[(arch, label)]["lr"],
+                 "edge": chosen[(arch, label)]["edge"], "seeds": sorted(r["seed"] for r in good),
+                 "diverged_seeds": sorted(r["seed"] for r in runs if r.get("diverged")),
+                 "test": _interval([r["test"][test_key] for r in good]),
+                 "val": _interval([r["val"][val_key] for r in good if val_key in r["val"]]),
+                 "test_by_seed": {str(r["seed"]): r["test"][test_key] for r in good}}
+        for key in ("params", "flops_per_token", "state_bytes", "tokens", "steps", "init_args", "distance"):
+            entry[key] = first.get(key)
+        entry["train_flops"] = (entry["flops_per_token"] or 0) * entry["tokens"] if entry["flops_per_token"] else None
+        results.append(entry)
+    index = {(e["arch"], e["size_label"]): e for e in results}
+    for entry in results:
+        base = index.get((spec.reference, entry["size_label"]))
+        if entry["arch"] == spec.reference or base is None:
+            continue
+        shared = sorted(set(entry["test_by_seed"]) & set(base["test_by_seed"]), key=int)
+        if shared:
+            diff = paired_difference([entry["test_by_seed"][s] for s in shared],
+                                     [base["test_by_seed"][s] for s in shared])
+            entry["vs_baseline"] = {"mean": diff.interval.mean, "ci95": diff.interval.half_width,
+                                    "sd": diff.interval.sd, "p": diff.p_value, "paired_seeds": len(shared)}
+    seen, runs = set(), []
+    for phase, items in (("tune", tuning), ("seeds", final)):
+        for r in items:
+            key = (r["arch"], r["size_label"], r["lr"], r["seed"])
+            if key not in seen:
+                seen.add(key)
+                runs.append({**r, "phase": phase})
+    summary = {"name": spec.name, "spec": {"name": spec.name, **spec.defining()}, "metric": metric,
+               "higher_is_better": spec.higher_is_better, "baseline": spec.reference, "sizes": sizes,
+               "learning_rates": [{"arch": a, "size_label": s, **pick} for (a, s), pick in chosen.items()],
+               "results": results, "runs": runs}
+    summary["ladder"] = ladder(spec, results)
+    return summary
+
+
+def ladder(spec: StudySpec, results: list[dict]) -> dict:
+    """Per architecture: its (compute, loss, seed) points, the power-law fit over them and the compute multiplier at
+    its largest size against the baseline (seed by seed). Only for a loss (lower is better) at 2 sizes or more."""
+    if spec.higher_is_better or len({r["size_label"] for r in results}) < 2:
+        return {}
+    by_arch: dict[str, list[dict]] = {}
+    for entry in results:
+        if entry["train_flops"] and entry["test"]:
+            by_arch.setdefault(entry["arch"], []).append(entry)
+    out: dict[str, Any] = {}
+    for arch, entries in by_arch.items():
+        points = [[e["train_flops"], value, int(seed)] for e in entries for seed, value in e["test_by_seed"].items()]
+        if len({p[0] for p in points}) < 2:
+            continue
+        fit = fit_power_law([p[0] for p in points], [p[1] for p in points])
+        out[arch] = {"points": points, "fit": fit.__dict__, "fit_text": fit.describe()}
+
+    def seed_fit(arch: str, seed: str):
+        points = [(e["train_flops"], e["test_by_seed"][seed]) for e in by_arch.get(arch, [])
+                  if seed in e["test_by_seed"]]
+        if len({c for c, _ in points}) < 2:
+            return None
+        return fit_power_law([c for c, _ in points], [v for _, v in points])
+
+    base = spec.reference
+    for arch, entry in out.items():
+        if arch == base:
+            continue
+        largest = max(by_arch[arch], key=lambda e: e["train_flops"])
+        fits, losses = [], []
+        for seed, value in largest["test_by_seed"].items():
+            fit = seed_fit(base, seed)
+            if fit is not None and fit.b < 0:  # a baseline that does not improve with compute has no inverse
+                fits.append(fit)
+                losses.append(value)
+        if fits:
+            found = compute_multiplier(fits, largest["train_flops"], losses)
+            entry["multiplier"] = {"at_size": largest["size_label"], "compute": largest["train_flops"],
+                                   **found.__dict__}
+    points = [(e["train_flops"], e["test"]["mean"], e["arch"]) for es in by_arch.values() for e in es]
+    return {"archs": out, "frontier": [list(p) for p in frontier(points)]}
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def _fmt(value, spec: str = ".4f") -> str:
+    return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, spec)
+
+
+def _si(value) -> str:
+    if value is None:
+        return "-"
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}"
+    return f"{value:.3g}"
+
+
+def _pm(interval: dict | None, key: str = "ci95", spec: str = ".4f") -> str:
+    if not interval:
+        return "-"
+    return f"{interval['mean']:{spec}}" + ("" if interval.get(key) is None else f" +- {interval[key]:{spec}}")
+
+
+def _shape_text(init_args: dict | None) -> str:
+    if not init_args:
+        return "its YAML's"
+    width = init_args.get("n_embd", init_args.get("embedding_dim"))
+    depth = init_args.get("n_layer", init_args.get("num_layers"))
+    return f"{width} x {depth}"
+
+
+def tables(summary: dict) -> list[tuple[str, list[str], list[list[str]], str]]:
+    """(title, header, rows, note) of every table the report shows."""
+    metric, base = summary["metric"], summary["baseline"]
+    results = summary["results"]
+    shapes = [[e["arch"], e["size_label"], _shape_text(e["init_args"]), _fmt(e["params"], ",.0f"),
+               _si(e["flops_per_token"]), _si(e["state_bytes"]) + "B", str(e["steps"]), _si(e["tokens"]),
+               _si(e["train_flops"]), "-" if e["distance"] is None else f"{e['distance']:+.2%}"] for e in results]
+    out = [("Shapes", ["architecture", "size", "width x depth", "non-embedding parameters", "FLOPs / token",
+                       "state", "steps", "tokens", "training FLOPs", "budget distance"], shapes,
+            "FLOPs per token: training (3 x forward). State: inference state after one context, batch 1.")]
+    grid = sorted({g["lr"] for pick in summary["learning_rates"] for g in pick["grid"]})
+    rows = []
+    for pick in summary["learning_rates"]:
+        values = {g["lr"]: ("diverged" if g["diverged"] else _fmt(g["value"])) for g in pick["grid"]}
+        mark = " (edge of the grid)" if pick["edge"] else ""
+        rows.append([pick["arch"], pick["size_label"], *[values.get(lr, "-") for lr in grid],
+                     f"{pick['lr']:g}{mark}"])
+    seed = summary["spec"]["tuning_seed"] if summary["spec"]["tuning_seed"] is not None else summary["spec"]["seeds"][0]
+    out.append((f"Learning rate (val/{metric}, seed {seed})", ["architecture", "size", *[f"lr {lr:g}" for lr in grid],
+                                                               "chosen"], rows,
+                "Chosen on the validation split of the tuning seed only. A rate at the edge of the grid may not be "
+                "the best: extend the grid past it."))
+    rows = []
+    for e in results:
+        diff = e.get("vs_baseline")
+        rows.append([e["arch"], e["size_label"], f"{e['lr']:g}", str(len(e["seeds"])) +
+                     (f" ({len(e['diverged_seeds'])} diverged)" if e["diverged_seeds"] else ""),
+                     _pm(e["test"]), _pm(e["val"]), _pm(diff) if diff else "-",
+                     _fmt(diff.get("p") if diff else None, ".3g")])
+    out.append((f"Results (test/{metric}, mean +- 95% CI over seeds)",
+                ["architecture", "size", "lr", "seeds", f"test {metric}", f"val {metric}",
+                 f"vs {base} (paired)", "p"], rows,
+                f"Paired by seed against {base} at the same size (the same batches in the same order); p: the paired "
+                "t-test's. An interval that holds 0 does not tell the two apart."))
+    if summary["ladder"]:
+        rows = []
+        for arch, entry in summary["ladder"]["archs"].items():
+            fit, mult = entry["fit"], entry.get("multiplier")
+            interval = "-" if not mult else (f"{mult['value']:.3g}" + (
+                "" if mult["low"] is None else f" [{mult['low']:.3g}, {mult['high']:.3g}]"))
+            rows.append([arch, _fmt(fit["b"], ".4f") + ("" if fit["b_se"] is None else f" +- {fit['b_se']:.4f}"),
+                         _fmt(fit["log_a"], ".4f") + ("" if fit["log_a_se"] is None else
+                                                      f" +- {fit['log_a_se']:.4f}"),
+                         str(fit["n"]), "1 (baseline)" if arch == base else interval])
+        out.append((f"Compute ladder: log test/{metric} = log a + b log C", ["architecture", "b", "log a", "points",
+                                                                            f"compute multiplier vs {base}"], rows,
+                    "Least squares over every seed's point, +- one standard error (none below 3 points). The compute "
+                    f"multiplier: the training compute {base}'s fit needs to reach the architecture's loss at its "
+                    "largest size, over the architecture's compute (above 1: less compute for the same loss); seed "
+                    "by seed, geometric mean and 95% interval."))
+    return out
+
+
+def markdown(summary: dict) -> str:
+    lines = [f"# Study {summary['name']}", ""]
+    for title, header, rows, note in tables(summary):
+        lines += [f"## {title}", "", "| " + " | ".join(header) + " |",
+                  "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        lines += ["", note, ""]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def _colours(archs: list[str]) -> dict[str, Any]:
+    import matplotlib
+
+    cycle = matplotlib.colormaps["tab10"]
+    return {arch: cycle(i % 10) for i, arch in enumerate(archs)}
+
+
+def figures(summary: dict, folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric = summary["metric"]
+    archs = list(dict.fromkeys(e["arch"] for e in summary["results"]))
+    colours = _colours(archs)
+    written = []
+
+    sizes = summary["sizes"]
+    figure, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes), 3.6), squeeze=False)
+    for ax, size in zip(axes[0], sizes):
+        for arch in archs:
+            runs = [r for r in summary["runs"] if r["phase"] == "seeds" and r["arch"] == arch
+                    and r["size_label"] == size and not r.get("diverged")]
+            curves = [dict(map(tuple, r["curves"].get(f"val/{metric}", []))) for r in runs]
+            curves = [c for c in curves if c]
+            if not curves:
+                continue
+            tokens = sorted(set.intersection(*(set(c) for c in curves)))
+            found = [mean_interval([c[t] for c in curves]) for t in tokens]
+            ax.plot(tokens, [f.mean for f in found], color=colours[arch], label=f"{arch} ({len(curves)} seeds)")
+            if all(f.half_width is not None for f in found):
+                ax.fill_between(tokens, [f.low for f in found], [f.high for f in found], color=colours[arch],
+                                alpha=0.2)
+        ax.set(title=size, xlabel="training tokens", ylabel=f"val/{metric}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    figure.suptitle("Validation curves at the chosen rate (mean, 95% band over seeds)", fontsize=9)
+    written.append(_save(figure, folder / "curves.png"))
+
+    for name, x_key, x_label in (("final.png", "params", "non-embedding parameters"),
+                                 ("ladder.png", "train_flops", "training FLOPs"),
+                                 ("state.png", "state_bytes", "inference state (bytes)")):
+        figure, ax = plt.subplots(figsize=(6.4, 4.4))
+        for arch in archs:
+            entries = sorted((e for e in summary["results"] if e["arch"] == arch and e["test"] and e[x_key]),
+                             key=lambda e: e[x_key])
+            if not entries:
+                continue
+            xs = [e[x_key] for e in entries]
+            ys = [e["test"]["mean"] for e in entries]
+            errors = [e["test"]["ci95"] or 0.0 for e in entries]
+            ax.errorbar(xs, ys, yerr=errors, fmt="o-" if name != "ladder.png" else "o", capsize=3,
+                        color=colours[arch], label=arch)
+            fit = summary["ladder"].get("archs", {}).get(arch, {}).get("fit") if summary["ladder"] else None
+            if name == "ladder.png" and fit:
+                line = [min(xs) / 1.2, max(xs) * 1.2]
+                ax.plot(line, [math.exp(fit["log_a"] + fit["b"] * math.log(c)) for c in line], color=colours[arch],
+                        alpha=0.7, label=f"{arch}: b = {fit['b']:.3f}")
+        if name == "ladder.png" and summary["ladder"]:
+            edge = summary["ladder"]["frontier"]
+            ax.step([p[0] for p in edge], [p[1] for p in edge], where="post", color="black", linestyle="--",
+                    alpha=0.6, label="frontier")
+            ax.set_yscale("log")
+        ax.set_xscale("log")
+        ax.set(xlabel=x_label, ylabel=f"test/{metric} (mean, 95% CI)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+        written.append(_save(figure, folder / name))
+    return written
+
+
+def _save(figure, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    temporary = path.with_name(path.stem + ".tmp.png")
+    figure.savefig(temporary, dpi=110)
+    plt.close(figure)
+    temporary.replace(path)
+    return path
+
+
+# ----------------------------------------------------------------------------- html
+
+
+def html_report(summary: dict, images: list[Path]) -> str:
+    """One self-contained page: every table, every figure as a base64 PNG, no script and no network."""
+    parts = ["<!DOCTYPE html>", "<html lang=\"en\"><head><meta charset=\"utf-8\">",
+             f"<title>Study {html.escape(summary['name'])}</title>",
+             "<style>body{font-family:sans-serif;max-width:1200px;margin:auto;padding:1em}"
+             "table{border-collapse:collapse;margin:0.5em 0}td,th{border:1px solid #bbb;padding:2px 8px;"
+             "text-align:right}td:first-child,th:first-child{text-align:left}img{max-width:100%}"
+             ".note{color:#555;font-size:90%}</style></head><body>",
+             f"<h1>Study {html.escape(summary['name'])}</h1>",
+             f"<p>metric: {html.escape(summary['metric'])} (chosen on validation, reported on test); baseline: "
+             f"{html.escape(summary['baseline'])}</p>"]
+    for title, header, rows, note in tables(summary):
+        parts += [f"<h2>{html.escape(title)}</h2>", "<table>",
+                  "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>"]
+        parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows]
+        parts += ["</table>", f"<p class=\"note\">{html.escape(note)}</p>"]
+    parts.append("<h2>Figures</h2>")
+    for image in images:
+        data = base64.b64encode(image.read_bytes()).decode("ascii")
+        parts.append(f"<figure><img alt=\"{image.stem}\" src=\"data:image/png;base64,{data}\">"
+                     f"<figcaption>{image.name}</figcaption></figure>")
+    parts += ["<h2>Spec</h2>", f"<pre>{html.escape(json.dumps(summary['spec'], indent=2))}</pre>", "</body></html>"]
+    return "\n".join(parts) + "\n"
+
+
+def write_report(summary: dict, folder: Path) -> list[Path]:
+    """summary.json, summary.md, the figures and report.html in ``folder``; the paths written."""
+    write_json(folder / "summary.json", summary)
+    text = markdown(summary)
+    (folder / "summary.md.tmp").write_text(text)
+    (folder / "summary.md.tmp").replace(folder / "summary.md")
+    images = figures(summary, folder)
+    (folder / "report.html.tmp").write_text(html_report(summary, images))
+    (folder / "report.html.tmp").replace(folder / "report.html")
+    return [folder / "summary.json", folder / "summary.md", *images, folder / "report.html"]

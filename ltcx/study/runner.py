@@ -1,0 +1,455 @@
+"""The study runner behind ``ltcx study``: a spec (``ltcx/study/spec.py``) becomes runs, phase by phase.
+
+1. **Plan**: each architecture's shape at each size (``size_by: width``: the catalogue's scaling rule at ``layers``;
+   ``params``: the baseline at that many non-embedding parameters, the others matched to its ``match`` figure by
+   ``ltcx/study/budget.py``; ``config``: the YAML as it is), and each run's steps.
+2. **Tune**: every learning rate of the grid on the tuning seed; the best of each (architecture, size) by the final
+   ``val/<metric>`` (a run stopped on a non-finite loss ranks last).
+3. **Seeds**: every seed at the chosen rate (the tuning seed's run is that one), each seed reading the same batches
+   in the same order for every architecture (``--seed_everything S --data.seed S``).
+4. **Test**: ``ltcx test`` on each run of phase 3; its ``test_metrics.json`` (the data's test split, which played no
+   part in choosing) is what the report shows.
+
+Each run is an ordinary ``ltcx fit`` subprocess in its own folder ``<out>/<name>/runs/<arch>/<size>/lr<lr>/seed<S>/``
+(TensorBoard logs, checkpoints, ``run.log``). ``result.json`` marks a finished run and ``test.json`` a finished test
+(written atomically); a killed study rerun continues where it stopped: finished runs are skipped and an unfinished one
+resumes from its ``last.ckpt``. A signal (Ctrl-C reaches the whole process group) is left to the child, which saves
+its step and exits 128 + the signal; the runner then raises ``StudyStopped`` naming the run and the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ltcx.errors import ConfigError, LtcxError
+from ltcx.study.report import write_json
+from ltcx.study.spec import StudySpec
+
+__all__ = ["Run", "Shape", "StudyStopped", "plan_shapes", "read_logs", "run_study", "select_learning_rates"]
+
+DEFAULT_VOCAB = 50304  # GPT-2's padded vocabulary: the shapes' figures when the data sets none
+
+
+class StudyStopped(Exception):
+    """A signal stopped the study: ``line`` says where, ``code`` is the exit status (128 + the signal)."""
+
+    def __init__(self, line: str, code: int) -> None:
+        super().__init__(line)
+        self.line, self.code = line, code
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One architecture at one size: its ``init_args`` (less ``vocab_size``) and the budget match's distance."""
+
+    arch: str
+    size: float
+    init_args: dict[str, Any]
+    distance: float | None = None
+
+    @property
+    def label(self) -> str:
+        return "config" if not self.init_args and self.distance is None else f"size{self.size:g}"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One ``ltcx fit``: an architecture's shape, a learning rate and a seed."""
+
+    shape: Shape
+    lr: float
+    seed: int
+    steps: int
+    evals: int
+
+    @property
+    def arch(self) -> str:
+        return self.shape.arch
+
+    @property
+    def label(self) -> str:
+        return f"{self.arch} {self.shape.label} lr={self.lr:g} seed {self.seed}"
+
+    def folder(self, out: Path) -> Path:
+        return out / "runs" / self.arch / self.shape.label / f"lr{self.lr:g}" / f"seed{self.seed}"
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def vocab_size(spec: StudySpec) -> int:
+    return int(spec.data.get("vocab_size", DEFAULT_VOCAB))
+
+
+def plan_shapes(spec: StudySpec) -> list[Shape]:
+    """Every (architecture, size) of the study, architectures in the spec's order within each size."""
+    from ltcx.models import catalog
+    from ltcx.study.budget import match_shape
+
+    if spec.size_by == "config":
+        return [Shape(arch, 0.0, {}) for arch in spec.archs]
+    options = {} if spec.head_dim is None else {"head_dim": spec.head_dim}
+    shapes = []
+    for size in spec.sizes:
+        if spec.size_by == "width":
+            for arch in spec.archs:
+                entry = catalog.get(arch)
+                if entry.scaling is None:
+                    raise ConfigError(f"architecture '{arch}' has no scaling rule: give its catalogue entry one "
+                                      "(Architecture.scaling, ltcx/models/scaling.py) or use size_by: config")
+                layers = spec.layers or entry.scaling.depth
+                shapes.append(Shape(arch, size, _initialised(arch, entry.scaled(int(size), layers, spec.block_size,
+                                                                                  **options), spec)))
+            continue
+        reference = match_shape(spec.reference, "params", size, spec.block_size, vocab_size(spec),
+                                n_layers=spec.layers, **options)
+        target = reference.figure(spec.match)
+        for arch in spec.archs:
+            match = reference if arch == spec.reference else match_shape(
+                arch, spec.match, target, spec.block_size, vocab_size(spec), n_layers=spec.layers, **options)
+            args = {k: v for k, v in match.init_args.items() if k != "vocab_size"}
+            shapes.append(Shape(arch, size, _initialised(arch, args, spec), match.distance))
+    return shapes
+
+
+def _initialised(arch: str, init_args: dict[str, Any], spec: StudySpec) -> dict[str, Any]:
+    """``scaled_init``: N(0, 1/width) matrices where the backbone has ``init_std`` (GPT-2's 0.02 is made for width 768;
+    at width 64 it keeps a GPT on MQAR's plateau for thousands of steps, docs/recall.md)."""
+    from ltcx.models import catalog
+
+    if not spec.scaled_init:
+        return init_args
+    fields = {f.name for f in dataclasses.fields(catalog.get(arch).backbone_class().config_class)}
+    width = init_args.get("n_embd", init_args.get("embedding_dim"))
+    return {**init_args, "init_std": round(width ** -0.5, 6)} if "init_std" in fields and width else init_args
+
+
+def run_steps(spec: StudySpec, shape: Shape) -> tuple[int, int]:
+    """(max_steps, steps between validations): ``steps``, or ``tokens_per_param`` x the shape's non-embedding
+    parameters in batches, rounded up to a multiple of ``evals`` (the last validation is at the end)."""
+    steps = spec.steps
+    if steps is None:
+        from ltcx.study.budget import figures
+
+        if spec.size_by == "config":
+            raise ConfigError(f"study spec {spec.source}: size_by: config needs 'steps' (tokens_per_param needs a "
+                              "shape the study sets)")
+        params = figures(shape.arch, {**shape.init_args, "vocab_size": vocab_size(spec)}, spec.block_size,
+                         spec.block_size)[0]
+        steps = math.ceil(spec.tokens_per_param * params / (spec.batch_size * spec.block_size))
+    every = max(1, math.ceil(steps / spec.evals))
+    return every * spec.evals, every
+
+
+def make_run(spec: StudySpec, shape: Shape, lr: float, seed: int) -> Run:
+    steps, _ = run_steps(spec, shape)
+    return Run(shape, lr, seed, steps, spec.evals)
+
+
+def _value(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def arch_config(arch: str) -> str:
+    from ltcx.models.catalog import config_path
+
+    return str(config_path(arch))
+
+
+def composed_configs(spec: StudySpec) -> list[str]:
+    """The spec's ``configs`` as paths: a shipped name (``data/mqar``) or a file."""
+    from ltcx.models.catalog import shipped_config
+
+    paths = []
+    for config in spec.configs:
+        path = Path(config) if Path(config).is_file() else shipped_config(config)
+        if path is None:
+            raise ConfigError(f"study spec {spec.source}: key 'configs': '{config}' is neither a file nor a shipped "
+                              "config (e.g. data/mqar, trainer/smoke)")
+        paths.append(str(Path(path).resolve()))
+    return paths
+
+
+def common_args(spec: StudySpec, run: Run) -> list[str]:
+    """What ``fit`` and ``test`` of ``run`` share: configs, shape, data and the spec's own flags."""
+    args = ["--config", arch_config(run.arch)]
+    for path in composed_configs(spec):
+        args += ["--config", path]
+    for key, value in run.shape.init_args.items():
+        args += [f"--model.backbone.init_args.{key}", _value(value)]
+    args += ["--data.block_size", str(spec.block_size), "--data.batch_size", str(spec.batch_size),
+             "--data.seed", str(run.seed), "--seed_everything", str(run.seed)]
+    for group in ("data", "model", "trainer"):
+        for key, value in getattr(spec, group).items():
+            args += [f"--{group}.{key}", _value(value)]
+    return [*args, *spec.args]
+
+
+def fit_args(spec: StudySpec, run: Run, root: Path) -> list[str]:
+    steps, every = run_steps(spec, run.shape)
+    warmup = round(spec.warmup_fraction * steps)
+    return ["fit", *common_args(spec, run), "--model.learning_rate", f"{run.lr:g}",
+            "--model.min_lr", f"{run.lr * spec.min_lr_ratio:g}", "--model.warmup_steps", str(warmup),
+            "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(every),
+            "--trainer.check_val_every_n_epoch", "null", "--trainer.default_root_dir", str(root)]
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def read_logs(root: Path, prefix: str = "val/") -> dict[str, list[tuple[int, float]]]:
+    """Every scalar tag starting with ``prefix`` by step, from every TensorBoard version under ``root`` (a resumed run
+    writes a new version; a later version wins for the same step)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    curves: dict[str, dict[int, float]] = {}
+    versions = sorted(root.glob("lightning_logs/*/version_*"), key=lambda p: int(p.name.split("_")[1]))
+    for version in versions:
+        for events_file in sorted(version.glob("events.out.tfevents.*")):
+            events = EventAccumulator(str(events_file), size_guidance={"scalars": 0})
+            events.Reload()
+            for tag in events.Tags()["scalars"]:
+                if tag.startswith(prefix):
+                    curves.setdefault(tag, {}).update({e.step: e.value for e in events.Scalars(tag)})
+    return {tag: sorted(curve.items()) for tag, curve in sorted(curves.items())}
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The last.ckpt of the latest run under ``root/checkpoints/<arch>/``."""
+    from ltcx.persist.runs import latest_last_checkpoint
+
+    found = [path for folder in sorted((root / "checkpoints").glob("*/")) for path in latest_last_checkpoint(folder)]
+    return Path(found[-1]) if found else None
+
+
+def last_line(log: Path) -> str:
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.is_file() \
+        else []
+    return lines[-1] if lines else "(the log is empty)"
+
+
+def _stop_line(log: Path, signum: int) -> str:
+    """The child's ``ltcx: SIGINT at step N: saved ...`` line, without its ``ltcx: ``."""
+    name = signal.Signals(signum).name
+    lines = [line for line in log.read_text(errors="replace").splitlines() if f"ltcx: {name} at step " in line]
+    return lines[-1].split("ltcx: ", 1)[1].split("; resume with", 1)[0] if lines else f"{name} before its first step"
+
+
+def ltcx_command() -> list[str]:
+    """The ``ltcx`` command as a subprocess, installed or in a checkout."""
+    return [sys.executable, "-c", "import sys; sys.argv[0] = 'ltcx'; from ltcx.cli import main; main()"]
+
+
+def _child(args: list[str], log: Path, label: str, env: dict | None = None) -> int:
+    """Run ``ltcx args`` to its end, output appended to ``log``. A signal reaching this process (Ctrl-C reaches the
+    whole process group, the child too) is not passed on: the child saves its step and exits, and this process then
+    stops with it (a child that got no signal and finishes stops the study after it)."""
+    received: list[int] = []
+
+    def note(signum, frame):
+        received.append(signum)
+
+    previous = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with open(log, "a") as stream:
+            child = subprocess.Popen([*ltcx_command(), *args], stdout=stream, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+            code = child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if code in (128 + signal.SIGINT, 128 + signal.SIGTERM) or received:
+        signum = code - 128 if code in (128 + signal.SIGINT, 128 + signal.SIGTERM) else received[0]
+        where = _stop_line(log, signum) if code != 0 else f"{signal.Signals(signum).name} after it finished"
+        raise StudyStopped(f"study stopped: {label}: {where}; run the same `ltcx study` command to resume",
+                           128 + signum)
+    return code
+
+
+def train(spec: StudySpec, run: Run, out: Path, say: Callable[[str], None]) -> dict:
+    """Train ``run`` unless it finished before (its ``result.json``); its result."""
+    root = run.folder(out)
+    result_file = root / "result.json"
+    if result_file.is_file():
+        say(f"{run.label}: done before, skipped")
+        return json.loads(result_file.read_text())
+    args = fit_args(spec, run, root)
+    checkpoint = latest_checkpoint(root)
+    if checkpoint is not None:
+        args += ["--ckpt_path", str(checkpoint)]  # a stopped run continues where it stopped
+    root.mkdir(parents=True, exist_ok=True)
+    say(f"{run.label}: training {run.steps} steps ({'resumed from ' + checkpoint.name if checkpoint else 'new'})")
+    code = _child(args, root / "run.log", run.label)
+    diverged = False
+    if code != 0:
+        line = last_line(root / "run.log")
+        from ltcx.callbacks.guard import FIX
+
+        diverged = FIX in line  # a non-finite loss: this learning rate is too high, a result of the grid
+        if not diverged:
+            raise LtcxError(f"{run.label} failed (exit {code}): {line} (see {root / 'run.log'}; rerun to resume)")
+    curves = read_logs(root)
+    tokens_per_step = spec.batch_size * spec.block_size
+    result = {"arch": run.arch, "size": run.shape.size, "size_label": run.shape.label, "lr": run.lr,
+              "seed": run.seed, "steps": run.steps, "tokens": run.steps * tokens_per_step, "diverged": diverged,
+              "init_args": run.shape.init_args, "distance": run.shape.distance,
+              "val": {tag: curve[-1][1] for tag, curve in curves.items() if curve and not diverged},
+              # the validation after optimizer step s is logged at step s
+              "curves": {tag: [[step * tokens_per_step, value] for step, value in curve]
+                         for tag, curve in curves.items()}}
+    if not diverged:
+        final = latest_checkpoint(root)
+        if final is None:
+            raise LtcxError(f"{run.label} left no last.ckpt (see {root / 'run.log'})")
+        result.update(measure(final, spec.block_size), checkpoint=str(final))
+        if f"val/{spec.metric}" not in result["val"]:
+            raise LtcxError(f"{run.label} logged no val/{spec.metric} (see {root / 'run.log'}): choose a metric its "
+                            "data logs (recall_acc: MQAR; loss; bpb: text)")
+    write_json(result_file, result)
+    return result
+
+
+def measure(checkpoint: Path, seq_len: int) -> dict:
+    """The trained model's non-embedding parameters, training FLOPs per token and state bytes after ``seq_len``
+    tokens (batch 1, its dtype): the figures the ladder and the tables use."""
+    from ltcx.lm import LanguageModel
+    from ltcx.persist import load_language_model
+    from ltcx.study.budget import non_embedding_parameters
+
+    backbone = load_language_model(checkpoint, model_class=LanguageModel)[0].backbone
+    return {"params": non_embedding_parameters(backbone), "all_params": backbone.parameter_count(),
+            "flops_per_token": float(backbone.flops_per_token(seq_len)),
+            "state_bytes": int(backbone.state_bytes(seq_len))}
+
+
+def evaluate_test(spec: StudySpec, run: Run, out: Path, say: Callable[[str], None]) -> dict:
+    """``ltcx test`` of a finished run on the data's test split: the metrics of its ``test_metrics.json``
+    (``test/loss``, ``test/bpb``, ``test/recall_acc``), kept as the run's ``test.json``."""
+    root = run.folder(out)
+    kept = root / "test.json"
+    if kept.is_file():
+        return json.loads(kept.read_text())
+    result = json.loads((root / "result.json").read_text())
+    test_root = root / "test"
+    say(f"{run.label}: testing")
+    test_root.mkdir(exist_ok=True)
+    args = ["test", *common_args(spec, run), "--ckpt_path", result["checkpoint"],
+            "--trainer.default_root_dir", str(test_root)]
+    code = _child(args, root / "test.log", f"{run.label} (test)")
+    if code != 0:
+        raise LtcxError(f"{run.label}: ltcx test failed (exit {code}): {last_line(root / 'test.log')} "
+                        f"(see {root / 'test.log'})")
+    written = sorted(test_root.rglob("test_metrics.json"), key=lambda p: p.stat().st_mtime)
+    if not written:
+        raise LtcxError(f"{run.label}: ltcx test wrote no test_metrics.json under {test_root} (this ltcx has no test "
+                        "split)")
+    metrics = {k: float(v) for k, v in json.loads(written[-1].read_text()).items() if isinstance(v, (int, float))}
+    if f"test/{spec.metric}" not in metrics:
+        raise LtcxError(f"{run.label}: {written[-1]} has no test/{spec.metric} (it has {', '.join(metrics)})")
+    write_json(kept, metrics)
+    return metrics
+
+
+# ----------------------------------------------------------------------------- selection
+
+
+def rank_key(spec: StudySpec, result: dict) -> tuple:
+    """Smaller is better: diverged or non-finite last, then the metric in its direction, then the validation loss,
+    then the smaller rate."""
+    value = result.get("val", {}).get(f"val/{spec.metric}")
+    if result.get("diverged") or value is None or not math.isfinite(value):
+        return (1, 0.0, 0.0, result["lr"])
+    loss = result["val"].get("val/loss", math.inf)
+    return (0, -value if spec.higher_is_better else value, loss if math.isfinite(loss) else math.inf, result["lr"])
+
+
+def select_learning_rates(spec: StudySpec, tuning: list[dict]) -> dict[tuple[str, str], dict]:
+    """(arch, size label) -> {"lr", "edge", "grid": [{lr, value, diverged}]}: the best rate of the tuning seed by the
+    validation split alone; ``edge`` when it is the grid's smallest or largest (of several): widen the grid there."""
+    chosen: dict[tuple[str, str], dict] = {}
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for result in tuning:
+        groups.setdefault((result["arch"], result["size_label"]), []).append(result)
+    grid = sorted(spec.learning_rates)
+    for key, results in groups.items():
+        best = min(results, key=lambda r: rank_key(spec, r))
+        edge = len(grid) > 1 and best["lr"] in (grid[0], grid[-1])
+        chosen[key] = {"lr": best["lr"], "edge": edge, "all_diverged": rank_key(spec, best)[0] == 1,
+                       "grid": [{"lr": r["lr"], "value": r.get("val", {}).get(f"val/{spec.metric}"),
+                                 "diverged": r.get("diverged", False)} for r in sorted(results, key=lambda r: r["lr"])]}
+    return chosen
+
+
+# ----------------------------------------------------------------------------- the study
+
+
+def check_folder(spec: StudySpec, out: Path) -> None:
+    """A results folder holds one study: a rerun with another spec under the same name is one line, before
+    anything runs."""
+    stored = out / "spec.json"
+    if stored.is_file():
+        before = json.loads(stored.read_text())
+        now = json.loads(json.dumps(spec.defining()))
+        changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+        if changed:
+            raise ConfigError(f"{out} holds a study with another '{changed[0]}' ({before.get(changed[0])!r}, now "
+                              f"{now.get(changed[0])!r}): give the study another name (--name) or restore the spec")
+
+
+def run_study(spec: StudySpec, out: Path, dry_run: bool = False, say: Callable[[str], None] = print) -> dict | None:
+    """Plan, tune, train every seed, test, then write the summary and the report (``ltcx/study/report.py``); with
+    ``dry_run`` print what would run and run nothing. Returns the summary."""
+    check_folder(spec, out)
+    composed_configs(spec)  # a bad path is one line now, not after the first run
+    shapes = plan_shapes(spec)
+    tuning_runs = [make_run(spec, shape, lr, spec.tune_seed) for shape in shapes for lr in spec.learning_rates]
+    if dry_run:
+        _print_plan(spec, out, shapes, tuning_runs, say)
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "spec.json", spec.defining())
+    total = len(tuning_runs) + len(shapes) * (len(spec.seeds) - 1)
+    say(f"study {spec.name}: {len(shapes)} shapes x {len(spec.learning_rates)} learning rates on seed "
+        f"{spec.tune_seed}, then {len(spec.seeds)} seeds: {total} runs in {out}")
+    tuning = [train(spec, run, out, say) for run in tuning_runs]
+    tuned = {run.folder(out): result for run, result in zip(tuning_runs, tuning)}
+    chosen = select_learning_rates(spec, tuning)
+    final: list[tuple[Run, dict]] = []
+    for seed in spec.seeds:  # seed by seed: a stopped study has whole seeds of every architecture first
+        for shape in shapes:
+            pick = chosen[(shape.arch, shape.label)]
+            run = make_run(spec, shape, pick["lr"], seed)
+            result = tuned.get(run.folder(out))  # the tuning seed's run at the chosen rate is that seed's run
+            final.append((run, result if result is not None else train(spec, run, out, say)))
+    for run, result in final:
+        result["test"] = {} if result.get("diverged") else evaluate_test(spec, run, out, say)
+    from ltcx.study.report import summarize, write_report
+
+    summary = summarize(spec, tuning, [result for _, result in final], chosen)
+    written = write_report(summary, out)
+    say(f"study {spec.name}: wrote {', '.join(str(p.relative_to(out)) for p in written)} in {out}")
+    return summary
+
+
+def _print_plan(spec: StudySpec, out: Path, shapes: list[Shape], tuning: list[Run], say) -> None:
+    say(f"study {spec.name} (dry run, nothing is trained): results in {out}")
+    say(f"tune: {len(tuning)} runs on seed {spec.tune_seed}")
+    for run in tuning:
+        state = "done" if (run.folder(out) / "result.json").is_file() else "to run"
+        say(f"  {run.label}: {run.steps} steps [{state}]: ltcx {' '.join(fit_args(spec, run, run.folder(out)))}")
+    others = [s for s in spec.seeds if s != spec.tune_seed]
+    say(f"seeds: {len(shapes) * len(others)} runs more (seeds {', '.join(map(str, others)) or 'none'}) at each shape's "
+        "chosen learning rate, then `ltcx test` on every seed's run")
+    for shape in shapes:
+        say(f"  {shape.arch} {shape.label}: {make_run(spec, shape, spec.learning_rates[0], 0).steps} steps x "
+            f"{len(others)} seeds")

@@ -1,0 +1,321 @@
+"""ltcx study (ltcx/study/): the spec's one-line errors, the presets shipped and found by name, the learning rate
+chosen on validation while the report uses test (planted runs whose two splits disagree), the ladder fit recovering
+a planted power law and compute multiplier, the report (JSON, Markdown, PNG, one HTML page holding every table), and
+a tiny study end to end: stopped by Ctrl-C to its process group mid-run, then resumed."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import ROOT, one_error_line
+from ltcx.errors import ConfigError
+from ltcx.study import ladder
+from ltcx.study.report import markdown, summarize, tables, write_report
+from ltcx.study.runner import select_learning_rates
+from ltcx.study.spec import find_spec, load_spec, preset_names
+
+GOOD = dict(archs=["gpt", "xlstm"], configs=["data/mqar"], size_by="width", sizes=[16, 32], block_size=16,
+            batch_size=8, steps=6, learning_rates=[1e-3, 3e-3], seeds=[0, 1], metric="recall_acc")
+
+
+def write_spec(folder: Path, **changes) -> Path:
+    spec = {**GOOD, **changes}
+    path = folder / "s.yaml"
+    path.write_text(yaml.safe_dump({k: v for k, v in spec.items() if v is not None}))
+    return path
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(seed=3), "unknown key 'seed': the keys are archs, block_size"),
+    (dict(archs=None), "missing key 'archs'"),
+    (dict(archs=["gpt", "mamba"]), "key 'archs': unknown architecture 'mamba'"),
+    (dict(learning_rates=[1e-3, -1.0]), "key 'learning_rates' ([0.001, -1.0]) must be a list of positive numbers"),
+    (dict(learning_rates=[1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0]), "key 'learning_rates'"),
+    (dict(batch_size=0), "key 'batch_size' (0) must be an integer >= 1"),
+    (dict(tokens_per_param=20), "give exactly one of keys 'steps' and 'tokens_per_param'"),
+    (dict(baseline="ltc"), "key 'baseline' (ltc) is not one of archs (gpt, xlstm)"),
+    (dict(metric="accuracy"), "key 'metric' ('accuracy') must be one of loss, bpb, recall_acc"),
+    (dict(size_by="config"), "key 'sizes' is left out with size_by: config"),
+    (dict(tuning_seed=5), "key 'tuning_seed' (5) must be one of seeds [0, 1]"),
+    (dict(data={"seed": 3}), "key 'data.seed' is set by the study itself"),
+    (dict(sizes=[16.5]), "key 'sizes' must be integer widths"),
+])
+def test_a_bad_spec_is_one_line_naming_the_key(tmp_path, changes, message):
+    path = write_spec(tmp_path, **changes)
+    with pytest.raises(ConfigError) as error:
+        load_spec(path)
+    assert f"study spec {path}: " in str(error.value) and message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_a_bad_spec_through_the_cli_is_one_line_before_anything_is_written(tmp_path, capsys):
+    path = write_spec(tmp_path, evals=0)
+    line = one_error_line(["study", "--spec", str(path), "--out", str(tmp_path / "results")], capsys)
+    assert line == f"ltcx: error: study spec {path}: key 'evals' (0) must be an integer >= 1"
+    assert not (tmp_path / "results").exists()
+    line = one_error_line(["study", "--spec", "no-such-preset"], capsys)
+    assert line.startswith("ltcx: error: --spec no-such-preset: no such file or preset: pass a study YAML or one of "
+                           "fineweb-edu-ladder, quick-recall, reference, tinystories-ladder")
+
+
+def test_every_preset_loads_and_is_found_by_name(tmp_path, monkeypatch):
+    assert preset_names() == ["fineweb-edu-ladder", "quick-recall", "reference", "tinystories-ladder"]
+    monkeypatch.chdir(tmp_path)  # by name from any directory, as --config gpt
+    for name in preset_names():
+        spec = load_spec(find_spec(name))
+        assert spec.name == name and spec.description
+    quick = load_spec(find_spec("quick-recall"))
+    from ltcx.models.catalog import CATALOG
+
+    assert sorted(quick.archs) == sorted(CATALOG) and len(quick.seeds) == 3 and len(quick.learning_rates) >= 3
+    reference = load_spec(find_spec("reference"))
+    assert reference.archs == ["gpt", "ltc"] and reference.steps == 23404 and reference.batch_size == 24
+    from ltcx.study.runner import fit_args, make_run, plan_shapes
+
+    run = make_run(reference, plan_shapes(reference)[1], 6e-4, 0)
+    args = fit_args(reference, run, tmp_path)
+    assert args[args.index("--model.warmup_steps") + 1] == "1170" and args[args.index("--model.min_lr") + 1] == "6e-05"
+    assert args[args.index("--trainer.max_steps") + 1] == "23404"
+
+
+def test_the_dry_run_prints_every_run_and_writes_nothing(tmp_path, capsys):
+    from ltcx.cli import main
+
+    main(["study", "--spec", str(write_spec(tmp_path)), "--out", str(tmp_path / "results"), "--dry_run"])
+    out = capsys.readouterr().out
+    assert "tune: 8 runs on seed 0" in out and out.count("[to run]: ltcx fit --config ") == 8
+    assert "gpt size32 lr=0.003 seed 0: 8 steps" in out  # 6 steps rounded up to a multiple of the 4 evaluations
+    assert "seeds: 4 runs more (seeds 1)" in out
+    assert not (tmp_path / "results").exists()
+
+
+# ----------------------------------------------------------------------------- selection and the report
+
+
+def planted(arch, size, lr, seed, val, test, params=1000, flops=6000.0, tokens=100):
+    return {"arch": arch, "size": size, "size_label": f"size{size}", "lr": lr, "seed": seed, "steps": 10,
+            "tokens": tokens, "diverged": val is None, "init_args": {"n_embd": size, "n_layer": 2}, "distance": None,
+            "val": {} if val is None else {"val/loss": val}, "test": {"test/loss": test},
+            "curves": {"val/loss": [[50, val or 9.0], [100, val or 9.0]]}, "params": params,
+            "flops_per_token": flops, "state_bytes": 64 * size}
+
+
+def test_the_rate_is_chosen_on_validation_and_the_results_are_tests():
+    from ltcx.study.spec import StudySpec
+
+    spec = StudySpec(archs=["gpt", "xlstm"], sizes=[16], size_by="width", block_size=16, batch_size=8, steps=10,
+                     learning_rates=[1e-3, 3e-3, 1e-2], seeds=[0, 1, 2])
+    # validation prefers 3e-3 for gpt while its test prefers 1e-3; 1e-2 diverged; xlstm's best is the grid's edge
+    tuning = [planted("gpt", 16, 1e-3, 0, 2.0, 1.0), planted("gpt", 16, 3e-3, 0, 1.5, 3.0),
+              planted("gpt", 16, 1e-2, 0, None, 0.1), planted("xlstm", 16, 1e-3, 0, 2.5, 2.0),
+              planted("xlstm", 16, 3e-3, 0, 2.4, 2.0), planted("xlstm", 16, 1e-2, 0, 2.2, 2.0)]
+    chosen = select_learning_rates(spec, tuning)
+    assert chosen[("gpt", "size16")]["lr"] == 3e-3 and not chosen[("gpt", "size16")]["edge"]
+    assert chosen[("xlstm", "size16")]["lr"] == 1e-2 and chosen[("xlstm", "size16")]["edge"]
+    final = [planted("gpt", 16, 3e-3, s, 1.5, 3.0 + 0.1 * s) for s in range(3)] + [
+        planted("xlstm", 16, 1e-2, s, 2.2, 2.5 + 0.1 * s + (0.05 if s == 1 else 0)) for s in range(3)]
+    summary = summarize(spec, tuning, final, chosen)
+    gpt, xlstm = summary["results"]
+    assert gpt["test"]["mean"] == pytest.approx(3.1) and gpt["val"]["mean"] == pytest.approx(1.5)
+    assert xlstm["vs_baseline"]["mean"] == pytest.approx(-0.5 + 0.05 / 3)
+    assert xlstm["vs_baseline"]["paired_seeds"] == 3 and 0 < xlstm["vs_baseline"]["p"] < 0.01
+    md = markdown(summary)
+    assert "| gpt | size16 | 2.0000 | 1.5000 | diverged | 0.003 |" in md
+    assert "| xlstm | size16 | 2.5000 | 2.4000 | 2.2000 | 0.01 (edge of the grid) |" in md
+    assert "| gpt | size16 | 0.003 | 3 | 3.1000 +- 0.2484 | 1.5000 +- 0.0000 | - | - |" in md
+    assert summary["ladder"] == {}  # one size: no ladder
+
+
+def test_the_ladder_fit_recovers_a_planted_power_law_and_compute_multiplier():
+    # L = 10 C^-0.1 for the baseline; the other architecture reaches the baseline's loss with 2x less compute,
+    # L = 10 (2C)^-0.1; small seed noise
+    noise = [0.002, -0.001, -0.001]
+    computes = [1e15, 1e16, 1e17, 1e18]
+    base = [(c, 10 * c ** -0.1 * math.exp(n)) for c in computes for n in noise]
+    fit = ladder.fit_power_law([c for c, _ in base], [v for _, v in base])
+    assert fit.b == pytest.approx(-0.1, abs=1e-3) and fit.log_a == pytest.approx(math.log(10), abs=0.05)
+    assert fit.b_se is not None and 0 < fit.b_se < 1e-3 and fit.n == 12
+    seed_fits = [ladder.fit_power_law(computes, [10 * c ** -0.1 * math.exp(n) for c in computes]) for n in noise]
+    losses = [10 * (2 * 1e18) ** -0.1 * math.exp(n) for n in [0.003, -0.002, 0.0]]
+    found = ladder.compute_multiplier(seed_fits, 1e18, losses)
+    # seed by seed 2 exp(-10 (0.001, -0.001, 0.001)): geometric mean 2 exp(-0.01 / 3), an interval around 2
+    assert found.value == pytest.approx(2 * math.exp(-0.01 / 3)) and found.low < 2.0 < found.high
+    assert found.per_seed == pytest.approx([2 * math.exp(-0.01), 2 * math.exp(0.01), 2 * math.exp(-0.01)])
+    assert ladder.frontier([(1, 3.0, "a"), (2, 3.5, "b"), (3, 2.0, "b"), (4, 2.5, "a")]) == [(1, 3.0, "a"),
+                                                                                                (3, 2.0, "b")]
+    with pytest.raises(ValueError):
+        ladder.fit_power_law([1e15, 1e15], [1.0, 2.0])
+
+
+class Tables(HTMLParser):
+    """The titles (h2) and the rows of every table of a page, and whether it fetches anything."""
+
+    def __init__(self):
+        super().__init__()
+        self.titles, self.tables, self.sources, self._in = [], [], [], None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "table":
+            self.tables.append([])
+        elif tag == "tr":
+            self.tables[-1].append([])
+        elif tag in ("h2", "td", "th"):
+            self._in = tag
+            if tag != "h2":
+                self.tables[-1][-1].append("")
+        for key in ("src", "href"):
+            if key in attrs:
+                self.sources.append(attrs[key])
+
+    def handle_endtag(self, tag):
+        self._in = None
+
+    def handle_data(self, data):
+        if self._in == "h2":
+            self.titles.append(data)
+        elif self._in in ("td", "th"):
+            self.tables[-1][-1][-1] += data
+
+
+def ladder_summary(tmp_path):
+    from ltcx.study.spec import StudySpec
+
+    spec = StudySpec(archs=["gpt", "ltc"], sizes=[32, 64, 128], size_by="width", block_size=16, batch_size=8,
+                     steps=10, learning_rates=[1e-3, 3e-3], seeds=[0, 1, 2])
+    tuning, final = [], []
+    for i, size in enumerate(spec.sizes):
+        for arch, gain in (("gpt", 1.0), ("ltc", 1.5)):
+            for lr in spec.learning_rates:
+                tuning.append(planted(arch, size, lr, 0, 3.0 - i * 0.1 - lr, 3.0))
+            for seed in spec.seeds:
+                compute = 1e12 * 10 ** i
+                final.append(planted(arch, size, 3e-3, seed, 3.0, 10 * (gain * compute) ** -0.05 + 0.001 * seed,
+                                     params=1000 * 10 ** i, flops=compute / 100, tokens=100))
+    chosen = select_learning_rates(spec, tuning)
+    return summarize(spec, tuning, final, chosen)
+
+
+def test_the_report_holds_every_table_and_figure_and_fetches_nothing(tmp_path):
+    summary = ladder_summary(tmp_path)
+    assert summary["ladder"]["archs"]["ltc"]["multiplier"]["value"] == pytest.approx(1.5, rel=0.05)
+    assert summary["ladder"]["archs"]["gpt"]["fit"]["b"] == pytest.approx(-0.05, abs=0.01)
+    written = write_report(summary, tmp_path)
+    assert [p.name for p in written] == ["summary.json", "summary.md", "curves.png", "final.png", "ladder.png",
+                                         "state.png", "report.html"]
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in written if p.suffix == ".png")
+    assert json.loads((tmp_path / "summary.json").read_text())["results"] == json.loads(json.dumps(summary["results"]))
+    page = Tables()
+    page.feed((tmp_path / "report.html").read_text())
+    expected = tables(summary)
+    assert page.titles[:len(expected)] == [title for title, *_ in expected]
+    assert len(page.tables) == len(expected) == 4
+    for (title, header, rows, _), found in zip(expected, page.tables):
+        assert found == [header, *rows], title
+    assert all(s.startswith("data:image/png;base64,") for s in page.sources) and len(page.sources) == 4
+    md = (tmp_path / "summary.md").read_text()
+    assert "## Compute ladder: log test/loss = log a + b log C" in md and "| ltc | -0.05" in md
+
+
+def test_the_report_renders_in_headless_chromium(tmp_path):
+    import shutil
+
+    browser = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)),
+                   None)
+    if browser is None:
+        pytest.skip("no chromium on this machine (apt-get install chromium)")
+    write_report(ladder_summary(tmp_path), tmp_path)
+    shot = tmp_path / "shot.png"
+    subprocess.run([browser, "--headless", "--disable-gpu", "--no-sandbox", f"--screenshot={shot}",
+                    "--window-size=1200,3000", (tmp_path / "report.html").as_uri()], check=True, timeout=120,
+                   capture_output=True)
+    assert shot.stat().st_size > 10_000
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def study_spec(tmp_path: Path, archs, sizes, lrs, seeds, signal_args=()) -> Path:
+    spec = dict(name="tiny", archs=archs, configs=["data/mqar"], size_by="width", sizes=sizes, layers=1, head_dim=8,
+                data={"vocab_size": 32, "num_kv_pairs": 2, "random_fillers": False, "val_batches": 1},
+                trainer={"log_every_n_steps": 1}, block_size=16, batch_size=4, steps=6, evals=2,
+                learning_rates=lrs, seeds=seeds, metric="recall_acc", args=list(signal_args))
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def study(spec: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    """``ltcx study`` in its own process group (a terminal's Ctrl-C reaches the group: the runner and its child)."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "study", "--spec", str(spec), "--out",
+                             str(tmp_path / "results")], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def finish_or_xfail(result: subprocess.CompletedProcess) -> None:
+    """The test step needs ``ltcx test`` to write test_metrics.json (the data's test split)."""
+    if result.returncode == 2 and "wrote no test_metrics.json" in result.stderr:
+        pytest.xfail("ltcx test writes no test_metrics.json yet (the test split)")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_a_study_stopped_by_ctrl_c_resumes_where_it_stopped(tmp_path):
+    """2 architectures x 1 size x 1 rate x 2 seeds: Ctrl-C (SIGINT to the process group) at step 3 of the third run
+    (gpt, seed 1): one line and exit 130; the rerun skips the two finished runs and continues the third from its
+    last.ckpt."""
+    count = tmp_path / "runs_at_step_3"
+    signal_args = ["--trainer.callbacks+=fault_injection.SignalSelf", "--trainer.callbacks.at_step=3",
+                   "--trainer.callbacks.signal_name=SIGINT", "--trainer.callbacks.group=true",
+                   f"--trainer.callbacks.count_file={count}", "--trainer.callbacks.skip_runs=2"]
+    spec = study_spec(tmp_path, ["gpt", "xlstm"], [16], [3e-3], [0, 1], signal_args)
+    stopped = study(spec, tmp_path)
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    run = tmp_path / "results/tiny/runs/gpt/size16/lr0.003/seed1"
+    assert stopped.stderr.splitlines() == [
+        f"ltcx: study stopped: gpt size16 lr=0.003 seed 1: SIGINT at step 3: saved "
+        f"{run}/checkpoints/gpt/version_0/last.ckpt; run the same `ltcx study` command to resume"]
+    assert not (run / "result.json").exists()
+    assert "xlstm size16 lr=0.003 seed 1" not in stopped.stdout  # nothing started after the stop
+
+    resumed = study(spec, tmp_path)
+    assert resumed.stdout.count("done before, skipped") == 2
+    assert "gpt size16 lr=0.003 seed 1: training 6 steps (resumed from last.ckpt)" in resumed.stdout
+    assert "resumed at step 3 of 6" in (run / "run.log").read_text()
+    result = json.loads((run / "result.json").read_text())
+    assert [tokens for tokens, _ in result["curves"]["val/recall_acc"]] == [3 * 4 * 16, 6 * 4 * 16]
+    finish_or_xfail(resumed)
+    summary = json.loads((tmp_path / "results/tiny/summary.json").read_text())
+    assert [(e["arch"], e["seeds"]) for e in summary["results"]] == [("gpt", [0, 1]), ("xlstm", [0, 1])]
+    assert summary["results"][1]["vs_baseline"]["paired_seeds"] == 2
+    page = Tables()
+    page.feed((tmp_path / "results/tiny/report.html").read_text())
+    assert len(page.tables) == 3  # shapes, learning rates, results: one size has no ladder
+
+
+@pytest.mark.slow
+def test_a_study_of_two_architectures_sizes_rates_and_seeds_end_to_end(tmp_path):
+    """2 architectures x 2 sizes x 2 rates x 2 seeds: 8 tuning runs, 4 more seeds, 8 tests, the report."""
+    spec = study_spec(tmp_path, ["gpt", "xlstm"], [16, 32], [1e-3, 3e-3], [0, 1])
+    result = study(spec, tmp_path)
+    assert result.stdout.count("training 6 steps (new)") == 12
+    finish_or_xfail(result)
+    summary = json.loads((tmp_path / "results/tiny/summary.json").read_text())
+    assert len(summary["runs"]) == 12 and len(summary["results"]) == 4
+    assert {(p["arch"], p["size_label"]) for p in summary["learning_rates"]} == {
+        (a, s) for a in ("gpt", "xlstm") for s in ("size16", "size32")}
