@@ -261,6 +261,15 @@ class GPT(ConfiguredModule):
 
     def forward(self, idx: torch.Tensor, state: tuple | None = None) -> tuple[torch.Tensor, tuple]:
         """idx [B, T] token ids following the ``state`` positions -> (logits [B, T, V], new state)."""
+        hidden, new_state = self.forward_hidden(idx, state)
+        return self.lm_head(hidden), new_state
+
+    def output_head(self) -> nn.Linear:
+        """The head ``forward`` applies to ``forward_hidden``'s states (a loss may fuse it: ltcx/ops/fused_loss.py)."""
+        return self.lm_head
+
+    def forward_hidden(self, idx: torch.Tensor, state: tuple | None = None) -> tuple[torch.Tensor, tuple]:
+        """``forward`` before the head: (final hidden states [B, T, C], after ln_f, new state)."""
         past_len = 0 if state is None else state[0].length
         length = idx.shape[1]
         if past_len + length > self.config.block_size:
@@ -274,7 +283,7 @@ class GPT(ConfiguredModule):
         for i, block in enumerate(self.blocks):
             x, cache = block(x, None if state is None else state[i])
             new_state.append(cache)
-        return self.lm_head(self.ln_f(x)), tuple(new_state)
+        return self.ln_f(x), tuple(new_state)
 
     def reorder_cache(self, state: tuple, index: torch.Tensor) -> tuple:
         """Reorder, repeat or drop batch rows of a state (beam search): row b becomes old row index[b]."""

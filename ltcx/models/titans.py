@@ -609,13 +609,22 @@ class Titans(ConfiguredModule):
 
     def forward(self, idx: Tensor, state: TitansState | None = None) -> tuple[Tensor, TitansState]:
         """idx [B, T] token ids following the ``state`` positions -> (logits [B, T, V], new state)."""
+        hidden, new_state = self.forward_hidden(idx, state)
+        return self.lm_head(hidden), new_state
+
+    def output_head(self) -> nn.Linear:
+        """The head ``forward`` applies to ``forward_hidden``'s states (a loss may fuse it: ltcx/ops/fused_loss.py)."""
+        return self.lm_head
+
+    def forward_hidden(self, idx: Tensor, state: TitansState | None = None) -> tuple[Tensor, TitansState]:
+        """``forward`` before the head: (final hidden states [B, T, C], after ln_f, new state)."""
         position = 0 if state is None else state.position
         x = self.drop(self.wte(idx))
         layer_states = []
         for i, block in enumerate(self.blocks):
             x, layer_state = block(x, None if state is None else state.layers[i], position)
             layer_states.append(layer_state)
-        return self.lm_head(self.ln_f(x)), TitansState(position + idx.shape[1], tuple(layer_states))
+        return self.ln_f(x), TitansState(position + idx.shape[1], tuple(layer_states))
 
     def reorder_cache(self, state: TitansState, index: Tensor) -> TitansState:
         """Reorder, repeat or drop batch rows of a state (beam search): row b becomes old row index[b]."""

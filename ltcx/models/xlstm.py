@@ -446,6 +446,15 @@ class XLSTM(ConfiguredModule):
 
     def forward(self, idx: Tensor, state: list | None = None) -> tuple[Tensor, list]:
         """idx ``[B, T]`` -> (logits ``[B, T, V]``, state: one tuple per block)."""
+        hidden, new_state = self.forward_hidden(idx, state)
+        return self.head(hidden), new_state
+
+    def output_head(self) -> nn.Linear:
+        """The head ``forward`` applies to ``forward_hidden``'s states (a loss may fuse it: ltcx/ops/fused_loss.py)."""
+        return self.head
+
+    def forward_hidden(self, idx: Tensor, state: list | None = None) -> tuple[Tensor, list]:
+        """``forward`` before the head: (final hidden states ``[B, T, E]``, after the norm, state)."""
         if state is not None and len(state) != len(self.blocks):
             raise ValueError(f"state has {len(state)} entries but the model has {len(self.blocks)} blocks")
         x = self.dropout(self.embedding(idx))
@@ -453,7 +462,7 @@ class XLSTM(ConfiguredModule):
         for i, block in enumerate(self.blocks):
             x, s = block(x, None if state is None else state[i])
             new_state.append(s)
-        return self.head(self.norm(x)), new_state
+        return self.norm(x), new_state
 
     def forward_recurrent(self, idx: Tensor, state: list | None = None) -> tuple[Tensor, list]:
         """Token-by-token evaluation: a loop calling forward on one token at a time (the seed's slow way;
