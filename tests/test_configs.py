@@ -42,8 +42,10 @@ def test_config_composes(model, piece, monkeypatch, capsys):
     assert resolved["model"]["warmup_steps"] == (10 if smoke else 1170)
     assert resolved["trainer"]["max_steps"] == (40 if smoke else 23404)
     mqar = piece == "data/mqar.yaml"  # --data is a class: the recipe's TextDataModule, or MQAR's by class_path
-    assert resolved["data"]["class_path"] == ("ltcx.data.RecallDataModule" if mqar else "ltcx.data.TextDataModule")
-    assert resolved["data"]["init_args"]["block_size"] == (128 if smoke else 64 if mqar else 512)
+    niah = piece == "data/niah.yaml"  # the needle task's module, by its full class_path
+    expected = "ltcx.data.RecallDataModule" if mqar else "ltcx.data.niah.NeedleDataModule" if niah else None
+    assert resolved["data"]["class_path"] == (expected or "ltcx.data.TextDataModule")
+    assert resolved["data"]["init_args"]["block_size"] == (128 if smoke else 64 if mqar else 256 if niah else 512)
     assert len(resolved["trainer"]["callbacks"]) == 4
 
 

@@ -1,0 +1,241 @@
+"""Long context (``ltcx/data/niah.py``, ``ltcx/eval/long_context.py``): the needle generator's layout (the needle at
+its exact depth, the passkey's digit tokens, targets only at the answer), determinism, disjoint splits, one-line
+errors (in Python and through the CLI with ``configs/data/niah.yaml``); the evaluator against a direct
+per-sequence loop (float64, needle and MQAR); the context-limit line; a tiny GPT learning the needle at its training
+length (a deterministic learning test)."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import one_error_line
+from ltcx.batches import IGNORE_INDEX
+from ltcx.data.mqar import TEST, VALIDATION, mqar_batch
+from ltcx.data.niah import REPEAT_FILLER, NeedleBatches, NeedleDataModule, needle_position, needle_task, niah_batch
+from ltcx.errors import ConfigError
+from ltcx.eval.long_context import evaluate_mqar, evaluate_niah, lengths_within_context
+from ltcx.models.catalog import CATALOG
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = dict(needle="#{passkey}. ", question=" ?")  # a short needle and question: a tiny model's short sequences
+DIGIT_IDS = list(range(ord("0"), ord("9") + 1))  # the bytes tokenizer's digits
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def batch(depth, block_size=96, num_digits=5, haystack="repeat", seed=0, b=4, **text):
+    task = needle_task("bytes", haystack, "train", **text)
+    return task, niah_batch(np.random.default_rng(seed), task, b, block_size, num_digits, depth)
+
+
+# -- the generator ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 1.0])
+def test_the_needle_starts_at_its_exact_depth_and_the_rest_is_haystack_question_answer(depth):
+    task, (inputs, targets) = batch(depth)
+    T, D = 96, 5
+    n = T + 1 - len("The passkey is 12345. ") - len(" What is the passkey? The passkey is ") - D
+    p = needle_position(task, T, D, depth)
+    assert n == task.haystack_length(T, D) and p == round(depth * n)
+    needle_len = len("The passkey is 12345. ")
+    sequence = torch.cat([inputs, targets[:, -1:]], dim=1)  # the T + 1 tokens
+    filler = np.resize(np.frombuffer(REPEAT_FILLER.encode(), dtype=np.uint8), n).tolist()
+    for row in sequence.tolist():
+        text = bytes(row).decode()
+        passkey = text[p + len("The passkey is ") : p + len("The passkey is ") + D]
+        assert text[p : p + needle_len] == f"The passkey is {passkey}. "
+        assert row[:p] + row[p + needle_len : p + needle_len + n - p] == filler
+        assert text[p + needle_len + n - p :] == f" What is the passkey? The passkey is {passkey}"
+
+
+def test_the_passkey_is_its_digits_one_token_each_and_only_the_answer_is_asked():
+    task, (inputs, targets) = batch(0.5, num_digits=7, b=64)
+    asked = targets != IGNORE_INDEX
+    assert asked[:, -7:].all() and not asked[:, :-7].any()  # the last 7 inputs: the question's end, then the digits
+    answers = targets[:, -7:]
+    p = needle_position(task, 96, 7, 0.5) + len("The passkey is ")
+    assert torch.equal(inputs[:, p : p + 7], answers)  # the needle's passkey is the answer
+    assert torch.equal(inputs[:, -6:], answers[:, :-1])  # teacher forcing: each digit read after it is asked
+    assert set(answers.flatten().tolist()) <= set(DIGIT_IDS) and (answers[:, 0] != ord("0")).all()
+    assert len({tuple(row) for row in answers.tolist()}) > 60  # random passkeys
+
+
+def test_the_sample_haystack_is_a_window_of_the_split_s_shipped_text():
+    task, (inputs, _) = batch(0.0, haystack="sample", **SHORT)
+    p_end = len("#12345. ")
+    text = (ROOT / "ltcx/data/sample/train.txt").read_bytes()
+    n = task.haystack_length(96, 5)
+    for row in inputs.tolist():
+        assert bytes(row[p_end : p_end + n]) in text
+    assert not np.array_equal(needle_task("bytes", "sample", "train").haystack,
+                              needle_task("bytes", "sample", "val").haystack)  # validation.txt for val and test
+
+
+def test_training_draws_the_depth_per_sequence():
+    task, (inputs, _) = batch(None, haystack="repeat", b=64, **SHORT)
+    starts = {bytes(row).decode().index("#") for row in inputs.tolist()}
+    assert len(starts) > 20 and min(starts) >= 0 and max(starts) <= task.haystack_length(96, 5)
+
+
+def test_the_same_seed_split_and_index_give_the_same_batch_and_splits_differ():
+    def stream(split, seed=0):
+        return NeedleBatches(split=split, rank=0, world_size=1, batch_size=4, block_size=96, num_digits=5,
+                             tokenizer="bytes", haystack="sample", seed=seed)
+
+    first, again = stream("train").batch(3), stream("train").batch(3)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    others = [stream("train").batch(4), stream("train", seed=1).batch(3), stream("val").batch(3),
+              stream("test").batch(3)]
+    assert all(not torch.equal(first[0], other[0]) for other in others)
+    val, test = stream(VALIDATION).batch(0), stream(TEST).batch(0)
+    assert not torch.equal(val[1], test[1])  # the validation and test passkeys come from different seeds
+
+
+def test_the_data_module_serves_its_splits_and_resumes_at_the_next_batch():
+    dm = NeedleDataModule(block_size=96, batch_size=3, val_batches=2, test_batches=1, haystack="repeat", seed=5)
+    assert dm.padded_vocab_size == 320 and dm.tokenizer_obj.name == "bytes"
+    val = list(dm.val_dataloader())
+    assert len(val) == 2 and val[0][0].shape == (3, 96) and len(list(dm.test_dataloader())) == 1
+    dm.load_state_dict({"train_batches_consumed": 4})
+    resumed = next(iter(dm.train_dataloader()))
+    assert torch.equal(resumed[0], dm.train_dataset(skip_batches=0).batch(4)[0])
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    (dict(haystack="noise"), "data.haystack='noise' is not one of sample, repeat: fix --data.haystack"),
+    (dict(needle="The key."), "data.needle='The key.' must hold '{passkey}' exactly once: fix --data.needle"),
+    (dict(num_digits=0), "data.num_digits=0 must be in 1..18: fix --data.num_digits"),
+    (dict(block_size=60), "data.block_size=60 is too short for the needle, the question and a 5-digit answer: "
+                          "they need block_size >= 63; raise --data.block_size or shorten --data.needle / "
+                          "--data.question"),
+    (dict(block_size=400_000), "data.block_size=400000 needs 399937 haystack tokens and the shipped sample has "
+                               "329990: use --data.haystack repeat or lower --data.block_size"),
+    (dict(batch_size=0), "data.batch_size=0 must be >= 1: fix --data.batch_size"),
+])
+def test_bad_settings_are_one_line(kw, message):
+    with pytest.raises(ConfigError) as error:
+        NeedleDataModule(**kw)
+    assert str(error.value) == message
+
+
+def test_bad_settings_through_the_cli_are_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    line = one_error_line(["fit", "--config", str(ROOT / "configs/gpt.yaml"),
+                           "--config", str(ROOT / "configs/data/niah.yaml"), "--data.haystack", "noise"], capsys)
+    assert line == "ltcx: error: data.haystack='noise' is not one of sample, repeat: fix --data.haystack"
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+# -- the evaluator -----------------------------------------------------------------------------------------------
+
+
+def _train_tiny_gpt(steps: int) -> torch.nn.Module:
+    """The catalogue's tiny GPT (context 64) trained on 2-digit needles at length 32, fixed seeds."""
+    torch.manual_seed(0)
+    data = NeedleBatches(split="train", rank=0, world_size=1, batch_size=32, block_size=32, num_digits=2,
+                         tokenizer="bytes", haystack="sample", seed=0, **SHORT)
+    backbone = CATALOG["gpt"].build_tiny(257, init_std=16 ** -0.5)  # N(0, 1/width), as test_recall's learning test
+    optimizer = torch.optim.AdamW(backbone.parameters(), lr=3e-3, weight_decay=0.0)
+    for step in range(steps):
+        inputs, targets = data.batch(step)
+        logits, _ = backbone(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(backbone.parameters(), 1.0)
+        optimizer.step()
+    return backbone.eval()
+
+
+STEPS_TO_LEARN = 400
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return _train_tiny_gpt(STEPS_TO_LEARN)
+
+
+def test_a_tiny_gpt_learns_the_needle_at_its_training_length(trained):
+    """A deterministic learning test (fixed seeds and steps, not a timed one): the catalogue's tiny GPT answers a
+    2-digit passkey hidden in the TinyStories sample at length 32, at every depth, on the validation split's
+    sequences; at twice the length (still in its context of 64) it has not learned to."""
+    grid = evaluate_niah(trained, 32, factors=(1, 2), depths=(0.0, 0.5, 1.0), num_sequences=64, num_digits=2,
+                         split="val", **SHORT)
+    assert all(grid.accuracy[(32, depth)] >= 0.9 for depth in (0.0, 0.5, 1.0)), grid.accuracy
+    assert all(grid.accuracy[(64, depth)] <= 0.5 for depth in (0.0, 0.5, 1.0)), grid.accuracy
+    assert grid.note is None and grid.count[(32, 0.5)] == 64
+
+
+@torch.no_grad()
+def _direct(backbone, batches, per_sequence):
+    """The reference: each sequence fed whole, alone; the argmax and log p at each asked target."""
+    right = answers = tokens = 0
+    total = 0.0
+    for inputs, targets in batches:
+        for x, y in zip(inputs, targets):
+            logits, _ = backbone(x[None])
+            log_p = logits[0].log_softmax(-1)
+            asked = (y != IGNORE_INDEX).nonzero()[:, 0].tolist()
+            hits = [int(logits[0, t, :257 if per_sequence else 64].argmax()) == int(y[t]) for t in asked]
+            total += sum(float(log_p[t, y[t]]) for t in asked)
+            tokens += len(asked)
+            right, answers = (right + all(hits), answers + 1) if per_sequence else (right + sum(hits),
+                                                                                     answers + len(hits))
+    return right / answers, total / tokens, answers
+
+
+def test_the_needle_evaluator_matches_a_direct_per_sequence_loop():
+    backbone = _train_tiny_gpt(150).double()  # part-trained: accuracies between 0 and 1
+    grid = evaluate_niah(backbone, 32, factors=(1, 2), depths=(0.0, 0.4, 1.0), num_sequences=5, batch_size=2,
+                         num_digits=2, seed=7, split="test", piece_len=7, **SHORT)
+    task = needle_task("bytes", "sample", "test", **SHORT)
+    for length in (32, 64):
+        for depth in (0.0, 0.4, 1.0):
+            batches = [niah_batch(np.random.default_rng([7, TEST, length, b]), task, size, length, 2, depth)
+                       for b, size in enumerate([2, 2, 1])]
+            accuracy, log_prob, count = _direct(backbone, batches, per_sequence=True)
+            assert grid.accuracy[(length, depth)] == accuracy and grid.count[(length, depth)] == count == 5
+            assert grid.log_prob[(length, depth)] == pytest.approx(log_prob, abs=1e-10)
+    assert 0 < np.mean(list(grid.accuracy.values())) < 1
+
+
+@pytest.mark.parametrize("scale_pairs", [False, True])
+def test_the_mqar_evaluator_matches_a_direct_per_sequence_loop(scale_pairs):
+    torch.manual_seed(0)
+    backbone = CATALOG["gpt"].build_tiny(64).double().eval()
+    grid = evaluate_mqar(backbone, 16, 2, 64, factors=(1, 2, 4), scale_pairs=scale_pairs, num_sequences=3,
+                         batch_size=2, seed=3, piece_len=5)
+    for factor in (1, 2, 4):
+        length, pairs = 16 * factor, 2 * factor if scale_pairs else 2
+        batches = [mqar_batch(np.random.default_rng([3, TEST, length, b]), size, length, pairs, 64)
+                   for b, size in enumerate([2, 1])]
+        accuracy, log_prob, count = _direct(backbone, batches, per_sequence=False)
+        assert grid.accuracy[(length, pairs)] == accuracy and grid.count[(length, pairs)] == count == 3 * pairs
+        assert grid.log_prob[(length, pairs)] == pytest.approx(log_prob, abs=1e-10)
+
+
+def test_mqar_pairs_that_do_not_fit_a_length_are_one_line_before_any_scoring():
+    backbone = CATALOG["gpt"].build_tiny(32)
+    with pytest.raises(ConfigError, match=r"^MQAR at length 64 with 16 pairs: data.vocab_size=32 is too small"):
+        evaluate_mqar(backbone, 16, 4, 32, factors=(1, 4), scale_pairs=True)
+
+
+def test_a_model_with_a_context_limit_stops_there_in_one_line(capsys):
+    backbone = CATALOG["gpt"].build_tiny(257).eval()  # learned positions: a context of 64
+    grid = evaluate_niah(backbone, 32, factors=(1, 2, 4, 8), depths=(0.5,), num_sequences=1, num_digits=2,
+                         haystack="repeat", **SHORT)
+    line = ("ltcx: GPT stops at its context limit of 64 tokens (max_seq_len, learned positions): lengths 128, 256 "
+            "not evaluated")
+    assert grid.note == line and capsys.readouterr().err == line + "\n"
+    assert sorted(grid.accuracy) == [(32, 0.5), (64, 0.5)]
+    mqar = evaluate_mqar(CATALOG["gpt"].build_tiny(64).eval(), 16, 2, 64, num_sequences=1, report=lambda _: None)
+    assert sorted(mqar.accuracy) == [(16, 2), (32, 2), (64, 2)] and "lengths 128 not evaluated" in mqar.note
+
+
+def test_a_model_without_a_context_limit_is_evaluated_at_every_length():
+    backbone = CATALOG["xlstm"].build_tiny(64).eval()
+    assert lengths_within_context(backbone, [16, 128]) == ([16, 128], None)
