@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import one_error_line
+from helpers import one_error_line, read_events
 from ltcx.batches import IGNORE_INDEX
 from ltcx.data.mqar import TEST, VALIDATION, mqar_batch
 from ltcx.data.niah import REPEAT_FILLER, NeedleBatches, NeedleDataModule, needle_position, needle_task, niah_batch
@@ -128,6 +128,22 @@ def test_bad_settings_through_the_cli_are_one_line(tmp_path, monkeypatch, capsys
                            "--config", str(ROOT / "configs/data/niah.yaml"), "--data.haystack", "noise"], capsys)
     assert line == "ltcx: error: data.haystack='noise' is not one of sample, repeat: fix --data.haystack"
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_cli_fit_on_the_needle_logs_recall_and_samples_text_and_checkpoints_the_position(tmp_path, monkeypatch,
+                                                                                          capsys):
+    from ltcx.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    main(["fit", "--config", str(ROOT / "configs/gpt.yaml"), "--config", str(ROOT / "configs/data/niah.yaml"),
+          *CATALOG["gpt"].tiny_cli(), "--data.block_size", "64", "--data.batch_size", "4", "--data.val_batches", "2",
+          "--trainer.max_steps", "3", "--trainer.val_check_interval", "3", "--trainer.enable_progress_bar", "false"])
+    assert "no sample generations" not in capsys.readouterr().err  # bytes are text: the samples are written
+    events = read_events(tmp_path / "lightning_logs/gpt/version_0")
+    assert {"val/recall_acc", "val/loss"} <= set(events.Tags()["scalars"])
+    checkpoint = torch.load(tmp_path / "checkpoints/gpt/version_0/last.ckpt", weights_only=False)
+    assert checkpoint["NeedleDataModule"] == {"train_batches_consumed": 3}
+    assert checkpoint["ltcx"]["tokenizer"] == "bytes" and checkpoint["ltcx"]["backbone_config"]["vocab_size"] == 320
 
 
 # -- the evaluator -----------------------------------------------------------------------------------------------
