@@ -254,3 +254,31 @@ def test_mqar_test_batches_come_from_their_own_seed_stream():
     assert len(list(RecallDataModule(vocab_size=64, block_size=32, test_batches=5).test_dataset())) == 5
     with pytest.raises(ConfigError, match=r"^the test split is disabled \(data.test_batches=0\)"):
         RecallDataModule(vocab_size=64, block_size=32, test_batches=0).setup("test")
+
+
+def test_ltcx_test_without_a_test_split_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    from helpers import ROOT, write_checkpoint
+    from ltcx.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    data = write_txt(tmp_path / "corpus.txt", unit_docs(40))
+    checkpoint = write_checkpoint(tmp_path / "model.ckpt")
+    with pytest.raises(SystemExit) as stop:
+        main(["test", "--config", str(ROOT / "configs/gpt.yaml"), "--data.path", str(data), "--data.tokenizer",
+              "bytes", "--data.block_size", "32", "--data.test_fraction", "0", "--ckpt_path", str(checkpoint)])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"ltcx: error: data files '{data}' has no test split and data.test_fraction is 0: set --data.test_fraction "
+        "(e.g. 0.005) and train again, so that training leaves the test documents out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "model.ckpt"]
+
+
+def test_a_test_split_too_small_for_a_block_is_one_line(tmp_path):
+    from ltcx.data import DataError
+
+    docs = unit_docs(300)
+    dm = make_dm(write_txt(tmp_path / "corpus.txt", docs), test_fraction=0.01, block_size=400)
+    assert sum(in_test_holdout(d, 0.01) for d in docs) * (B + 1) < 401  # too few test tokens for one block
+    with pytest.raises(DataError, match=r"^test data too small: rank 0 of 1 got no block of 401 tokens; use more test "
+                                        r"data, a larger test_fraction, a smaller block_size or fewer devices$"):
+        list(dm.test_dataset())
