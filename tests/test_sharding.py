@@ -33,6 +33,7 @@ from ltcx.lm import LanguageModel
 from ltcx.persist import export_model, load_exported, read_checkpoint
 
 F32_REL = 1e-5  # float32: the same sums in another order (all-reduce vs reduce-scatter)
+ADAM_NEAR_ZERO_ATOL = 2e-6  # after 4 AdamW steps: see test_fsdp_fit_matches_ddp_and_its_checkpoint_loads_in_one_process
 
 
 def free_port() -> int:
@@ -113,7 +114,10 @@ def test_fsdp_fit_matches_ddp_and_its_checkpoint_loads_in_one_process(tmp_path, 
     (ddp_step, ddp_weights), (fsdp_step, fsdp_weights) = step_and_weights(last["ddp"]), step_and_weights(last["fsdp"])
     assert ddp_step == fsdp_step == 4 and list(fsdp_weights) == list(ddp_weights)
     for key, value in fsdp_weights.items():
-        torch.testing.assert_close(value, ddp_weights[key], rtol=F32_REL, atol=F32_REL * value.abs().max().item())
+        # AdamW divides by sqrt(v): where a coordinate's gradient is near zero, the reductions' other order (last bits)
+        # moves its update by up to ~1e-6 (seen: 6.3e-7 on one of 4,096); a sharding bug moves whole tensors far more.
+        torch.testing.assert_close(value, ddp_weights[key], rtol=F32_REL,
+                                   atol=F32_REL * value.abs().max().item() + ADAM_NEAR_ZERO_ATOL)
     checkpoint = read_checkpoint(last["fsdp"])  # the digest is checked here
     assert checkpoint["ltcx"]["backbone_class"] == "ltcx.models.gpt.GPT"
     # AdamW's state as DDP's file holds it (parameters numbered in the order of the groups): either resumes the other
