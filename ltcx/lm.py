@@ -20,11 +20,13 @@ import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import register_fsdp_forward_method
 from torchmetrics import MeanMetric, SumMetric
 
 from ltcx.batches import IGNORE_INDEX, split_batch
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.registry import Backbone, class_path
+from ltcx.ops.fused_loss import chunked_linear_cross_entropy
 from ltcx.sharding import shard_backbone, unsharded_class
 
 __all__ = ["LanguageModel", "lr_at_step", "weight_decay_groups", "IGNORE_INDEX", "split_batch"]
@@ -84,6 +86,14 @@ class EvalScores(nn.Module):
             metric.reset()
         self.recall_scored = False
         return counts
+
+
+def head_loss_sum(backbone: nn.Module, hidden: torch.Tensor,
+                  targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [..., C] (``backbone.forward_hidden``'s), targets [...] -> (summed cross-entropy over the targets not
+    ``IGNORE_INDEX``, their count), the backbone's ``output_head`` fused with the loss (``ltcx/ops/fused_loss.py``)."""
+    head = backbone.output_head()
+    return chunked_linear_cross_entropy(hidden.flatten(0, -2), head.weight, targets.flatten(), head.bias)
 
 
 def weight_decay_groups(backbone: nn.Module) -> tuple[list[str], list[str]]:
@@ -190,6 +200,16 @@ class LanguageModel(L.LightningModule):
                 self.backbone, mesh["data_parallel"] if mesh.ndim > 1 else mesh,
                 activation_checkpointing=getattr(strategy, "activation_checkpointing", False),
             )
+            if self._fuses_head() and "_sharded_loss_sum" not in self.__dict__:
+                # FSDP gathers the root's parameters (the embedding, the tied head) only inside a method it wraps.
+                backbone = self.backbone
+
+                def ltcx_loss_sum(inputs: torch.Tensor, targets: torch.Tensor):
+                    return head_loss_sum(backbone, backbone.forward_hidden(inputs)[0], targets)
+
+                backbone.ltcx_loss_sum = ltcx_loss_sum
+                register_fsdp_forward_method(backbone, "ltcx_loss_sum")
+                self.__dict__["_sharded_loss_sum"] = backbone.ltcx_loss_sum
         if self.hparams.compile and "_compiled_logits" not in self.__dict__:
             backbone = self.backbone
 
@@ -199,8 +219,13 @@ class LanguageModel(L.LightningModule):
                 # garbage shapes when a later run hits the cache.
                 return backbone(idx)[0]
 
-            # A plain __dict__ entry, outside the module tree, so state_dict keys stay "backbone.*".
+            def hidden(idx: torch.Tensor) -> torch.Tensor:
+                return backbone.forward_hidden(idx)[0]
+
+            # Plain __dict__ entries, outside the module tree, so state_dict keys stay "backbone.*".
             self.__dict__["_compiled_logits"] = torch.compile(logits)
+            if self._fuses_head() and mesh is None:
+                self.__dict__["_compiled_hidden"] = torch.compile(hidden)
 
     def forward(self, idx: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any]:
         """idx [B, T] -> (logits [B, T, V], state); compiled (``compile: true``) for a call without a state,
@@ -209,10 +234,32 @@ class LanguageModel(L.LightningModule):
             return self.__dict__["_compiled_logits"](idx), None
         return self.backbone(idx, state)
 
+    def _fuses_head(self) -> bool:
+        """Whether the loss runs the head and the cross-entropy together (``ltcx/ops/fused_loss.py``), never holding
+        the ``[B, T, V]`` logits: a backbone with ``forward_hidden`` and ``output_head`` (every catalogue entry's; one
+        added from outside may keep the bare contract)."""
+        return callable(getattr(self.backbone, "forward_hidden", None)) and callable(
+            getattr(self.backbone, "output_head", None))
+
+    def _hidden(self, inputs: torch.Tensor) -> torch.Tensor:
+        """inputs [B, T] -> the backbone's final hidden states [B, T, C] (compiled with ``compile: true``)."""
+        compiled = self.__dict__.get("_compiled_hidden")
+        return compiled(inputs) if compiled is not None else self.backbone.forward_hidden(inputs)[0]
+
+    def _fused_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """inputs, targets [B, T] -> (summed cross-entropy over the targets not ``IGNORE_INDEX``, their count)."""
+        sharded = self.__dict__.get("_sharded_loss_sum")
+        if sharded is not None:
+            return sharded(inputs, targets)
+        return head_loss_sum(self.backbone, self._hidden(inputs), targets)
+
     def loss(self, batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """A batch (``split_batch``) -> mean cross-entropy over its targets (B*T for a block; the asked ones for a
-        pair)."""
+        pair), through the fused head where the backbone allows (``_fuses_head``)."""
         inputs, targets = split_batch(batch)
+        if self._fuses_head():
+            total, count = self._fused_loss_sum(inputs, targets)
+            return (total / count).float()
         return self._cross_entropy(self(inputs)[0], targets)
 
     @staticmethod
@@ -228,14 +275,11 @@ class LanguageModel(L.LightningModule):
         pair batch whose targets leave positions out (a recall task) whether the argmax hit it; None for a block
         (training calls ``loss``, which waits for nothing on a GPU)."""
         inputs, targets = split_batch(batch)
-        logits, _ = self(inputs)
-        loss = self._cross_entropy(logits, targets)
-        if isinstance(batch, torch.Tensor):
-            return loss, None
         asked = targets != IGNORE_INDEX
-        if bool(asked.all()):
-            return loss, None
-        return loss, logits.argmax(-1)[asked] == targets[asked]
+        if isinstance(batch, torch.Tensor) or bool(asked.all()):
+            return self.loss(batch), None
+        logits, _ = self(inputs)
+        return self._cross_entropy(logits, targets), logits.argmax(-1)[asked] == targets[asked]
 
     # -- training ------------------------------------------------------------------------------
     def on_fit_start(self) -> None:
@@ -307,10 +351,14 @@ class LanguageModel(L.LightningModule):
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """Mean loss over each block's targets [B] (scores text; `ltcx predict` returns them)."""
         inputs, targets = split_batch(batch)
-        logits, _ = self(inputs)
-        losses = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none",
-                                 ignore_index=IGNORE_INDEX)  # [B, T], 0 where nothing is asked
-        return losses.sum(dim=1) / (targets != IGNORE_INDEX).sum(dim=1).clamp(min=1)
+        if self._fuses_head() and "_sharded_loss_sum" not in self.__dict__:
+            hidden = self._hidden(inputs)
+            losses = torch.stack([head_loss_sum(self.backbone, h, t)[0] for h, t in zip(hidden, targets)]).float()
+        else:
+            logits, _ = self(inputs)
+            losses = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none",
+                                     ignore_index=IGNORE_INDEX).sum(dim=1)  # 0 where nothing is asked
+        return losses / (targets != IGNORE_INDEX).sum(dim=1).clamp(min=1)
 
     def configure_optimizers(self):
         decay_names, no_decay_names = weight_decay_groups(self.backbone)

@@ -117,3 +117,66 @@ def test_forward_is_the_head_of_forward_hidden(name, shape):
         head = model.output_head()
         assert hidden.shape == (2, 9, head.in_features) and head.out_features == 61
         assert torch.equal(head(hidden), logits)
+
+
+# -- LanguageModel: the fused loss against the full logits' -------------------------------------------------
+
+
+def _lm_and_batch(name="gpt"):
+    from ltcx.lm import LanguageModel
+
+    torch.manual_seed(0)
+    model = LanguageModel(catalog.build_tiny(name, vocab_size=67))
+    return model, torch.randint(0, 67, (3, 12), generator=torch.Generator().manual_seed(1))
+
+
+def _full_logits_loss(model, inputs, targets):
+    return model._cross_entropy(model.backbone(inputs)[0], targets)
+
+
+@pytest.mark.parametrize("name", ["gpt", "xlstm"])
+def test_training_loss_and_gradients_equal_the_full_logits(name):
+    model, batch = _lm_and_batch(name)
+    assert model._fuses_head()
+    params = dict(model.named_parameters())
+    model.loss(batch).backward()
+    fused = {n: p.grad.clone() for n, p in params.items()}
+    fused_loss = model.loss(batch).detach()
+    model.zero_grad()
+    full = _full_logits_loss(model, batch[:, :-1], batch[:, 1:])
+    full.backward()
+    torch.testing.assert_close(fused_loss, full.detach(), rtol=1e-6, atol=1e-6)
+    for n, p in params.items():
+        torch.testing.assert_close(fused[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_pair_batches_ignore_targets_and_predict_scores_each_block():
+    model, batch = _lm_and_batch()
+    inputs, targets = batch[:, :-1], batch[:, 1:].clone()
+    targets[0, :5] = IGNORE_INDEX
+    targets[2] = IGNORE_INDEX
+    with torch.no_grad():
+        torch.testing.assert_close(model.loss((inputs, targets)), _full_logits_loss(model, inputs, targets))
+        logits = model.backbone(inputs)[0].float()
+        per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        want = per_token.sum(1) / (targets != IGNORE_INDEX).sum(1).clamp(min=1)
+        torch.testing.assert_close(model.predict_step((inputs, targets), 0), want)
+        assert float(model.predict_step((inputs, targets), 0)[2]) == 0.0
+
+
+def test_a_backbone_without_forward_hidden_keeps_the_logits_path():
+    """A backbone keeping only the contract (an architecture added from outside) is scored from its logits."""
+    from ltcx.lm import LanguageModel
+
+    class LogitsOnly(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(11, 11)
+
+        def forward(self, idx, state=None):
+            return self.embed(idx), None
+
+    model = LanguageModel(LogitsOnly())
+    batch = torch.randint(0, 11, (2, 6))
+    assert not model._fuses_head()
+    torch.testing.assert_close(model.loss(batch), _full_logits_loss(model, batch[:, :-1], batch[:, 1:]))
