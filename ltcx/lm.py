@@ -155,6 +155,7 @@ class LanguageModel(L.LightningModule):
         # The tokenizer name the checkpoint or export this model was loaded from holds: used by ``generate`` only
         # through ``stored_tokenizer_name`` (a file never chooses a folder of this machine).
         self.saved_tokenizer: Any = None
+        self.last_validation: dict[str, float] | None = None  # the latest fit validation, kept in checkpoints
 
     @staticmethod
     def setting_problem(settings: dict[str, Any]) -> tuple[str, str, str] | None:
@@ -338,6 +339,10 @@ class LanguageModel(L.LightningModule):
         self.val_scores.log_to(self, "val", bpb=self._token_bytes is not None)
         if self.trainer.state.fn == "fit":  # validation after step N is drawn at N (Lightning's default: N - 1)
             self.log("step", float(self.global_step))
+            if not self.trainer.sanity_checking:  # what an export's model card reports
+                metrics = self.trainer.callback_metrics
+                self.last_validation = {"step": self.global_step, **{
+                    key: float(metrics[key]) for key in ("val/loss", "val/bpb", "val/recall_acc") if key in metrics}}
 
     def on_test_start(self) -> None:
         self._token_bytes = self._data_token_bytes()
@@ -551,12 +556,14 @@ class LanguageModel(L.LightningModule):
             "tokenizer": getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None),
             "tokens_seen": self.tokens_seen,
             "decay_steps": self.decay_steps,  # the schedule's end as resolved, kept when the run is extended
+            "validation": self.last_validation,
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         meta = checkpoint.get("ltcx", {})
         self.tokens_seen = meta.get("tokens_seen", 0)
         self.saved_tokenizer = meta.get("tokenizer")
+        self.last_validation = meta.get("validation")
         self._checkpoint_decay_steps = meta.get("decay_steps")
         if self.decay_steps is not None and self._trainer is not None:  # optimizers already configured
             self.decay_steps = self._schedule_end()

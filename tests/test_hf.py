@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import ltcx.hf  # noqa: F401 - registers the ltcx architectures
-from helpers import write_model_checkpoint
+from helpers import fit_args, write_model_checkpoint
 from ltcx.cli import main
 from ltcx.errors import LtcxError
 from ltcx.generation import generate as ltcx_generate
@@ -171,3 +171,16 @@ def test_lm_eval_hf_model_scores_as_ltcx_lm_eval(tmp_path):
     for a, b in zip(ours, theirs):
         assert [greedy for _, greedy in a] == [greedy for _, greedy in b]
         assert [ll for ll, _ in a] == pytest.approx([ll for ll, _ in b], rel=1e-9, abs=1e-9)
+
+
+def test_the_model_card_reports_the_runs_last_validation(tmp_path, fit_env, capsys):
+    """A fit records its latest validation in each checkpoint (ltcx entry); the card's metadata and text give its
+    loss in nats per token and its bits per byte."""
+    main(fit_args(fit_env, "--trainer.max_steps", "2"))
+    checkpoint = tmp_path / "checkpoints/gpt/version_0/last.ckpt"
+    validation = torch.load(checkpoint, weights_only=True)["ltcx"]["validation"]
+    assert validation["step"] == 2 and {"val/loss", "val/bpb"} <= set(validation)
+    main(["export", "--ckpt_path", str(checkpoint), "--out", str(tmp_path / "card"), "--format", "hf"])
+    card = (tmp_path / "card/README.md").read_text()
+    assert f"- validation loss: {validation['val/loss']:.5f} nats per token" in card
+    assert f"- validation bits per byte: {validation['val/bpb']:.5f}" in card and "type: bits_per_byte" in card

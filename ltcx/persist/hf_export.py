@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -147,8 +148,13 @@ def _run_facts(ckpt_path, meta: dict, backbone) -> dict[str, Any]:
         path = data.get("path") if isinstance(data, dict) else None
         if isinstance(path, str) and path != "sample" and _HUB_ID.fullmatch(path) and not os.path.exists(path):
             facts["dataset"] = path
+        validation = (checkpoint.get("ltcx") or {}).get("validation")  # the run's latest validation
+        if isinstance(validation, dict):
+            for key, fact in (("val/loss", "val_loss"), ("val/bpb", "val_bpb")):
+                if isinstance(validation.get(key), (int, float)) and math.isfinite(validation[key]):
+                    facts[fact] = float(validation[key])
         for state in (checkpoint.get("callbacks") or {}).values():
-            if isinstance(state, dict) and state.get("monitor") == "val/loss":
+            if "val_loss" not in facts and isinstance(state, dict) and state.get("monitor") == "val/loss":
                 score = state.get("best_model_score", state.get("current_score"))
                 if score is not None:
                     facts["val_loss"] = float(score)
@@ -169,6 +175,9 @@ def _model_card(facts: dict[str, Any], layout: str, tokenizer: str, license: str
         lines += ["model-index:", f"- name: {architecture}", "  results:", "  - task:", "      type: text-generation",
                   "    metrics:", "    - type: loss", "      name: validation loss",
                   f"      value: {facts['val_loss']:.5f}"]
+        if "val_bpb" in facts:
+            lines += ["    - type: bits_per_byte", "      name: validation bits per byte",
+                      f"      value: {facts['val_bpb']:.5f}"]
     lines += ["---", "", f"# {architecture} (ltcx)", ""]
     lines += [f"- parameters: {facts['parameters']:,} (position embeddings excluded)",
               f"- training tokens: {facts['tokens_seen']:,}" + (f" ({facts['global_step']:,} steps)"
@@ -178,8 +187,10 @@ def _model_card(facts: dict[str, Any], layout: str, tokenizer: str, license: str
         lines.append(f"- trained on blocks of {facts['train_block_size']:,} tokens")
     if "dataset" in facts:
         lines.append(f"- data: {facts['dataset']}")
-    lines.append(f"- validation loss: {facts['val_loss']:.5f}" if "val_loss" in facts else
+    lines.append(f"- validation loss: {facts['val_loss']:.5f} nats per token" if "val_loss" in facts else
                  "- validation loss: not recorded in the checkpoint (see the run's TensorBoard logs)")
+    if "val_bpb" in facts:
+        lines.append(f"- validation bits per byte: {facts['val_bpb']:.5f}")
     lines += ["", "## Use", "", "```python"]
     if layout == "hf":
         lines.append("import ltcx.hf  # registers the ltcx architectures with transformers (pip install ltcx)")
