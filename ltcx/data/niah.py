@@ -243,13 +243,7 @@ class NeedleDataModule(RecallDataModule):
     __str__ = __repr__
 
     def _batches(self, split: int, rank: int | None, world_size: int | None, **kw: Any) -> NeedleBatches:
-        trainer = getattr(self, "trainer", None)
-        if rank is None:
-            rank = int(trainer.global_rank) if trainer is not None else 0
-        if world_size is None:
-            world_size = int(trainer.world_size) if trainer is not None else 1
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        rank, world_size = self._rank_and_world(rank, world_size)
         return NeedleBatches(
             split=split, rank=rank, world_size=world_size, batch_size=self.batch_size, block_size=self.block_size,
             num_digits=self.num_digits, tokenizer=self.tokenizer, haystack=self.haystack, seed=self.seed,

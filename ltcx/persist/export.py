@@ -4,17 +4,14 @@ to share a model without pickles. ``export_model`` writes one from a checkpoint;
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 from ltcx.errors import LtcxError
 from ltcx.persist.digest import file_sha256
-from ltcx.persist.files import give_new_file_mode
+from ltcx.persist.files import atomic_folder
 from ltcx.persist.load import EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_WEIGHTS, load_language_model
 
 __all__ = ["EXPORT_CONFIG", "EXPORT_WEIGHTS", "EXPORT_FORMAT", "export_model"]
@@ -60,39 +57,16 @@ def export_model(ckpt_path: str | Path, out: str | Path, tokenizer: str | None =
         json.dumps(config)
     except TypeError as error:
         raise LtcxError(f"checkpoint '{ckpt_path}' holds a config that is not plain data ({error})") from None
-    temp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    made = [folder for folder in (out.parent, *out.parent.parents) if not folder.exists()]  # deepest first
-    replaced = False
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(temp, ignore_errors=True)
-        temp.mkdir()
+    def write(temp: str) -> None:
         try:
-            save_model(model.backbone, str(temp / EXPORT_WEIGHTS), metadata={"format": "pt"})
+            save_model(model.backbone, os.path.join(temp, EXPORT_WEIGHTS), metadata={"format": "pt"})
         except Exception as error:  # noqa: BLE001 - safetensors' own error type: the OS error is in its message
             raise _os_error(error) from None
-        config["weights_sha256"] = file_sha256(temp / EXPORT_WEIGHTS)  # checked by load_exported
-        with open(temp / EXPORT_CONFIG, "w") as f:
+        config["weights_sha256"] = file_sha256(os.path.join(temp, EXPORT_WEIGHTS))  # checked by load_exported
+        with open(os.path.join(temp, EXPORT_CONFIG), "w") as f:
             f.write(json.dumps(config, indent=2) + "\n")
-        for written in (EXPORT_WEIGHTS, EXPORT_CONFIG):  # safetensors writes through a 0o600 temp file
-            give_new_file_mode(temp / written)
-            _fsync(temp / written)
-        if out.exists() and os.name == "nt":  # POSIX renames over the empty folder (checked above) in one step
-            out.rmdir()
-        os.replace(temp, out)
-        replaced = True
-        _fsync(out.parent)  # the rename itself
-    except OSError as error:
-        shutil.rmtree(temp, ignore_errors=True)
-        for folder in made if not replaced else ():  # the folders made for it, if still empty
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-        reason = "disk full" if error.errno == errno.ENOSPC else (error.strerror or str(error))
-        kept = "the export there may not survive a power loss" if replaced else "nothing was written"
-        raise LtcxError(f"cannot write '{out}' ({reason}); {kept}: free space or pass --out a folder on another "
-                        "disk") from None
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
+
+    atomic_folder(out, write)
     return out
 
 
@@ -101,14 +75,3 @@ def _os_error(error: Exception) -> Exception:
     (os error 28)'); any other error as it is."""
     found = re.search(r"os error (\d+)", str(error))
     return OSError(int(found.group(1)), os.strerror(int(found.group(1)))) if found else error
-
-
-def _fsync(path: Path) -> None:
-    """Flush a written file, or a folder's entries (a rename), to the disk, where the system can."""
-    if path.is_dir() and not hasattr(os, "O_DIRECTORY"):
-        return
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -1,4 +1,5 @@
-"""Files written whole or not at all: a temp file beside the target, fsync, ``os.replace``, fsync of the folder.
+"""Files written whole or not at all: a temp file beside the target, fsync, ``os.replace``, fsync of the folder (a
+folder of files, an export, likewise: ``atomic_folder``).
 
 A file on disk is either the previous complete one or the new complete one, whatever kills the process; temp files
 of processes killed mid-save are removed by the next save in that folder.
@@ -19,7 +20,8 @@ import torch
 from ltcx.errors import LtcxError
 from ltcx.persist.digest import with_digest
 
-__all__ = ["atomic_save", "atomic_copy", "remove_stale_temps", "current_umask", "give_new_file_mode"]
+__all__ = ["atomic_save", "atomic_copy", "atomic_folder", "fsync_path", "remove_stale_temps", "current_umask",
+           "give_new_file_mode"]
 
 
 def current_umask() -> int:
@@ -140,3 +142,54 @@ def atomic_copy(source: str, path: str) -> None:
             os.fsync(f.fileno())
 
     _replace_durably(write, path)
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a written file, or a folder's entries (a rename), to the disk, where the system can."""
+    path = os.fspath(path)
+    if os.path.isdir(path) and not hasattr(os, "O_DIRECTORY"):
+        return
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_folder(out: str | os.PathLike, write) -> str:
+    """``write(temp)`` fills a temp folder beside ``out`` (a new or empty folder); its files get the permissions of
+    any file the user writes and are fsynced, then the folder is renamed to ``out``: it appears whole or not at all.
+    A full disk (any ``OSError``) is one line, and nothing is left, nor the parent folders made for it."""
+    out = os.path.abspath(os.fspath(out))
+    parent = os.path.dirname(out)
+    temp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{os.getpid()}")
+    made, folder = [], parent  # deepest first: the parent folders made for it
+    while not os.path.exists(folder):
+        made.append(folder)
+        folder = os.path.dirname(folder)
+    replaced = False
+    try:
+        os.makedirs(parent, exist_ok=True)
+        shutil.rmtree(temp, ignore_errors=True)
+        os.mkdir(temp)
+        write(temp)
+        for name in os.listdir(temp):  # safetensors, for one, writes through a 0o600 temp file
+            give_new_file_mode(os.path.join(temp, name))
+            fsync_path(os.path.join(temp, name))
+        if os.path.exists(out) and os.name == "nt":  # POSIX renames over the empty folder in one step
+            os.rmdir(out)
+        os.replace(temp, out)
+        replaced = True
+        fsync_path(parent)  # the rename itself
+    except OSError as error:
+        shutil.rmtree(temp, ignore_errors=True)  # before the folders made for it, which must be empty to go
+        for folder in made if not replaced else ():
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        reason = "disk full" if error.errno == errno.ENOSPC else (error.strerror or str(error))
+        kept = "it may not survive a power loss" if replaced else "nothing was written"
+        raise LtcxError(f"cannot write '{out}' ({reason}); {kept}: free space or pass --out a folder on another "
+                        "disk") from None
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    return out

@@ -10,17 +10,14 @@ here only when one of these runs.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import math
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from ltcx.errors import LtcxError
-from ltcx.persist.files import give_new_file_mode
+from ltcx.persist.files import atomic_folder
 
 __all__ = ["HF_FORMATS", "export_hf", "hf_tokenizer"]
 
@@ -58,7 +55,8 @@ def export_hf(ckpt_path: str | Path, out: str | Path, tokenizer: str | None = No
         hf_tok.save_pretrained(folder)
         (folder / "README.md").write_text(_model_card(facts, layout, tok.name, license))
 
-    return _write_folder(out, write)
+    atomic_folder(out, lambda temp: write(Path(temp)))
+    return out
 
 
 def _ltcx_model(backbone, tokenizer_vocab: int):
@@ -203,43 +201,3 @@ def _model_card(facts: dict[str, Any], layout: str, tokenizer: str, license: str
         lines += ["The model's code is the installed `ltcx` package; `config.json` names the architecture, and no "
                   "remote code is used (`trust_remote_code` is not needed).", ""]
     return "\n".join(lines)
-
-
-def _write_folder(out: Path, write) -> Path:
-    """Run ``write(temp)`` into a temporary folder beside ``out``, then rename it to ``out``: the folder appears
-    whole or not at all (a full disk is one line, and nothing is left)."""
-    temp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    made = [folder for folder in (out.parent, *out.parent.parents) if not folder.exists()]  # deepest first
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(temp, ignore_errors=True)
-        temp.mkdir()
-        write(temp)
-        for written in temp.iterdir():
-            give_new_file_mode(written)
-            _fsync(written)
-        if out.exists():
-            out.rmdir()  # empty (checked by the caller)
-        os.replace(temp, out)
-        _fsync(out.parent)  # the rename itself
-    except OSError as error:
-        for folder in made:
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-        reason = "disk full" if error.errno == errno.ENOSPC else (error.strerror or str(error))
-        raise LtcxError(f"cannot write '{out}' ({reason}); nothing was written: free space or pass --out a folder on "
-                        "another disk") from None
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
-    return out
-
-
-def _fsync(path: Path) -> None:
-    """Flush a written file, or a folder's entries (a rename), to the disk, where the system can."""
-    if path.is_dir() and not hasattr(os, "O_DIRECTORY"):
-        return
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
