@@ -14,6 +14,7 @@ from helpers import (
 )
 from ltcx.cli import main
 from ltcx.lm import LanguageModel
+from ltcx.models.catalog import shipped_config_names
 from ltcx.models.gpt import GPT
 from ltcx.persist import atomic_save, load_language_model
 
@@ -113,9 +114,8 @@ def test_nan_learning_rate_from_yaml_is_refused(tmp_path, fit_env, capsys):
 
 
 @pytest.mark.parametrize("content,message", [
-    (None, "--config: File does not exist: '{path}' (nor is it a config shipped with ltcx: data/fineweb_edu, "
-           "data/local, data/mqar, data/tinystories, gpt, gta, ltc, recipe, titans_lmm, titans_mac, titans_mag, "
-           "titans_mal, trainer/ddp, trainer/fsdp, trainer/smoke, xlstm); see `ltcx fit --help`"),
+    (None, "--config: File does not exist: '{path}' (nor is it a config shipped with ltcx: "
+           + ", ".join(shipped_config_names()) + "); see `ltcx fit --help`"),
     (bytes(range(128, 256)), "--config '{path}' is not a YAML text file (its bytes are not UTF-8 text): pass the path "
                              "of a YAML config"),
     (b"model:\n  learning_rate: [1,\n", "--config '{path}' is not valid YAML (did not find expected node content at "
