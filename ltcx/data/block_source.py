@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ltcx.errors import LtcxError
 
-__all__ = ["BlockSource", "DataError", "Gather", "make_loader"]
+__all__ = ["BlockSource", "DataError", "Gather", "make_loader", "rank_and_world"]
 
 # Gathers a tensor from every rank: ``Tensor[*shape]`` -> ``Tensor[world_size, *shape]`` (rank order).
 Gather = Callable[[torch.Tensor], torch.Tensor]
@@ -103,3 +103,15 @@ def make_loader(dataset: IterableDataset, *, batch_size: int | None, num_workers
         pin_memory=torch.cuda.is_available(),
         persistent_workers=False,
     )
+
+
+def rank_and_world(module: Any, rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """``(rank, world_size)`` of a data module's loader: those given, else its trainer's (0 of 1 without one)."""
+    trainer = getattr(module, "trainer", None)
+    if rank is None:
+        rank = int(trainer.global_rank) if trainer is not None else 0
+    if world_size is None:
+        world_size = int(trainer.world_size) if trainer is not None else 1
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, {world_size})")
+    return rank, world_size

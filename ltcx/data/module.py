@@ -17,7 +17,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from ltcx.data.block_source import BlockSource, loader_checks
+from ltcx.data.block_source import BlockSource, loader_checks, rank_and_world
 from ltcx.data.files import local_path
 from ltcx.data.shard_format import META, VERIFY_MODES, holds_shards, is_prepared
 from ltcx.data.text_stream import SAMPLE_BY, StreamSource
@@ -212,16 +212,6 @@ class TextDataModule(L.LightningDataModule):
         return self._source
 
     # ------------------------------------------------------------------ datasets and loaders
-    def _rank_world(self, rank: int | None, world_size: int | None) -> tuple[int, int]:
-        trainer = getattr(self, "trainer", None)
-        if rank is None:
-            rank = int(trainer.global_rank) if trainer is not None else 0
-        if world_size is None:
-            world_size = int(trainer.world_size) if trainer is not None else 1
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        return rank, world_size
-
     def train_dataset(
         self,
         rank: int | None = None,
@@ -236,7 +226,7 @@ class TextDataModule(L.LightningDataModule):
         ``infinite=False`` gives a single pass of text (for tests); ``skip_batches`` defaults to the resumed position.
         """
         self.setup("fit")
-        rank, world_size = self._rank_world(rank, world_size)
+        rank, world_size = rank_and_world(self, rank, world_size)
         return self.source.train_dataset(rank, world_size, infinite=infinite, skip_batches=skip_batches)
 
     def val_dataset(self, rank: int | None = None, world_size: int | None = None) -> IterableDataset:
@@ -245,7 +235,7 @@ class TextDataModule(L.LightningDataModule):
         self.setup("validate")
         if self.val_batches == 0:
             raise ConfigError("validation is disabled (data.val_batches=0): set --data.val_batches > 0")
-        rank, world_size = self._rank_world(rank, world_size)
+        rank, world_size = rank_and_world(self, rank, world_size)
         return self.source.val_dataset(rank, world_size)
 
     def test_dataset(self, rank: int | None = None, world_size: int | None = None) -> IterableDataset:
@@ -254,7 +244,7 @@ class TextDataModule(L.LightningDataModule):
         ``test_batches`` batches."""
         if self.test_batches == 0:
             raise ConfigError("the test split is disabled (data.test_batches=0): set --data.test_batches > 0")
-        rank, world_size = self._rank_world(rank, world_size)
+        rank, world_size = rank_and_world(self, rank, world_size)
         return self.source.test_dataset(rank, world_size)
 
     def train_dataloader(self) -> DataLoader:

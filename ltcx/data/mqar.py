@@ -36,7 +36,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ltcx.batches import IGNORE_INDEX
-from ltcx.data.block_source import loader_checks, make_loader
+from ltcx.data.block_source import loader_checks, make_loader, rank_and_world
 from ltcx.errors import ConfigError, refuse_bad_settings
 from ltcx.tokenizers import padded_vocab_size as _pad_vocab
 
@@ -221,19 +221,8 @@ class RecallDataModule(L.LightningDataModule):
 
     __str__ = __repr__
 
-    def _rank_and_world(self, rank: int | None, world_size: int | None) -> tuple[int, int]:
-        """``(rank, world_size)``: those given, else the trainer's (0 of 1 without one)."""
-        trainer = getattr(self, "trainer", None)
-        if rank is None:
-            rank = int(trainer.global_rank) if trainer is not None else 0
-        if world_size is None:
-            world_size = int(trainer.world_size) if trainer is not None else 1
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        return rank, world_size
-
     def _batches(self, split: int, rank: int | None, world_size: int | None, **kw: Any) -> RecallBatches:
-        rank, world_size = self._rank_and_world(rank, world_size)
+        rank, world_size = rank_and_world(self, rank, world_size)
         return RecallBatches(
             split=split, rank=rank, world_size=world_size, batch_size=self.batch_size, block_size=self.block_size,
             num_kv_pairs=self.num_kv_pairs, vocab_size=self.vocab_size, power_a=self.power_a,

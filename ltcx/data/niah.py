@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ltcx.batches import IGNORE_INDEX
-from ltcx.data.block_source import loader_checks
+from ltcx.data.block_source import loader_checks, rank_and_world
 from ltcx.data.mqar import SPLITS, TRAIN, VALIDATION, RecallBatches, RecallDataModule
 from ltcx.errors import ConfigError, refuse_bad_settings
 from ltcx.tokenizers import Tokenizer, get_tokenizer
@@ -243,7 +243,7 @@ class NeedleDataModule(RecallDataModule):
     __str__ = __repr__
 
     def _batches(self, split: int, rank: int | None, world_size: int | None, **kw: Any) -> NeedleBatches:
-        rank, world_size = self._rank_and_world(rank, world_size)
+        rank, world_size = rank_and_world(self, rank, world_size)
         return NeedleBatches(
             split=split, rank=rank, world_size=world_size, batch_size=self.batch_size, block_size=self.block_size,
             num_digits=self.num_digits, tokenizer=self.tokenizer, haystack=self.haystack, seed=self.seed,
