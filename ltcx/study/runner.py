@@ -20,6 +20,7 @@ its step and exits 128 + the signal; the runner then raises ``StudyStopped`` nam
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -33,7 +34,7 @@ from typing import Any
 
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.study.report import write_json
-from ltcx.study.spec import StudySpec
+from ltcx.study.spec import StudySpec, arch_name
 
 __all__ = ["Run", "Shape", "StudyStopped", "plan_shapes", "read_logs", "run_study", "select_learning_rates"]
 
@@ -50,16 +51,33 @@ class StudyStopped(Exception):
 
 @dataclass(frozen=True)
 class Shape:
-    """One architecture at one size: its ``init_args`` (less ``vocab_size``) and the budget match's distance."""
+    """One architecture at one size in one cell of the grid: its ``init_args`` (less ``vocab_size``), the budget
+    match's distance, and the cell's ``--data`` values. ``entry`` is the spec's ``archs`` entry (a catalogue name or
+    a model YAML), ``arch`` its name."""
 
     arch: str
     size: float
     init_args: dict[str, Any]
     distance: float | None = None
+    cell: tuple[tuple[str, Any], ...] = ()
+    entry: str = ""
 
     @property
     def label(self) -> str:
-        return "config" if not self.init_args and self.distance is None else f"size{self.size:g}"
+        size = "config" if not self.init_args and self.distance is None else f"size{self.size:g}"
+        return "-".join([size, *(f"{CELL_NAMES.get(key, key)}{_cell_value(value)}" for key, value in self.cell)])
+
+    def block_size(self, spec: StudySpec) -> int:
+        """The sequence length of this cell (the grid's ``block_size``, else the spec's)."""
+        return int(dict(self.cell).get("block_size", spec.block_size))
+
+
+# a grid key's short name in labels and folders: T64-P8 is length 64 with 8 key-value pairs
+CELL_NAMES = {"block_size": "T", "num_kv_pairs": "P"}
+
+
+def _cell_value(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value).lower()
 
 
 @dataclass(frozen=True)
@@ -83,6 +101,9 @@ class Run:
     def folder(self, out: Path) -> Path:
         return out / "runs" / self.arch / self.shape.label / f"lr{self.lr:g}" / f"seed{self.seed}"
 
+    def block_size(self, spec: StudySpec) -> int:
+        return self.shape.block_size(spec)
+
 
 # ----------------------------------------------------------------------------- the plan
 
@@ -91,34 +112,63 @@ def vocab_size(spec: StudySpec) -> int:
     return int(spec.data.get("vocab_size", DEFAULT_VOCAB))
 
 
+def grid_cells(spec: StudySpec) -> list[tuple[tuple[str, Any], ...]]:
+    """Every combination of the spec's ``grid`` (one empty cell without a grid), the first key varying slowest. A cell
+    the data refuses (MQAR's ``block_size >= 4 * num_kv_pairs``, ``check_mqar``) is left out."""
+    from ltcx.data.mqar import check_mqar
+
+    keys = list(spec.grid)
+    cells = []
+    for values in itertools.product(*(spec.grid[key] for key in keys)):
+        cell = tuple(zip(keys, values))
+        pairs = dict(cell).get("num_kv_pairs", spec.data.get("num_kv_pairs"))
+        if pairs is not None and isinstance(pairs, int):
+            try:
+                check_mqar(vocab_size(spec), int(dict(cell).get("block_size", spec.block_size)), pairs, 1.0)
+            except ConfigError:
+                continue
+        cells.append(cell)
+    return cells
+
+
 def plan_shapes(spec: StudySpec) -> list[Shape]:
-    """Every (architecture, size) of the study, architectures in the spec's order within each size."""
+    """Every (architecture, size, cell) of the study: cells within sizes, architectures in the spec's order within
+    each."""
+    cells = grid_cells(spec)
+    if not cells:
+        raise ConfigError(f"study spec {spec.source}: key 'grid' leaves no cell the data accepts (MQAR needs "
+                          "block_size >= 4 * num_kv_pairs): fix the grid")
+    if spec.size_by == "config":
+        return [Shape(arch_name(entry), 0.0, {}, cell=cell, entry=entry) for cell in cells for entry in spec.archs]
+    return [dataclasses.replace(shape, cell=cell) for size in spec.sizes for cell in cells
+            for shape in _shapes_at(spec, size, int(dict(cell).get("block_size", spec.block_size)))]
+
+
+def _shapes_at(spec: StudySpec, size: float, block_size: int) -> list[Shape]:
+    """Every architecture at ``size`` for sequences of ``block_size``."""
     from ltcx.models import catalog
     from ltcx.study.budget import match_shape
 
-    if spec.size_by == "config":
-        return [Shape(arch, 0.0, {}) for arch in spec.archs]
     options = {} if spec.head_dim is None else {"head_dim": spec.head_dim}
     shapes = []
-    for size in spec.sizes:
-        if spec.size_by == "width":
-            for arch in spec.archs:
-                entry = catalog.get(arch)
-                if entry.scaling is None:
-                    raise ConfigError(f"architecture '{arch}' has no scaling rule: give its catalogue entry one "
-                                      "(Architecture.scaling, ltcx/models/scaling.py) or use size_by: config")
-                layers = spec.layers or entry.scaling.depth
-                shapes.append(Shape(arch, size, _initialised(arch, entry.scaled(int(size), layers, spec.block_size,
-                                                                                  **options), spec)))
-            continue
-        reference = match_shape(spec.reference, "params", size, spec.block_size, vocab_size(spec),
-                                n_layers=spec.layers, **options)
-        target = reference.figure(spec.match)
+    if spec.size_by == "width":
         for arch in spec.archs:
-            match = reference if arch == spec.reference else match_shape(
-                arch, spec.match, target, spec.block_size, vocab_size(spec), n_layers=spec.layers, **options)
-            args = {k: v for k, v in match.init_args.items() if k != "vocab_size"}
-            shapes.append(Shape(arch, size, _initialised(arch, args, spec), match.distance))
+            entry = catalog.get(arch)
+            if entry.scaling is None:
+                raise ConfigError(f"architecture '{arch}' has no scaling rule: give its catalogue entry one "
+                                  "(Architecture.scaling, ltcx/models/scaling.py) or use size_by: config")
+            layers = spec.layers or entry.scaling.depth
+            shapes.append(Shape(arch, size, _initialised(arch, entry.scaled(int(size), layers, block_size, **options),
+                                                         spec), entry=arch))
+        return shapes
+    reference = match_shape(spec.reference, "params", size, block_size, vocab_size(spec), n_layers=spec.layers,
+                            **options)
+    target = reference.figure(spec.match)
+    for arch in spec.archs:
+        match = reference if arch == spec.reference else match_shape(
+            arch, spec.match, target, block_size, vocab_size(spec), n_layers=spec.layers, **options)
+        args = {k: v for k, v in match.init_args.items() if k != "vocab_size"}
+        shapes.append(Shape(arch, size, _initialised(arch, args, spec), match.distance, entry=arch))
     return shapes
 
 
@@ -144,9 +194,9 @@ def run_steps(spec: StudySpec, shape: Shape) -> tuple[int, int]:
         if spec.size_by == "config":
             raise ConfigError(f"study spec {spec.source}: size_by: config needs 'steps' (tokens_per_param needs a "
                               "shape the study sets)")
-        params = figures(shape.arch, {**shape.init_args, "vocab_size": vocab_size(spec)}, spec.block_size,
-                         spec.block_size)[0]
-        steps = math.ceil(spec.tokens_per_param * params / (spec.batch_size * spec.block_size))
+        block_size = shape.block_size(spec)
+        params = figures(shape.arch, {**shape.init_args, "vocab_size": vocab_size(spec)}, block_size, block_size)[0]
+        steps = math.ceil(spec.tokens_per_param * params / (spec.batch_size * block_size))
     every = max(1, math.ceil(steps / spec.evals))
     return every * spec.evals, every
 
@@ -160,10 +210,12 @@ def _value(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def arch_config(arch: str) -> str:
+def arch_config(shape: Shape) -> str:
+    """The model YAML of ``shape``: its own (a variant's file) or the catalogue's."""
     from ltcx.models.catalog import config_path
 
-    return str(config_path(arch))
+    entry = shape.entry or shape.arch
+    return str(Path(entry).resolve()) if entry.endswith((".yaml", ".yml")) else str(config_path(entry))
 
 
 def composed_configs(spec: StudySpec) -> list[str]:
@@ -182,16 +234,19 @@ def composed_configs(spec: StudySpec) -> list[str]:
 
 def common_args(spec: StudySpec, run: Run) -> list[str]:
     """What ``fit`` and ``test`` of ``run`` share: configs, shape, data and the spec's own flags."""
-    args = ["--config", arch_config(run.arch)]
+    args = ["--config", arch_config(run.shape)]
     for path in composed_configs(spec):
         args += ["--config", path]
     for key, value in run.shape.init_args.items():
         args += [f"--model.backbone.init_args.{key}", _value(value)]
-    args += ["--data.block_size", str(spec.block_size), "--data.batch_size", str(spec.batch_size),
+    args += ["--data.block_size", str(run.block_size(spec)), "--data.batch_size", str(spec.batch_size),
              "--data.seed", str(run.seed), "--seed_everything", str(run.seed)]
     for group in ("data", "model", "trainer"):
         for key, value in getattr(spec, group).items():
             args += [f"--{group}.{key}", _value(value)]
+    for key, value in run.shape.cell:
+        if key != "block_size":
+            args += [f"--data.{key}", _value(value)]
     return [*args, *spec.args]
 
 
@@ -299,8 +354,9 @@ def train(spec: StudySpec, run: Run, out: Path, say: Callable[[str], None]) -> d
         if not diverged:
             raise LtcxError(f"{run.label} failed (exit {code}): {line} (see {root / 'run.log'}; rerun to resume)")
     curves = read_logs(root)
-    tokens_per_step = spec.batch_size * spec.block_size
-    result = {"arch": run.arch, "size": run.shape.size, "size_label": run.shape.label, "lr": run.lr,
+    tokens_per_step = spec.batch_size * run.block_size(spec)
+    result = {"arch": run.arch, "size": run.shape.size, "size_label": run.shape.label, "cell": dict(run.shape.cell),
+              "lr": run.lr,
               "seed": run.seed, "steps": run.steps, "tokens": run.steps * tokens_per_step, "diverged": diverged,
               "init_args": run.shape.init_args, "distance": run.shape.distance,
               "val": {tag: curve[-1][1] for tag, curve in curves.items() if curve and not diverged},
@@ -311,7 +367,7 @@ def train(spec: StudySpec, run: Run, out: Path, say: Callable[[str], None]) -> d
         final = latest_checkpoint(root)
         if final is None:
             raise LtcxError(f"{run.label} left no last.ckpt (see {root / 'run.log'})")
-        result.update(measure(final, spec.block_size), checkpoint=str(final))
+        result.update(measure(final, run.block_size(spec)), checkpoint=str(final))
         if f"val/{spec.metric}" not in result["val"]:
             raise LtcxError(f"{run.label} logged no val/{spec.metric} (see {root / 'run.log'}): choose a metric its "
                             "data logs (recall_acc: MQAR; loss; bpb: text)")

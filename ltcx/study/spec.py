@@ -14,6 +14,13 @@
     learning_rates: [1e-3, 3e-3, 1e-2]
     seeds: [0, 1, 2]
     metric: recall_acc            # chosen on val/<metric>, reported on test/<metric>: loss | bpb | recall_acc
+    grid: {block_size: [64, 128], num_kv_pairs: [4, 8]}   # optional: cells (every combination of --data values);
+                                  # each (architecture, size, cell) has its own learning rate
+    anchor: 0.99                  # optional: the baseline must reach this test/<metric> on the first cell
+    timing_rounds: 5              # the interleaved timing pass after training (0: none)
+
+An ``archs`` entry is a catalogue name or, with ``size_by: config``, a model YAML of your own (a variant: its file
+stem names it in the tables).
 
 ``load_spec`` checks every key before anything runs: an unknown key, a wrong type or a value out of range is one
 ``ConfigError`` line naming the file and the key.
@@ -29,7 +36,7 @@ from typing import Any
 
 from ltcx.errors import ConfigError
 
-__all__ = ["METRICS", "StudySpec", "find_spec", "load_spec", "preset_names"]
+__all__ = ["METRICS", "StudySpec", "arch_name", "find_spec", "load_spec", "preset_names"]
 
 # metric -> True when higher is better (the selection's direction)
 METRICS = {"loss": False, "bpb": False, "recall_acc": True}
@@ -66,12 +73,15 @@ class StudySpec:
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     tuning_seed: int | None = None
     metric: str = "loss"
+    grid: dict[str, list] = field(default_factory=dict)
+    anchor: float | None = None
+    timing_rounds: int = 5
     source: str = ""
 
     @property
     def reference(self) -> str:
         """The baseline: the paired differences and the compute multiplier are against it."""
-        return self.baseline or self.archs[0]
+        return self.baseline or arch_name(self.archs[0])
 
     @property
     def tune_seed(self) -> int:
@@ -82,8 +92,10 @@ class StudySpec:
         return METRICS[self.metric]
 
     def defining(self) -> dict[str, Any]:
-        """What decides the runs' results: a results folder holds one study (``runner`` compares this on resume)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("name", "description", "source")}
+        """What decides the runs' results: a results folder holds one study (``runner`` compares this on resume).
+        The timing pass and the anchor are read from the finished runs, so changing them redoes no run."""
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if k not in ("name", "description", "source", "timing_rounds", "anchor")}
 
 
 _TYPES = {f.name: f.type for f in dataclasses.fields(StudySpec)}
@@ -173,6 +185,22 @@ def _check(where: str, key: str, value: Any) -> Any:
         if len(set(value)) != len(value):
             raise bad("a list without repeats")
         return list(value)
+    if key == "grid":
+        if not isinstance(value, dict) or not value or not all(isinstance(k, str) for k in value):
+            raise bad("a mapping of --data keys to lists of values (e.g. {num_kv_pairs: [4, 8]})")
+        for name, values in value.items():
+            if not isinstance(values, list) or not values or len(set(map(repr, values))) != len(values):
+                raise ConfigError(f"{where}: key 'grid.{name}' ({values!r}) must be a non-empty list without repeats")
+        return {name: list(values) for name, values in value.items()}
+    if key == "anchor":
+        value = _number(value)
+        if not _is_number(value):
+            raise bad("a number (the baseline's least test/<metric> on the first cell)")
+        return float(value)
+    if key == "timing_rounds":
+        if not (_is_int(value) and value >= 0):
+            raise bad("an integer >= 0 (0: no timing pass)")
+        return value
     if key in ("block_size", "batch_size", "evals", "steps", "layers", "head_dim"):
         if not (_is_int(value) and value >= 1):
             raise bad("an integer >= 1")
@@ -214,13 +242,20 @@ def _check_whole(where: str, spec: StudySpec) -> None:
     """The rules between keys."""
     from ltcx.models.catalog import CATALOG
 
-    unknown = [a for a in spec.archs if a not in CATALOG]
+    files = [a for a in spec.archs if a not in CATALOG and a.endswith((".yaml", ".yml"))]
+    for file in files:
+        if not Path(file).is_file():
+            raise ConfigError(f"{where}: key 'archs': no such model YAML '{file}': fix the path")
+        if spec.size_by != "config":
+            raise ConfigError(f"{where}: key 'archs': a model YAML ('{file}') is trained as it is: use size_by: "
+                              "config, or a catalogue name for a study that sets the shapes")
+    if len({arch_name(a) for a in spec.archs}) != len(spec.archs):
+        raise ConfigError(f"{where}: key 'archs' names an architecture twice (a YAML is named by its file stem)")
+    unknown = [a for a in spec.archs if a not in CATALOG and a not in files]
     if unknown:
         raise ConfigError(f"{where}: key 'archs': unknown architecture '{unknown[0]}' "
-                          f"(the catalogue's: {', '.join(sorted(CATALOG))})")
-    if len(set(spec.archs)) != len(spec.archs):
-        raise ConfigError(f"{where}: key 'archs' names an architecture twice")
-    if spec.baseline is not None and spec.baseline not in spec.archs:
+                          f"(the catalogue's: {', '.join(sorted(CATALOG))}; or a model YAML's path)")
+    if spec.baseline is not None and spec.baseline not in [arch_name(a) for a in spec.archs]:
         raise ConfigError(f"{where}: key 'baseline' ({spec.baseline}) is not one of archs ({', '.join(spec.archs)})")
     if (spec.steps is None) == (spec.tokens_per_param is None):
         raise ConfigError(f"{where}: give exactly one of keys 'steps' and 'tokens_per_param' (the training length)")
@@ -242,9 +277,20 @@ def _check_whole(where: str, spec: StudySpec) -> None:
         if taken:
             raise ConfigError(f"{where}: key '{key}.{taken[0]}' is set by the study itself (seeds, batch_size, "
                               "block_size, learning_rates, sizes): leave it out")
+    taken = [k for k in spec.grid if k in ("seed", "batch_size") or k in spec.data]
+    if taken:
+        raise ConfigError(f"{where}: key 'grid.{taken[0]}' is " + ("also in key 'data': keep it in one of them"
+                                                                  if taken[0] in spec.data else "set by the study"))
+    if spec.anchor is not None and not spec.higher_is_better:
+        raise ConfigError(f"{where}: key 'anchor' applies to a metric where higher is better (recall_acc)")
     taken = [k for k in spec.trainer if k in ("max_steps", "val_check_interval", "default_root_dir")]
     if taken:
         raise ConfigError(f"{where}: key 'trainer.{taken[0]}' is set by the study itself (steps, evals): leave it out")
+
+
+def arch_name(arch: str) -> str:
+    """An ``archs`` entry's name in folders and tables: a catalogue name, or a model YAML's file stem."""
+    return Path(arch).stem if arch.endswith((".yaml", ".yml")) else arch
 
 
 def preset_dir() -> Path:
