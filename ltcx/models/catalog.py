@@ -95,7 +95,8 @@ def _titans_rule(variant: str) -> ScalingRule:
 
 _ENTRIES = [
     Architecture("gpt", "ltcx.models.gpt", "GPT", "configs/gpt.yaml", _GPT_TINY,
-                 variants={"mha_bias": dict(n_kv_head=2, bias=True)}, yaml_parameters=28_758_912,
+                 variants={"mha_bias": dict(n_kv_head=2, bias=True), "rope": dict(position="rope")},
+                 yaml_parameters=28_758_912,
                  scaling=ScalingRule(scaling.gpt, **_GQA, knobs={"params": _MLP, "flops": _MLP})),
     Architecture("ltc", "ltcx.models.ltc", "LTCGPT", "configs/ltc.yaml", {**_GPT_TINY, "num_decay_modes": 4},
                  variants={"all_modes": dict(num_decay_modes=8),  # as many modes as the head's 8 coordinates

@@ -1,6 +1,7 @@
 """nanoGPT-style GPT with grouped-query attention: the controlled baseline and the base of LTC GPT.
 
-Learned position embeddings, pre-LayerNorm blocks, GELU MLP (4x), tied input/output embeddings,
+Learned position embeddings (or, with ``position: rope``, rotary queries and keys and no context limit), pre-LayerNorm
+blocks, GELU MLP (4x), tied input/output embeddings,
 optional biases, init N(0, init_std) (0.02, GPT-2's) with residual projections scaled by 1/sqrt(2 n_layer).
 """
 
@@ -16,7 +17,9 @@ import torch.nn.functional as F
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.config import ConfiguredModule
 from ltcx.models.state import model_dtype, reorder_state
-from ltcx.ops.attention import causal_gqa_attention
+from ltcx.ops.attention import apply_rope, causal_gqa_attention
+
+POSITIONS = ("learned", "rope")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -53,10 +56,20 @@ class GPTConfig:
     (docs/recall.md, Initialisation)."""
     activation: str = "gelu"
     """the MLP's GELU: gelu (exact, erf) or gelu_tanh (the tanh approximation GPT-2's weights were trained with)."""
+    position: str = "learned"
+    """learned: an embedding per position up to block_size, which is then the context limit; rope: rotary
+    embedding of queries and keys (no position parameters, no context limit: block_size is only the training
+    length), so attention is scored past it (docs/models.md)."""
+    rope_base: float = 10000.0
+    """position: rope's base: pair i of a head turns by position * rope_base^(-2i/head_dim)."""
 
     def __post_init__(self) -> None:
         _require(self.activation in ("gelu", "gelu_tanh"),
                  f"activation ({self.activation!r}) must be 'gelu' or 'gelu_tanh'")
+        _require(self.position in POSITIONS,
+                 f"position ({self.position!r}) must be one of {', '.join(map(repr, POSITIONS))}")
+        _require(isinstance(self.rope_base, (int, float)) and math.isfinite(self.rope_base) and self.rope_base > 0,
+                 f"rope_base ({self.rope_base}) must be a positive number")
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         _require(
@@ -76,6 +89,8 @@ class GPTConfig:
             self.n_head % self.n_kv_head == 0,
             f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})",
         )
+        _require(self.position != "rope" or self.head_dim % 2 == 0,
+                 f"head_dim (n_embd / n_head = {self.head_dim}) must be even with position 'rope'")
         _require(0.0 <= self.dropout < 1.0, f"dropout ({self.dropout}) must be in [0, 1)")
         _require(
             isinstance(self.init_std, (int, float)) and math.isfinite(self.init_std) and self.init_std > 0,
@@ -108,11 +123,13 @@ class KVCache:
 
 
 class GQAAttention(nn.Module):
-    """Causal grouped-query self-attention through ``scaled_dot_product_attention``."""
+    """Causal grouped-query self-attention through ``scaled_dot_product_attention``; with ``position: rope`` queries
+    and keys are rotated by their absolute positions (the cache keeps rotated keys)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.rope_base = config.rope_base if getattr(config, "position", "learned") == "rope" else None
         self.q_proj = nn.Linear(config.n_embd, config.n_head * config.head_dim, bias=config.bias)
         self.kv_proj = nn.Linear(config.n_embd, 2 * config.n_kv_head * config.head_dim, bias=config.bias)
         self.c_proj = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=config.bias)
@@ -129,6 +146,10 @@ class GQAAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> tuple[torch.Tensor, KVCache]:
         """x [B, T, C] at positions [P, P+T), where P is the cache length -> (y [B, T, C], extended cache)."""
         q, k, v = self.project(x)
+        if self.rope_base is not None:
+            start = 0 if cache is None else cache.length
+            positions = torch.arange(start, start + x.shape[1], device=x.device)
+            q, k = apply_rope(q, positions, self.rope_base), apply_rope(k, positions, self.rope_base)
         if cache is not None:
             k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
         y = causal_gqa_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
@@ -179,8 +200,12 @@ class GPT(ConfiguredModule):
     def __init__(self, **fields) -> None:
         super().__init__()
         config = self.config = self.config_class(**fields)
+        if config.position == "rope" and type(self).make_attention is not GPT.make_attention:
+            raise ConfigError(f"position ('rope') rotates the GPT's own attention; {type(self).__name__}'s attention "
+                              "takes position 'learned' only")
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        # rope: no position parameters (the rotation is in each attention)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.position == "learned" else None
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, self.make_attention(config)) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
@@ -215,13 +240,14 @@ class GPT(ConfiguredModule):
             nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
 
     @property
-    def max_seq_len(self) -> int:
-        return self.config.block_size
+    def max_seq_len(self) -> int | None:
+        """The context limit: block_size with learned positions, None with rope."""
+        return None if self.config.position == "rope" else self.config.block_size
 
     def parameter_count(self, exclude_position_embeddings: bool = True) -> int:
         """Number of distinct parameters; nanoGPT's convention leaves out the position embeddings."""
         total = sum(p.numel() for p in self.parameters())  # tied weights are counted once
-        return total - self.wpe.weight.numel() if exclude_position_embeddings else total
+        return total - self.wpe.weight.numel() if exclude_position_embeddings and self.wpe is not None else total
 
     def forward_flops_per_token(self, seq_len: int) -> float:
         """FLOPs of the forward pass per token when training on sequences of ``seq_len`` tokens.
@@ -252,7 +278,8 @@ class GPT(ConfiguredModule):
         parameters'): each layer's KV cache, keys and values [1, G, tokens, D], 2 L G D tokens numbers. Reads the
         config alone, so a search may call it on a config (``ltcx/study/budget.py``)."""
         c = self.config
-        _require(0 <= tokens <= c.block_size, f"tokens ({tokens}) must be in [0, block_size={c.block_size}]")
+        _require(0 <= tokens and (c.position == "rope" or tokens <= c.block_size),
+                 f"tokens ({tokens}) must be in [0, block_size={c.block_size}]")
         return 2 * c.n_layer * c.n_kv_head * c.head_dim * tokens * model_dtype(self, dtype).itemsize
 
     def no_weight_decay_param_names(self) -> set[str]:
@@ -272,13 +299,15 @@ class GPT(ConfiguredModule):
         """``forward`` before the head: (final hidden states [B, T, C], after ln_f, new state)."""
         past_len = 0 if state is None else state[0].length
         length = idx.shape[1]
-        if past_len + length > self.config.block_size:
-            raise LtcxError(
-                f"sequence of {past_len + length} tokens exceeds the model's context block_size="
-                f"{self.config.block_size}; use a shorter prompt or fewer new tokens"
-            )
-        positions = torch.arange(past_len, past_len + length, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(positions))
+        x = self.wte(idx)
+        if self.wpe is not None:
+            if past_len + length > self.config.block_size:
+                raise LtcxError(
+                    f"sequence of {past_len + length} tokens exceeds the model's context block_size="
+                    f"{self.config.block_size}; use a shorter prompt or fewer new tokens"
+                )
+            x = x + self.wpe(torch.arange(past_len, past_len + length, device=idx.device))
+        x = self.drop(x)
         new_state = []
         for i, block in enumerate(self.blocks):
             x, cache = block(x, None if state is None else state[i])

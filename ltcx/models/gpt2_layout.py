@@ -29,6 +29,9 @@ def check_gpt2_layout(backbone) -> None:
     if class_path(type(backbone)) != "ltcx.models.gpt.GPT":
         raise LtcxError(f"--format gpt2 takes ltcx's GPT only ({type(backbone).__name__} has no GPT-2 equivalent): "
                         "use --format hf, which loads every ltcx architecture in transformers")
+    if backbone.config.position != "learned":
+        raise LtcxError(f"--format gpt2 takes learned positions only (this GPT has position "
+                        f"'{backbone.config.position}', which GPT-2's layout has no place for): use --format hf")
 
 
 def gpt2_config(backbone, vocab_size: int) -> dict[str, Any]:
