@@ -37,6 +37,7 @@ chunks only (T / b steps).
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple
 
@@ -70,9 +71,9 @@ def initial_memory_state(w1_init: Tensor, w2_init: Tensor, batch_size: int) -> M
 
 def _gelu_with_derivative(z: Tensor) -> tuple[Tensor, Tensor]:
     """GELU(z) = z Phi(z) and its derivative Phi(z) + z phi(z)."""
-    cdf = 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))
-    pdf = torch.exp(-0.5 * z * z) * (1.0 / math.sqrt(2.0 * math.pi))
-    return z * cdf, cdf + z * pdf
+    cdf = torch.special.ndtr(z)
+    pdf = torch.exp(z.square() * -0.5) * (1.0 / math.sqrt(2.0 * math.pi))
+    return z * cdf, torch.addcmul(cdf, z, pdf)
 
 
 def memory_apply(w1: Tensor, w2: Tensor, x: Tensor) -> Tensor:
@@ -116,37 +117,94 @@ def _step_sizes(step: Tensor, k: Tensor, h: Tensor, delta1: Tensor, delta2: Tens
     return step / step_curvature(k, h, delta1, delta2) if normalize else step
 
 
+def _baddbmm(c: Tensor, a: Tensor, b: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+    """beta c + alpha (a @ b) in one kernel for any leading dims [...] (torch.baddbmm takes one)."""
+    lead = a.shape[:-2]
+    out = torch.baddbmm(c.flatten(0, -3), a.flatten(0, -3), b.flatten(0, -3), beta=beta, alpha=alpha)
+    return out.view(*lead, *out.shape[-2:])
+
+
+def _mix(mix: Tensor, x: Tensor, correction: Tensor) -> Tensor:
+    """mix [..., 2, 2] applied to the two halves of x [..., 2r, c] (weights over momentum), less correction
+    [..., 2r, c]: one batched product of a 2 x 2 with a 2 x (r c)."""
+    lead, rows, cols = x.shape[:-2], x.shape[-2], x.shape[-1]
+    out = torch.baddbmm(correction.reshape(-1, 2, rows // 2 * cols), mix.reshape(-1, 2, 2),
+                        x.reshape(-1, 2, rows // 2 * cols), beta=-1.0)
+    return out.view(*lead, rows, cols)
+
+
+class _Piece(NamedTuple):
+    """What a piece of n tokens needs that no memory state changes (computed for all pieces of a size at once).
+
+    decay [B, H, n, n]: C[t, i] / theta_i = sum_{i<=j<=t} (A_t / A_j)(E_j / E_i); qk [B, H, n, n] = q k^T;
+    q_ad [B, H, n, 2 dk] = [A_t q_t, D_t q_t]; ad [B, H, n, 2, 1] = (A_t, D_t); momentum_last [B, H, n] =
+    E_n / E_i; mix [B, H, 2, 2] = [[A_n, D_n], [0, E_n]], the carried (W, S) -> (W, S) after the piece.
+    """
+
+    decay: Tensor
+    qk: Tensor
+    q_ad: Tensor
+    ad: Tensor
+    momentum_last: Tensor
+    mix: Tensor
+
+
+def _pieces(q: Tensor, k: Tensor, log_retain: Tensor, log_momentum: Tensor, sizes: list[int]) -> list[_Piece]:
+    """The state-free part of every piece: pieces of one size batched as [B, H, N, n, ...], then unbound."""
+    runs = [(n, len(list(group))) for n, group in itertools.groupby(sizes)]
+    spans = [n * count for n, count in runs]
+    pieces: list[_Piece] = []
+    for (n, count), q_r, k_r, retain_r, momentum_r in zip(
+        runs, q.split(spans, dim=2), k.split(spans, dim=2), log_retain.split(spans, dim=-1),
+        log_momentum.split(spans, dim=-1),
+    ):
+        q_r, k_r = q_r.unflatten(2, (count, n)), k_r.unflatten(2, (count, n))  # [B, H, N, n, dk]
+        retain_r, momentum_r = retain_r.unflatten(-1, (count, n)), momentum_r.unflatten(-1, (count, n))
+        retain = torch.exp(retain_r.cumsum(-1))  # A_t
+        momentum = torch.exp(momentum_r.cumsum(-1))  # E_t
+        retain_ratio = torch.exp(_segment_sums(retain_r))  # [t, j] = A_t / A_j
+        momentum_ratio = torch.exp(_segment_sums(momentum_r))  # [j, i] = E_j / E_i
+        carried = (retain_ratio @ momentum.unsqueeze(-1)).squeeze(-1)  # D_t: weight of the incoming momentum
+        ad = torch.stack([retain, carried], dim=-1).unsqueeze(-1)  # [B, H, N, n, 2, 1]
+        last = torch.stack([retain[..., -1], carried[..., -1], torch.zeros_like(carried[..., -1]),
+                            momentum[..., -1]], dim=-1).unflatten(-1, (2, 2))
+        fields = (retain_ratio @ momentum_ratio, q_r @ k_r.transpose(-1, -2), (q_r.unsqueeze(-2) * ad).flatten(-2),
+                  ad, momentum_ratio[..., -1, :], last)
+        pieces += [_Piece(*piece) for piece in zip(*(x.unbind(2) for x in fields))]
+    return pieces
+
+
 def _memory_chunk(
-    q: Tensor, k: Tensor, v: Tensor, log_retain: Tensor, log_momentum: Tensor, step: Tensor,
-    w1_start: Tensor, w2_start: Tensor, w1: Tensor, w2: Tensor, s1: Tensor, s2: Tensor, normalize: bool,
-) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
-    """n tokens of one chunk (all gradients at w*_start) in closed form -> (y [B, H, n, dk], (w1, w2, s1, s2))."""
-    h, delta1, delta2 = memory_loss_gradients(w1_start, w2_start, k, v)
-    theta = _step_sizes(step, k, h, delta1, delta2, normalize)  # [B, H, n]
-    retain = torch.exp(log_retain.cumsum(-1))  # A_t
-    momentum = torch.exp(log_momentum.cumsum(-1))  # E_t
-    retain_ratio = torch.exp(_segment_sums(log_retain))  # [t, j] = A_t / A_j
-    momentum_ratio = torch.exp(_segment_sums(log_momentum))  # [j, i] = E_j / E_i
-    carried = (retain_ratio @ momentum.unsqueeze(-1)).squeeze(-1)  # D_t: weight of the incoming momentum
-    coeff = (retain_ratio @ momentum_ratio) * theta.unsqueeze(-2)  # C [B, H, n, n], lower-triangular
-    a, d = retain.unsqueeze(-1), carried.unsqueeze(-1)
+    q: Tensor, k: Tensor, kv: Tensor, k2: Tensor, step: Tensor, piece: _Piece, w1s_t: Tensor, w2s_t: Tensor,
+    p: Tensor, r: Tensor, normalize: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """n tokens of one chunk (all gradients at the chunk start) in closed form -> (y [B, H, n, dk], p, r after it).
+
+    The weights are carried transposed and stacked with their momentum, p = [W1^T; S1^T] [B, H, 2 dk, dm] and
+    r = [W2^T; S2^T] [B, H, 2 dm, dk], so that each read, write and carry is one batched product;
+    w1s_t = W1^T [B, H, dk, dm] and w2s_t = W2^T [B, H, dm, dk] at the chunk start; kv = k - v, k2 = ||k||^2.
+    """
+    h, gelu_grad = _gelu_with_derivative(k @ w1s_t)
+    delta2 = _baddbmm(kv, h, w2s_t, beta=2.0, alpha=2.0)  # 2 (M(k) - v)
+    delta1 = (delta2 @ w2s_t.transpose(-1, -2)) * gelu_grad
+    if normalize:  # theta / kappa, kappa as step_curvature with ||k||^2 computed once for all chunks
+        theta = step / (h.square().sum(-1) + k2 * delta1.square().sum(-1) / (delta2.square().sum(-1) + 1e-6))
+    else:
+        theta = step
+    coeff = piece.decay * theta.unsqueeze(-2)  # C [B, H, n, n], lower-triangular
 
     # y_t = M(q_t; W_t) without forming W_t: W1_t q_t and W2_t GELU(W1_t q_t) expanded by the closed form.
-    hidden = (a * (q @ w1.transpose(-1, -2)) + d * (q @ s1.transpose(-1, -2))
-              - (coeff * (q @ k.transpose(-1, -2))) @ delta1)
-    hidden = F.gelu(hidden)
-    y = q + a * (hidden @ w2.transpose(-1, -2)) + d * (hidden @ s2.transpose(-1, -2)) \
-        - (coeff * (hidden @ h.transpose(-1, -2))) @ delta2
+    hidden = F.gelu(_baddbmm(piece.q_ad @ p, coeff * piece.qk, delta1, alpha=-1.0))
+    hidden_ad = (hidden.unsqueeze(-2) * piece.ad).flatten(-2)  # [A_t hidden_t, D_t hidden_t]
+    y = _baddbmm(_baddbmm(q, hidden_ad, r), coeff * (hidden @ h.transpose(-1, -2)), delta2, alpha=-1.0)
 
     # State after the chunk's last token: rank-n corrections of the carried weights and momentum.
-    last_coeff = coeff[..., -1, :].unsqueeze(-1)  # C[n, i]
-    last_momentum = (theta * momentum_ratio[..., -1, :]).unsqueeze(-1)  # theta_i E_n / E_i
-    a_n, d_n, e_n = a[..., -1:, :], d[..., -1:, :], momentum[..., -1:].unsqueeze(-1)
-    new_w1 = a_n * w1 + d_n * s1 - (delta1 * last_coeff).transpose(-1, -2) @ k
-    new_w2 = a_n * w2 + d_n * s2 - (delta2 * last_coeff).transpose(-1, -2) @ h
-    new_s1 = e_n * s1 - (delta1 * last_momentum).transpose(-1, -2) @ k
-    new_s2 = e_n * s2 - (delta2 * last_momentum).transpose(-1, -2) @ h
-    return y, (new_w1, new_w2, new_s1, new_s2)
+    scales = torch.stack([coeff[..., -1, :], theta * piece.momentum_last], dim=-1).unsqueeze(-1)  # C[n, i], θ E_n/E_i
+    k_scaled = (k.unsqueeze(-2) * scales).flatten(-2)  # [B, H, n, 2 dk]
+    h_scaled = (h.unsqueeze(-2) * scales).flatten(-2)  # [B, H, n, 2 dm]
+    p = _mix(piece.mix, p, k_scaled.transpose(-1, -2) @ delta1)
+    r = _mix(piece.mix, r, h_scaled.transpose(-1, -2) @ delta2)
+    return y, p, r
 
 
 def neural_memory(
@@ -161,27 +219,38 @@ def neural_memory(
     Returns y [B, H, T, dk] with y_t = M(q_t; W_t), and the state after the T tokens.
 
     Chunks are at absolute positions, so a call that starts mid-chunk first finishes that chunk: the result
-    does not depend on how a sequence is split into calls.
+    does not depend on how a sequence is split into calls. What no state changes (the decay matrices, q k^T,
+    the query scalings) is computed for all chunks at once before the loop.
     """
     w1_start, w2_start, w1, w2, s1, s2 = state
     length = q.shape[2]
     if length == 0:
         return q.new_zeros(q.shape), state
+    dk, dm = w1.shape[-1], w1.shape[-2]
     sizes = chunk_sizes(position, length, chunk_size)
+    p = torch.cat([w1.transpose(-1, -2), s1.transpose(-1, -2)], dim=-2)  # [B, H, 2 dk, dm]
+    r = torch.cat([w2.transpose(-1, -2), s2.transpose(-1, -2)], dim=-2)  # [B, H, 2 dm, dk]
+    at_start = w1_start is w1 and w2_start is w2  # (a chunk boundary, or M_0): views of p and r, no copies
+    w1s_t, w2s_t = (p[:, :, :dk], r[:, :, :dm]) if at_start else (w1_start.transpose(-1, -2),
+                                                                   w2_start.transpose(-1, -2))
+    pieces = _pieces(q, k, log_retain, log_momentum, sizes)
+    kv, k2 = k - v, k.square().sum(-1)
     # torch.split, not slicing in the loop: the backward of a split is one concatenation, where each
     # slice's backward would fill a zero tensor of the whole sequence (quadratic in the number of chunks).
-    pieces = zip(*(x.split(sizes, dim=2) for x in (q, k, v)),
-                 *(x.split(sizes, dim=-1) for x in (log_retain, log_momentum, step)))
+    per_chunk = zip(*(x.split(sizes, dim=2) for x in (q, k, kv)), *(x.split(sizes, dim=-1) for x in (k2, step)))
     outputs = []
-    for n, (q_c, k_c, v_c, retain_c, momentum_c, step_c) in zip(sizes, pieces):
-        y, (w1, w2, s1, s2) = _memory_chunk(
-            q_c, k_c, v_c, retain_c, momentum_c, step_c, w1_start, w2_start, w1, w2, s1, s2, normalize_step
-        )
+    for n, piece, (q_c, k_c, kv_c, k2_c, step_c) in zip(sizes, pieces, per_chunk):
+        y, p, r = _memory_chunk(q_c, k_c, kv_c, k2_c, step_c, piece, w1s_t, w2s_t, p, r, normalize_step)
         outputs.append(y)
         position += n
-        if chunk_size is not None and position % chunk_size == 0:
-            w1_start, w2_start = w1, w2
-    return torch.cat(outputs, dim=2), MemoryState(w1_start, w2_start, w1, w2, s1, s2)
+        at_start = chunk_size is not None and position % chunk_size == 0
+        if at_start:
+            w1s_t, w2s_t = p[:, :, :dk], r[:, :, :dm]
+    w1, s1 = p[:, :, :dk].transpose(-1, -2), p[:, :, dk:].transpose(-1, -2)
+    w2, s2 = r[:, :, :dm].transpose(-1, -2), r[:, :, dm:].transpose(-1, -2)
+    # at a boundary the start is the current weights, the same objects (the next call then needs no copy)
+    start = (w1, w2) if at_start else (w1s_t.transpose(-1, -2), w2s_t.transpose(-1, -2))
+    return torch.cat(outputs, dim=2), MemoryState(*start, w1, w2, s1, s2)
 
 
 def chunk_sizes(position: int, length: int, chunk_size: int | None) -> list[int]:
