@@ -47,11 +47,20 @@ def write_spec(folder: Path, **changes) -> Path:
     (dict(tuning_seed=5), "key 'tuning_seed' (5) must be one of seeds [0, 1]"),
     (dict(data={"seed": 3}), "key 'data.seed' is set by the study itself"),
     (dict(sizes=[16.5]), "key 'sizes' must be integer widths"),
+    (dict(grid={"seed": [1, 2]}), "key 'grid.seed' is set by the study"),
+    (dict(grid={"num_kv_pairs": [2, 2]}), "key 'grid.num_kv_pairs' ([2, 2]) must be a non-empty list without repeats"),
+    (dict(grid={"num_kv_pairs": [2]}, data={"num_kv_pairs": 4}), "key 'grid.num_kv_pairs' is also in key 'data'"),
+    (dict(grid={"num_kv_pairs": [64]}), "key 'grid' leaves no cell the data accepts"),
+    (dict(anchor=0.99, metric="loss"), "key 'anchor' applies to a metric where higher is better"),
+    (dict(timing_rounds=-1), "key 'timing_rounds' (-1) must be an integer >= 0"),
+    (dict(archs=["gpt", "mine.yaml"]), "key 'archs': no such model YAML 'mine.yaml'"),
 ])
 def test_a_bad_spec_is_one_line_naming_the_key(tmp_path, changes, message):
+    from ltcx.study.runner import plan_shapes
+
     path = write_spec(tmp_path, **changes)
     with pytest.raises(ConfigError) as error:
-        load_spec(path)
+        plan_shapes(load_spec(path))  # a grid without a cell is found when the study is planned, before any run
     assert f"study spec {path}: " in str(error.value) and message in str(error.value)
     assert "\n" not in str(error.value)
 
@@ -97,11 +106,56 @@ def test_the_dry_run_prints_every_run_and_writes_nothing(tmp_path, capsys):
     assert not (tmp_path / "results").exists()
 
 
+def test_a_grid_plans_every_cell_the_data_accepts_each_with_its_own_rate_and_length(tmp_path):
+    """MQAR's grid as recall studies use it: lengths x pairs, a cell whose pairs do not fit its length left out
+    (block_size < 4 x pairs, the data module's own check); each cell's runs get its length and its pairs."""
+    from ltcx.study.runner import common_args, make_run, plan_shapes, run_steps
+
+    spec = load_spec(write_spec(tmp_path, archs=["gpt"], sizes=[16], grid={"block_size": [16, 32],
+                                                                            "num_kv_pairs": [2, 8]}))
+    shapes = plan_shapes(spec)
+    assert [s.label for s in shapes] == ["size16-T16-P2", "size16-T32-P2", "size16-T32-P8"]  # T16-P8 cannot hold 8
+    run = make_run(spec, shapes[2], 1e-3, 0)
+    args = common_args(spec, run)
+    assert args[args.index("--data.block_size") + 1] == "32" and args[args.index("--data.num_kv_pairs") + 1] == "8"
+    assert run.folder(tmp_path) == tmp_path / "runs/gpt/size16-T32-P8/lr0.001/seed0"
+    assert run_steps(spec, shapes[0]) == (8, 2)
+    best = (1e-3, 3e-3, 3e-3)  # the planted best rate of each cell
+    tuning = []
+    for shape, rate in zip(shapes, best):
+        for lr in (1e-3, 3e-3):
+            run = {**planted("gpt", 16, lr, 0, 1.0, 0.5, cell=shape.cell), "size_label": shape.label}
+            run["val"]["val/recall_acc"] = 0.9 if lr == rate else 0.2
+            tuning.append(run)
+    chosen = select_learning_rates(spec, tuning)
+    assert [chosen[("gpt", s.label)]["lr"] for s in shapes] == [1e-3, 3e-3, 3e-3]
+
+
+def test_a_model_yaml_of_ones_own_is_an_architecture_named_by_its_stem(tmp_path):
+    """A variant (compare a GPT with one key-value head against the catalogue's) is trained from its own YAML."""
+    from ltcx.models.catalog import config_path
+    from ltcx.study.runner import common_args, make_run, plan_shapes
+
+    variant = tmp_path / "gpt_mqa.yaml"
+    variant.write_text(f"config: {config_path('gpt')}\nmodel.backbone.init_args.n_kv_head: 1\n")
+    spec = load_spec(write_spec(tmp_path, archs=["gpt", str(variant)], size_by="config", sizes=None, baseline=None))
+    assert spec.reference == "gpt"
+    shapes = plan_shapes(spec)
+    assert [(s.arch, s.label) for s in shapes] == [("gpt", "config"), ("gpt_mqa", "config")]
+    args = common_args(spec, make_run(spec, shapes[1], 1e-3, 0))
+    assert args[:2] == ["--config", str(variant.resolve())]
+    with pytest.raises(ConfigError, match="a model YAML .* is trained as it is: use size_by: config"):
+        load_spec(write_spec(tmp_path, archs=["gpt", str(variant)]))
+
+
 # ----------------------------------------------------------------------------- selection and the report
 
 
-def planted(arch, size, lr, seed, val, test, params=1000, flops=6000.0, tokens=100):
-    return {"arch": arch, "size": size, "size_label": f"size{size}", "lr": lr, "seed": seed, "steps": 10,
+def planted(arch, size, lr, seed, val, test, params=1000, flops=6000.0, tokens=100, cell=()):
+    from ltcx.study.runner import CELL_NAMES
+
+    label = "-".join([f"size{size}", *(f"{CELL_NAMES.get(k, k)}{v}" for k, v in cell)])
+    return {"arch": arch, "size": size, "size_label": label, "cell": dict(cell), "lr": lr, "seed": seed, "steps": 10,
             "tokens": tokens, "diverged": val is None, "init_args": {"n_embd": size, "n_layer": 2}, "distance": None,
             "val": {} if val is None else {"val/loss": val}, "test": {"test/loss": test},
             "curves": {"val/loss": [[50, val or 9.0], [100, val or 9.0]]}, "params": params,
@@ -225,6 +279,68 @@ def test_the_report_holds_every_table_and_figure_and_fetches_nothing(tmp_path):
     assert "## Compute ladder: log test/loss = log a + b log C" in md and "| ltc | -0.05" in md
 
 
+def test_a_grid_report_has_its_table_its_figure_the_anchor_and_the_timing_columns(tmp_path):
+    """Recall's table (accuracy per number of pairs), grid.png, the sanity anchor's verdict and the rows below it, and
+    the timing pass's columns with the baseline's throughput as the reference."""
+    from ltcx.study.spec import StudySpec
+
+    spec = StudySpec(archs=["gpt", "xlstm"], sizes=[16], size_by="width", block_size=32, batch_size=8, steps=10,
+                     learning_rates=[1e-3], seeds=[0, 1], metric="recall_acc", anchor=0.99,
+                     grid={"num_kv_pairs": [2, 4]})
+    accuracy = {("gpt", 2): 1.0, ("gpt", 4): 0.995, ("xlstm", 2): 0.9, ("xlstm", 4): 0.5}
+    final = []
+    for (arch, pairs), value in accuracy.items():
+        for seed in spec.seeds:
+            run = planted(arch, 16, 1e-3, seed, 0.5, 0.5, cell=(("num_kv_pairs", pairs),))
+            run["val"], run["test"] = {"val/recall_acc": value}, {"test/recall_acc": value - 0.002 * seed}
+            final.append(run)
+    chosen = select_learning_rates(spec, final[::2])
+    timing = {"models": {f"{a} size16-P{p}": {"tokens_per_sec": 1000.0 if a == "gpt" else 800.0,
+                                               "decode_ms_per_token": 2.0} for a, p in accuracy},
+              "device": "cpu", "precision": "float32", "rounds": 5, "batch_size": 8, "load_average_max": 1.0,
+              "usable_cores": 2, "speed_unreliable": False}
+    summary = summarize(spec, final[::2], final, chosen, timing)
+    assert summary["ladder"] == {} and summary["anchor"]["passed"] is True
+    assert summary["anchor"]["lines"] == [
+        "Sanity anchor: gpt at size16-P2 reaches 0.9990 (>= 0.99: passes).", "gpt: >= 0.99 in every row",
+        "xlstm: below 0.99 at size16-P2 (0.899), size16-P4 (0.499)"]
+    xlstm = next(e for e in summary["results"] if e["arch"] == "xlstm")
+    assert xlstm["throughput_vs_baseline"] == pytest.approx(-0.2)
+    md = markdown(summary)
+    assert "| architecture | size | num_kv_pairs=2 | num_kv_pairs=4 |" in md
+    assert "| xlstm | size16 | 0.899 +- 0.013 | 0.499 +- 0.013 |" in md
+    assert "| 800 | -20.00% | 2.00 |" in md and "Sanity anchor: gpt at size16-P2" in md
+    written = write_report(summary, tmp_path)
+    assert (tmp_path / "grid.png") in written and (tmp_path / "grid.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_timing_pass_times_through_the_loss_path_and_reuses_its_record(tmp_path, monkeypatch):
+    """One record for the same checkpoint files; --retime (``retime``) or a changed file redoes it."""
+    from ltcx.lm import LanguageModel
+    from ltcx.models.catalog import build_tiny
+    from ltcx.study import timing
+
+    calls = []
+    original = LanguageModel.loss
+    monkeypatch.setattr(LanguageModel, "loss", lambda self, batch: calls.append(batch.shape) or original(self, batch))
+    checkpoints = {}
+    for arch in ("gpt", "xlstm"):
+        path = tmp_path / f"{arch}.ckpt"
+        path.write_bytes(b"only its name and mtime are read: the loader is replaced below")
+        checkpoints[f"{arch} size16"] = (path, 16)
+    monkeypatch.setattr("ltcx.persist.load_language_model", lambda path, **kw: (
+        LanguageModel(backbone=build_tiny(Path(path).stem, vocab_size=32)), None))
+    lines = []
+    first = timing.timing_pass(tmp_path, checkpoints, 4, 2, False, lines.append)
+    assert set(first["models"]) == {"gpt size16", "xlstm size16"} and calls and calls[0] == (4, 17)
+    assert all(v["tokens_per_sec"] > 0 and v["decode_ms_per_token"] > 0 for v in first["models"].values())
+    calls.clear()
+    assert timing.timing_pass(tmp_path, checkpoints, 4, 2, False, lines.append) == first and not calls
+    assert lines[-1] == "timing pass: done before for these checkpoints, reused (--retime redoes it)"
+    timing.timing_pass(tmp_path, checkpoints, 4, 2, True, lines.append)
+    assert calls
+
+
 def test_the_report_renders_in_headless_chromium(tmp_path):
     import shutil
 
@@ -303,6 +419,8 @@ def test_a_study_stopped_by_ctrl_c_resumes_where_it_stopped(tmp_path):
     summary = json.loads((tmp_path / "results/tiny/summary.json").read_text())
     assert [(e["arch"], e["seeds"]) for e in summary["results"]] == [("gpt", [0, 1]), ("xlstm", [0, 1])]
     assert summary["results"][1]["vs_baseline"]["paired_seeds"] == 2
+    assert set(summary["timing"]["models"]) == {"gpt size16", "xlstm size16"}  # the timing pass, after training
+    assert summary["results"][1]["throughput_vs_baseline"] is not None
     page = Tables()
     page.feed((tmp_path / "results/tiny/report.html").read_text())
     assert len(page.tables) == 3  # shapes, learning rates, results: one size has no ladder

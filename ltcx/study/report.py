@@ -22,7 +22,7 @@ from ltcx.study.stats import mean_interval, paired_difference
 
 __all__ = ["summarize", "tables", "write_json", "write_report"]
 
-FIGURES = ("curves.png", "final.png", "ladder.png", "state.png")
+FIGURES = ("curves.png", "final.png", "ladder.png", "state.png", "grid.png")
 
 
 def write_json(path: Path, value: Any) -> None:
@@ -42,8 +42,9 @@ def _interval(values: list[float]) -> dict | None:
             "high": found.high}
 
 
-def summarize(spec: StudySpec, tuning: list[dict], final: list[dict], chosen: dict) -> dict:
-    """Every number of the study from its results (``runner.train``'s dicts; ``final`` with their ``test``)."""
+def summarize(spec: StudySpec, tuning: list[dict], final: list[dict], chosen: dict, timing: dict | None = None) -> dict:
+    """Every number of the study from its results (``runner.train``'s dicts; ``final`` with their ``test``) and the
+    timing pass's record (``ltcx/study/timing.py``; its rows are keyed ``"<arch> <size label>"``)."""
     metric = spec.metric
     test_key, val_key = f"test/{metric}", f"val/{metric}"
     sizes = list(dict.fromkeys(r["size_label"] for r in final))
@@ -62,6 +63,10 @@ def summarize(spec: StudySpec, tuning: list[dict], final: list[dict], chosen: di
                  "test_by_seed": {str(r["seed"]): r["test"][test_key] for r in good}}
         for key in ("params", "flops_per_token", "state_bytes", "tokens", "steps", "init_args", "distance"):
             entry[key] = first.get(key)
+        entry["cell"] = first.get("cell", {})
+        speed = (timing or {}).get("models", {}).get(f"{arch} {label}", {})
+        entry["tokens_per_sec"], entry["decode_ms_per_token"] = speed.get("tokens_per_sec"), speed.get(
+            "decode_ms_per_token")
         entry["train_flops"] = (entry["flops_per_token"] or 0) * entry["tokens"] if entry["flops_per_token"] else None
         results.append(entry)
     index = {(e["arch"], e["size_label"]): e for e in results}
@@ -75,6 +80,8 @@ def summarize(spec: StudySpec, tuning: list[dict], final: list[dict], chosen: di
                                      [base["test_by_seed"][s] for s in shared])
             entry["vs_baseline"] = {"mean": diff.interval.mean, "ci95": diff.interval.half_width,
                                     "sd": diff.interval.sd, "p": diff.p_value, "paired_seeds": len(shared)}
+        if entry["tokens_per_sec"] and base["tokens_per_sec"]:
+            entry["throughput_vs_baseline"] = entry["tokens_per_sec"] / base["tokens_per_sec"] - 1
     seen, runs = set(), []
     for phase, items in (("tune", tuning), ("seeds", final)):
         for r in items:
@@ -86,8 +93,35 @@ def summarize(spec: StudySpec, tuning: list[dict], final: list[dict], chosen: di
                "higher_is_better": spec.higher_is_better, "baseline": spec.reference, "sizes": sizes,
                "learning_rates": [{"arch": a, "size_label": s, **pick} for (a, s), pick in chosen.items()],
                "results": results, "runs": runs}
-    summary["ladder"] = ladder(spec, results)
+    summary["ladder"] = {} if spec.grid else ladder(spec, results)  # a grid's cells are tasks, not compute sizes
+    summary["grid"] = {key: list(values) for key, values in spec.grid.items()}
+    summary["anchor"] = anchor(spec, results)
+    summary["timing"] = timing and {k: v for k, v in timing.items() if k != "checkpoints"}
     return summary
+
+
+def anchor(spec: StudySpec, results: list[dict]) -> dict:
+    """The sanity anchor: the baseline must reach ``spec.anchor`` (test/<metric>, mean over seeds) on the first cell
+    at its largest size, or the task, the steps or the pipeline is wrong; and per architecture the rows below it."""
+    if spec.anchor is None:
+        return {}
+    threshold = spec.anchor
+    firsts = [e for e in results if e["arch"] == spec.reference and e["test"]
+              and list(e["cell"].values()) == [values[0] for values in spec.grid.values()]]
+    lines = []
+    passed = None
+    if firsts:
+        entry = max(firsts, key=lambda e: e["size"])
+        passed = entry["test"]["mean"] >= threshold
+        verdict = "passes" if passed else ("FAILS: too few steps, or the task or the pipeline is wrong "
+                                           "(docs/recall.md, Initialisation)")
+        lines.append(f"Sanity anchor: {spec.reference} at {entry['size_label']} reaches {entry['test']['mean']:.4f} "
+                     f"(>= {threshold:g}: {verdict}).")
+    for arch in dict.fromkeys(e["arch"] for e in results):
+        below = [e for e in results if e["arch"] == arch and e["test"] and e["test"]["mean"] < threshold]
+        where = ", ".join(f"{e['size_label']} ({e['test']['mean']:.3f})" for e in below)
+        lines.append(f"{arch}: " + (f"below {threshold:g} at {where}" if below else f">= {threshold:g} in every row"))
+    return {"threshold": threshold, "passed": passed, "lines": lines}
 
 
 def ladder(spec: StudySpec, results: list[dict]) -> dict:
@@ -186,17 +220,32 @@ def tables(summary: dict) -> list[tuple[str, list[str], list[list[str]], str]]:
                 "Chosen on the validation split of the tuning seed only. A rate at the edge of the grid may not be "
                 "the best: extend the grid past it."))
     rows = []
+    timing = summary.get("timing")
     for e in results:
         diff = e.get("vs_baseline")
-        rows.append([e["arch"], e["size_label"], f"{e['lr']:g}", str(len(e["seeds"])) +
-                     (f" ({len(e['diverged_seeds'])} diverged)" if e["diverged_seeds"] else ""),
-                     _pm(e["test"]), _pm(e["val"]), _pm(diff) if diff else "-",
-                     _fmt(diff.get("p") if diff else None, ".3g")])
+        row = [e["arch"], e["size_label"], f"{e['lr']:g}", str(len(e["seeds"])) +
+               (f" ({len(e['diverged_seeds'])} diverged)" if e["diverged_seeds"] else ""),
+               _pm(e["test"]), _pm(e["val"]), _pm(diff) if diff else "-", _fmt(diff.get("p") if diff else None, ".3g")]
+        if timing:
+            change = e.get("throughput_vs_baseline")
+            row += [_fmt(e["tokens_per_sec"], ",.0f"), "-" if change is None else f"{change:+.2%}",
+                    _fmt(e["decode_ms_per_token"], ".2f")]
+        rows.append(row)
+    mark = " (unreliable)" if timing and timing["speed_unreliable"] else ""
+    speed_header = [f"train tokens/s{mark}", f"throughput vs {base}", f"decode ms/token{mark}"] if timing else []
+    note = (f"Paired by seed against {base} at the same size (the same batches in the same order); p: the paired "
+            "t-test's. An interval that holds 0 does not tell the two apart.")
+    if timing:
+        from ltcx.study.timing import timing_note
+
+        note += " " + timing_note(timing)
+    if summary.get("anchor"):
+        note += " " + " ".join(summary["anchor"]["lines"])
     out.append((f"Results (test/{metric}, mean +- 95% CI over seeds)",
                 ["architecture", "size", "lr", "seeds", f"test {metric}", f"val {metric}",
-                 f"vs {base} (paired)", "p"], rows,
-                f"Paired by seed against {base} at the same size (the same batches in the same order); p: the paired "
-                "t-test's. An interval that holds 0 does not tell the two apart."))
+                 f"vs {base} (paired)", "p", *speed_header], rows, note))
+    if summary.get("grid"):
+        out.append(_grid_table(summary))
     if summary["ladder"]:
         rows = []
         for arch, entry in summary["ladder"]["archs"].items():
@@ -214,6 +263,22 @@ def tables(summary: dict) -> list[tuple[str, list[str], list[list[str]], str]]:
                     "largest size, over the architecture's compute (above 1: less compute for the same loss); seed "
                     "by seed, geometric mean and 95% interval."))
     return out
+
+
+def _grid_table(summary: dict) -> tuple[str, list[str], list[list[str]], str]:
+    """One row per (architecture, size, every grid key but the last), one column per value of the last key."""
+    metric, keys = summary["metric"], list(summary["grid"])
+    last = keys[-1]
+    rows: dict[tuple, dict] = {}
+    for e in summary["results"]:
+        row_key = (e["arch"], f"size{e['size']:g}" if e["init_args"] else "config",
+                   *(str(e["cell"].get(k)) for k in keys[:-1]))
+        rows.setdefault(row_key, {})[repr(e["cell"].get(last))] = e
+    body = [[*key, *(_pm(cells[repr(v)]["test"], spec=".3f") if repr(v) in cells else "-"
+                     for v in summary["grid"][last])] for key, cells in rows.items()]
+    return (f"Grid (test/{metric}, mean +- 95% CI; learning rate chosen per cell)",
+            ["architecture", "size", *keys[:-1], *(f"{last}={v}" for v in summary["grid"][last])], body,
+            "A dash: a cell the data cannot hold (MQAR: block_size < 4 x num_kv_pairs).")
 
 
 def markdown(summary: dict) -> str:
@@ -248,8 +313,12 @@ def figures(summary: dict, folder: Path) -> list[Path]:
     written = []
 
     sizes = summary["sizes"]
-    figure, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes), 3.6), squeeze=False)
-    for ax, size in zip(axes[0], sizes):
+    columns = min(4, len(sizes))
+    lines = math.ceil(len(sizes) / columns)
+    figure, axes = plt.subplots(lines, columns, figsize=(4.2 * columns, 3.6 * lines), squeeze=False)
+    for ax in axes.flat[len(sizes):]:
+        ax.set_visible(False)
+    for ax, size in zip(axes.flat, sizes):
         for arch in archs:
             runs = [r for r in summary["runs"] if r["phase"] == "seeds" and r["arch"] == arch
                     and r["size_label"] == size and not r.get("diverged")]
@@ -298,7 +367,48 @@ def figures(summary: dict, folder: Path) -> list[Path]:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
         written.append(_save(figure, folder / name))
+    if summary.get("grid"):
+        written.append(_grid_figure(summary, folder / "grid.png", colours))
     return written
+
+
+def _grid_figure(summary: dict, path: Path, colours: dict) -> Path:
+    """test/<metric> against the grid's last key, one panel per (size, other keys' values), one line per
+    architecture with its 95% interval."""
+    import matplotlib.pyplot as plt
+
+    keys = list(summary["grid"])
+    last = keys[-1]
+    panel_of = {}
+    for e in summary["results"]:
+        panel = (e["size"], *(e["cell"].get(k) for k in keys[:-1]))
+        panel_of.setdefault(panel, []).append(e)
+    panels = sorted(panel_of, key=repr)
+    columns = min(4, len(panels))
+    lines = math.ceil(len(panels) / columns)
+    figure, axes = plt.subplots(lines, columns, figsize=(3.8 * columns, 3.2 * lines), squeeze=False, sharey=True)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in summary["grid"][last])
+    for ax, panel in zip(axes.flat, panels):
+        for arch, colour in colours.items():
+            entries = sorted((e for e in panel_of[panel] if e["arch"] == arch and e["test"]),
+                             key=lambda e: summary["grid"][last].index(e["cell"].get(last)))
+            if entries:
+                xs = [e["cell"].get(last) if numeric else str(e["cell"].get(last)) for e in entries]
+                ax.errorbar(xs, [e["test"]["mean"] for e in entries], yerr=[e["test"]["ci95"] or 0.0 for e in entries],
+                            fmt="o-", capsize=3, color=colour, label=arch, alpha=0.85)
+        if numeric:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(summary["grid"][last], [str(v) for v in summary["grid"][last]])
+            ax.minorticks_off()
+        title = ", ".join([f"size {panel[0]:g}" if panel[0] else "config",
+                           *(f"{k} {v}" for k, v in zip(keys[:-1], panel[1:]))])
+        ax.set(title=title, xlabel=last, ylabel=f"test/{summary['metric']}")
+        ax.title.set_fontsize(9)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    return _save(figure, path)
 
 
 def _save(figure, path: Path) -> Path:

@@ -1,0 +1,138 @@
+"""The study's timing pass: after every run has finished, one trained checkpoint per (architecture, size, cell) is
+timed against the others in this one process, round after round, the models in turn.
+
+Timing each run inside its own training measured the machine's load at that hour, not the model: on a shared
+machine a ratio is only meaningful between models timed in the same minutes. In every round each model takes one
+training step through ``LanguageModel.loss`` (the fused head, AdamW, the study's batch and block) and four cached
+decode steps (batch 1, after block // 2 tokens), the first model of the round rotating; each figure is the median of
+its samples. The 1-minute load average is recorded; above the usable core count the figures are marked unreliable.
+The record (``timing.json``) is reused while the checkpoints it timed are unchanged; ``ltcx study --retime`` redoes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+__all__ = ["interleaved_timings", "timing_note", "timing_pass"]
+
+
+def _training_step(model, idx: torch.Tensor, optimizer: torch.optim.Optimizer, autocast) -> Callable[[], None]:
+    """One step of ``model`` on idx [B, T + 1] through its own loss path (``LanguageModel.loss``)."""
+
+    def step() -> None:
+        with autocast():
+            loss = model.loss(idx)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def interleaved_timings(models: dict, batch_size: int, block_size: int, device: torch.device, rounds: int,
+                        autocast: Callable = contextlib.nullcontext) -> tuple[dict[str, dict], list[float]]:
+    """({name: {"tokens_per_sec", "decode_ms_per_token"}}, the 1-minute load averages seen during the pass) for
+    ``models`` ({name: LanguageModel}); their weights change (copies loaded for timing only)."""
+    from ltcx.throughput import prefilled_state, timed
+
+    generator = torch.Generator().manual_seed(0)
+    train_steps, decode_steps = {}, {}
+    for name, model in models.items():
+        vocab = model.backbone.config.vocab_size
+        idx = torch.randint(0, vocab, (batch_size, block_size + 1), generator=generator).to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        train_steps[name] = _training_step(model, idx, optimizer, autocast)
+        with torch.no_grad(), autocast():
+            token, state = prefilled_state(model.backbone.eval(), 1, block_size // 2, device)
+        decode_steps[name] = lambda b=model.backbone, t=token, s=state: b(t, s)
+
+    def train(name: str) -> float:
+        models[name].train()
+        return timed(train_steps[name], device, repeats=1, warmup=0)
+
+    def decode(name: str) -> float:
+        models[name].eval()
+        with torch.no_grad(), autocast():
+            return timed(decode_steps[name], device, repeats=1, warmup=0)
+
+    names = list(models)
+    for name in names:  # warm-up: allocations, lazy initialisation
+        train(name)
+        decode(name)
+    train_s: dict[str, list[float]] = {name: [] for name in names}
+    decode_s: dict[str, list[float]] = {name: [] for name in names}
+    loads = [os.getloadavg()[0]]
+    for round_index in range(max(1, rounds)):
+        shift = round_index % len(names)
+        order = names[shift:] + names[:shift]
+        for name in order:
+            train_s[name].append(train(name))
+        for _ in range(4):  # a decode step is short: more samples
+            for name in order:
+                decode_s[name].append(decode(name))
+        loads.append(os.getloadavg()[0])
+    speeds = {name: {"tokens_per_sec": batch_size * block_size / statistics.median(train_s[name]),
+                     "decode_ms_per_token": 1e3 * statistics.median(decode_s[name])} for name in names}
+    return speeds, loads
+
+
+def timing_pass(out: Path, checkpoints: dict[str, tuple[Path, int]], batch_size: int, rounds: int, retime: bool,
+                say: Callable[[str], None]) -> dict:
+    """Time ``checkpoints`` ({key: (trained checkpoint, its block size)}) against each other and record it in
+    ``out/timing.json``, or reuse that record when it timed the same files at the same settings (and not ``retime``).
+    Models of different block sizes are timed in separate interleaved groups (a ratio is read within a group). An
+    interrupted pass leaves no record and is redone whole: its ratios must come from one process."""
+    from ltcx.cli.threads import usable_cores
+    from ltcx.lm import LanguageModel
+    from ltcx.persist import load_language_model
+    from ltcx.study.report import write_json
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    bf16 = device.type == "cuda"  # a GPU trains in the recipe's bf16-mixed, so it is timed in bf16 autocast
+    settings = {"device": str(device), "precision": "bf16 autocast" if bf16 else "float32", "rounds": rounds,
+                "batch_size": batch_size,
+                "checkpoints": {key: [str(path), path.stat().st_mtime_ns, block]
+                                for key, (path, block) in sorted(checkpoints.items())}}
+    timing_file = out / "timing.json"
+    if timing_file.is_file() and not retime:
+        stored = json.loads(timing_file.read_text())
+        if {key: stored.get(key) for key in settings} == settings:
+            say("timing pass: done before for these checkpoints, reused (--retime redoes it)")
+            return stored
+    say(f"timing pass: {len(checkpoints)} models interleaved, {rounds} rounds on {device}")
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+    speeds: dict[str, dict] = {}
+    loads: list[float] = []
+    for block in sorted({block for _, block in checkpoints.values()}):
+        group = {key: load_language_model(path, model_class=LanguageModel, map_location=device)[0].to(device)
+                 for key, (path, b) in checkpoints.items() if b == block}
+        found, seen = interleaved_timings(group, batch_size, block, device, rounds, autocast)
+        speeds.update({key: {**value, "block_size": block} for key, value in found.items()})
+        loads += seen
+    cores = usable_cores()
+    timing = {**settings, "models": speeds, "load_averages": loads, "load_average_max": max(loads),
+              "usable_cores": cores, "speed_unreliable": max(loads) > cores}
+    write_json(timing_file, timing)
+    return timing
+
+
+def timing_note(timing: dict) -> str:
+    """How the speed columns were timed and, when the load average passed the core count, that they are
+    unreliable."""
+    note = (f"Speed columns: one timing pass after training, in one process on {timing['device']} "
+            f"({timing['precision']}), {timing['rounds']} interleaved rounds over one checkpoint per row (its lowest "
+            f"seed's); training steps through the loss path at batch {timing['batch_size']}, decode at batch 1 after "
+            f"half a block. Load average (1 min) up to {timing['load_average_max']:.1f} on {timing['usable_cores']} "
+            "usable cores.")
+    if timing["speed_unreliable"]:
+        note += (f" **The speed columns are unreliable**: the load average ({timing['load_average_max']:.1f}) exceeded "
+                 f"the {timing['usable_cores']} usable cores while they were timed; rerun with --retime on a quieter "
+                 "machine.")
+    return note
