@@ -1,6 +1,9 @@
-"""``ltcx evaluate``: mean loss by position, up to and past the training length, for one or several models on one text.
+"""``ltcx evaluate``: mean loss by position, up to and past the training length, for one or several models on one text;
+with ``--task long_context``, recall past the training length (``ltcx/cli/evaluate_long_context.py``).
 
     ltcx evaluate --ckpt_path checkpoints/gpt --ckpt_path checkpoints/xlstm --data.path sample --max_len 4x
+    ltcx evaluate --task long_context --ckpt_path checkpoints/gpt --ckpt_path checkpoints/xlstm
+    ltcx evaluate --task long_context --train cpu --out results/long-context
 
 The computation is ``ltcx/eval/position_loss.py``; this module parses the arguments, loads the models
 (``load_model_and_tokenizer``: digests checked, registry classes only), reads the text through ``TextDataModule``
@@ -21,6 +24,7 @@ from ltcx.errors import ConfigError, LtcxError
 __all__ = ["evaluate_main"]
 
 RESULTS_JSON, RESULTS_PNG = "position_loss.json", "position_loss.png"
+TASKS = ("position_loss", "long_context")
 
 
 def evaluate_main(argv: list[str]) -> None:
@@ -29,12 +33,18 @@ def evaluate_main(argv: list[str]) -> None:
     state in pieces, so memory stays that of one piece. Writes position_loss.json and position_loss.png to --out."""
     parser = argparse.ArgumentParser(prog="ltcx evaluate", description=evaluate_main.__doc__)
     parser.add_argument(
-        "--ckpt_path", action="append", required=True,
+        "--task", choices=TASKS, default="position_loss",
+        help="position_loss: loss by position on a text (--data.path); long_context: each model's needle or MQAR "
+        "accuracy at 1, 2, 4, 8 x its training length (the task its checkpoint trained on), long_context.json, "
+        "long_context.png and needle_heatmaps.png (docs/long_context.md)",
+    )
+    parser.add_argument(
+        "--ckpt_path", action="append", default=[],
         help="checkpoint written by `ltcx fit`, a checkpoint folder (its latest run's last.ckpt) or a folder written "
         "by `ltcx export`; repeat to compare several models (one line each in the plot)",
     )
     parser.add_argument(
-        "--data.path", dest="data_path", required=True,
+        "--data.path", dest="data_path", default=None,
         help="the text, as --data.path of `ltcx fit`: a local .txt/.jsonl/.parquet file or folder, `sample`, a "
         "Hugging Face hub data set id, or a folder prepared by `ltcx prepare`; its validation blocks are scored",
     )
@@ -53,8 +63,11 @@ def evaluate_main(argv: list[str]) -> None:
         help="positions to score: tokens (2048) or a multiple of each model's training length (4x); a model with a "
         "context limit (learned position embeddings) stops at its limit and says so",
     )
-    parser.add_argument("--num_sequences", type=int, default=8, help="sequences of max_len tokens to average over")
-    parser.add_argument("--batch_size", type=int, default=4, help="sequences per forward")
+    parser.add_argument("--num_sequences", type=int, default=None,
+                        help="sequences to average over (of max_len tokens; long_context: per cell) (default: 8; "
+                        "long_context: 32)")
+    parser.add_argument("--batch_size", type=int, default=None, help="sequences per forward (default: 4; "
+                        "long_context: 8)")
     parser.add_argument(
         "--piece_len", type=int, default=None,
         help="tokens per forward, the state carried between pieces (default: each model's training length); the "
@@ -64,14 +77,38 @@ def evaluate_main(argv: list[str]) -> None:
                         help="positions per point of the plot and the JSON buckets (default: the longest length / 32)")
     parser.add_argument("--tokenizer", default=None,
                         help="override every model's stored tokenizer (gpt2, bytes, a Hugging Face id or folder)")
+    parser.add_argument("--factors", default="1,2,4,8",
+                        help="long_context: the lengths to score, as multiples of each model's training length")
+    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1",
+                        help="long_context: the needle's depths (0: first in the haystack, 1: right before the "
+                        "question)")
+    parser.add_argument("--seed", type=int, default=1234, help="long_context: the seed of the test sequences")
+    parser.add_argument(
+        "--train", choices=("cpu",), default=None,
+        help="long_context: first train the CPU default (every catalogue architecture's tiny shape and the GPT with "
+        "rotary positions, on the needle and on MQAR at length 32, about 30 CPU-minutes) into --out/runs/, then "
+        "score those with any --ckpt_path given",
+    )
     parser.add_argument("--device", default=None)  # None: cuda if torch sees one, else cpu
-    parser.add_argument("--out", default="evaluation", help=f"folder for {RESULTS_JSON} and {RESULTS_PNG}")
+    parser.add_argument("--out", default="evaluation",
+                        help=f"folder for {RESULTS_JSON} and {RESULTS_PNG} (long_context: its own files)")
     args = parser.parse_args(argv)
-    factor, tokens = _max_len(args.max_len)
     for name in ("num_sequences", "batch_size", "piece_len", "bucket_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name} ({value}) must be >= 1")
+    if args.task == "long_context":
+        from ltcx.cli.evaluate_long_context import long_context_main
+
+        return long_context_main(args)
+    if args.train is not None:
+        raise ConfigError("--train trains the long-context default: it needs --task long_context")
+    missing = [flag for flag, value in (("--ckpt_path", args.ckpt_path), ("--data.path", args.data_path)) if not value]
+    if missing:
+        raise ConfigError(f"--task position_loss needs {' and '.join(missing)}: name the model(s) and the text to "
+                          "score")
+    args.num_sequences, args.batch_size = args.num_sequences or 8, args.batch_size or 4
+    factor, tokens = _max_len(args.max_len)
     val_split = None if args.val_split.lower() in ("none", "null", "") else args.val_split
 
     # Imported after the arguments are parsed: `ltcx evaluate --help` and a mistyped flag answer at once.

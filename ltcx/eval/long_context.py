@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +27,8 @@ from ltcx.data.niah import check_niah, needle_position, needle_task, niah_batch
 from ltcx.errors import ConfigError
 from ltcx.eval.scoring import target_log_probs
 
-__all__ = ["DEPTHS", "FACTORS", "ScoreGrid", "evaluate_mqar", "evaluate_niah", "lengths_within_context"]
+__all__ = ["DEPTHS", "FACTORS", "TASKS", "ScoreGrid", "check_task", "evaluate_mqar", "evaluate_niah", "evaluate_task",
+           "lengths_within_context", "plot_accuracy_by_length", "plot_needle_heatmaps", "trained_task"]
 
 FACTORS = (1, 2, 4, 8)  # lengths L, 2L, 4L, 8L
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -150,3 +152,159 @@ def evaluate_mqar(
                          False, piece_len or train_length, vocab_size)
             for b, size in enumerate(sizes)))
     return _say(grid, report)
+
+
+# -- a checkpoint's task, its results as JSON, the figures (``ltcx evaluate --task long_context``) ----------------
+
+TASKS = ("needle", "mqar")
+
+
+def trained_task(data: dict | None, source: str) -> tuple[str, dict]:
+    """The long-context task a checkpoint learned, from its data module's settings (Lightning's
+    ``datamodule_hyper_parameters``): ``("needle", settings)`` for ``NeedleDataModule``, ``("mqar", settings)`` for
+    ``RecallDataModule``; one line for any other data (a model is scored on the task it was trained on)."""
+    if isinstance(data, dict) and {"num_digits", "haystack", "block_size"} <= data.keys():
+        keys = ("tokenizer", "num_digits", "haystack", "needle", "question")
+        return "needle", {k: data[k] for k in keys if k in data} | {"block_size": int(data["block_size"])}
+    if isinstance(data, dict) and {"num_kv_pairs", "vocab_size", "block_size"} <= data.keys():
+        keys = ("vocab_size", "num_kv_pairs", "power_a", "random_fillers")
+        return "mqar", {k: data[k] for k in keys if k in data} | {"block_size": int(data["block_size"])}
+    raise ConfigError(f"{source} was not trained on the needle or on MQAR (configs/data/niah.yaml, "
+                      "configs/data/mqar.yaml): --task long_context scores a model on the one it learned")
+
+
+def check_task(task: str, data: dict, factors: Sequence[int], depths: Sequence[float]) -> None:
+    """One line, before any model runs, for a length or depth the task can not be laid out at."""
+    length = data["block_size"]
+    if task == "needle":
+        needle = needle_task(data.get("tokenizer", "bytes"), data.get("haystack", "sample"), TEST,
+                             **{k: data[k] for k in ("needle", "question") if k in data})
+        for factor in factors:
+            check_niah(needle, factor * length, data.get("num_digits", 5))
+        for depth in depths:
+            needle_position(needle, length, data.get("num_digits", 5), depth)
+        return
+    for factor in factors:
+        for pairs in (data["num_kv_pairs"], factor * data["num_kv_pairs"]):
+            try:
+                mqar_batch(np.random.default_rng(0), 1, factor * length, pairs, data["vocab_size"],
+                           data.get("power_a", 0.01))
+            except ConfigError as exc:
+                raise ConfigError(f"MQAR at length {factor * length} with {pairs} pairs: {exc}") from None
+
+
+def _table(grid: ScoreGrid, cells: Sequence[tuple]) -> dict[str, list]:
+    kept = [cell for cell in cells if cell in grid.accuracy]
+    return {"accuracy": [grid.accuracy[c] for c in kept], "log_prob": [grid.log_prob[c] for c in kept],
+            "count": [grid.count[c] for c in kept]}
+
+
+def evaluate_task(
+    backbone: nn.Module, task: str, data: dict, *, factors: Sequence[int] = FACTORS,
+    depths: Sequence[float] = DEPTHS, num_sequences: int = 32, batch_size: int = 8, piece_len: int | None = None,
+    seed: int = 1234, report: Callable[[str], None] | None = None,
+) -> dict:
+    """Score ``backbone`` on its ``task`` (``trained_task``) at ``factor x`` its training length: the needle over
+    lengths x depths, MQAR with the pairs kept and scaled. A JSON-ready dict: ``lengths`` scored, ``accuracy`` by
+    length (the needle's averaged over depths), the cells, and ``note`` (the context-limit line or None)."""
+    length = data["block_size"]
+    common = dict(factors=factors, num_sequences=num_sequences, batch_size=batch_size, piece_len=piece_len, seed=seed,
+                  report=report)
+    if task == "needle":
+        text = {k: data[k] for k in ("needle", "question") if k in data}
+        grid = evaluate_niah(backbone, length, depths=depths, tokenizer=data.get("tokenizer", "bytes"),
+                             haystack=data.get("haystack", "sample"), num_digits=data.get("num_digits", 5),
+                             **common, **text)
+        lengths = sorted({n for n, _ in grid.accuracy})
+        heatmap = [[grid.accuracy[(n, d)] for n in lengths] for d in depths]  # [depth][length]
+        return {"task": task, "train_length": length, "factors": list(factors), "lengths": lengths, "note": grid.note,
+                "accuracy": [float(np.mean([grid.accuracy[(n, d)] for d in depths])) for n in lengths],
+                "depths": list(depths), "heatmap": heatmap,
+                "log_prob": [[grid.log_prob[(n, d)] for n in lengths] for d in depths],
+                "count": grid.count[(lengths[0], depths[0])] if lengths else 0}
+    result: dict[str, Any] = {"task": task, "train_length": length, "factors": list(factors)}
+    for name, scale in (("kept", False), ("scaled", True)):
+        grid = evaluate_mqar(backbone, length, data["num_kv_pairs"], data["vocab_size"], scale_pairs=scale,
+                             power_a=data.get("power_a", 0.01), random_fillers=data.get("random_fillers", True),
+                             **{**common, "report": report if name == "kept" else (lambda _: None)})
+        cells = sorted(grid.accuracy)
+        result[name] = {"lengths": [n for n, _ in cells], "pairs": [p for _, p in cells], **_table(grid, cells)}
+        result["note"] = grid.note
+    result["lengths"], result["accuracy"] = result["kept"]["lengths"], result["kept"]["accuracy"]
+    return result
+
+
+def plot_accuracy_by_length(results: Sequence[dict], path: str) -> None:
+    """A PNG of exact-match accuracy against length (log2 axis): the needle (mean over depths) and MQAR (solid:
+    pairs kept; dashed: pairs scaled with the length), one line per result (``label``); dotted: the training
+    length; a line that ends early ends at its model's context limit."""
+    plt = _pyplot()
+    figure, panels = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    titles = {"needle": "needle in a haystack (mean over depths)", "mqar": "MQAR (solid: pairs kept; dashed: scaled)"}
+    for axes, task in zip(panels, TASKS):
+        shown = [r for r in results if r["task"] == task]
+        for result in shown:
+            (line,) = axes.plot(result["lengths"], result["accuracy"], marker="o", label=result["label"])
+            if task == "mqar":
+                axes.plot(result["scaled"]["lengths"], result["scaled"]["accuracy"], marker="x", linestyle="--",
+                          color=line.get_color())
+        for length in sorted({r["train_length"] for r in shown}):
+            axes.axvline(length, color="grey", linestyle=":", linewidth=1)
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("sequence length (tokens; dotted: training length)")
+        axes.set_title(titles[task] if shown else f"{titles[task]}: no model")
+        axes.set_ylim(-0.03, 1.03)
+        axes.grid(alpha=0.3)
+        if shown:
+            axes.legend(fontsize="small")
+    panels[0].set_ylabel("exact-match accuracy")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110, format="png")
+    plt.close(figure)
+
+
+def plot_needle_heatmaps(results: Sequence[dict], path: str) -> None:
+    """A PNG of one heatmap per needle result: accuracy per (depth, length); a length past the model's context limit
+    is left grey and marked."""
+    plt = _pyplot()
+    shown = [r for r in results if r["task"] == "needle"]
+    columns = min(3, max(1, len(shown)))
+    rows = max(1, -(-len(shown) // columns))
+    figure, panels = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.2 * rows), squeeze=False)
+    lengths = sorted({n for r in shown for n in r["lengths"]} | {r["train_length"] * f for r in shown
+                                                                  for f in r.get("factors", ())})
+    image = None
+    for axes, result in zip(panels.flat, shown):
+        grid = np.full((len(result["depths"]), len(lengths)), np.nan)
+        for j, n in enumerate(lengths):
+            if n in result["lengths"]:
+                grid[:, j] = [row[result["lengths"].index(n)] for row in result["heatmap"]]
+        axes.set_facecolor("0.85")
+        image = axes.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="upper")
+        for i in range(grid.shape[0]):
+            for j in range(grid.shape[1]):
+                text = "limit" if np.isnan(grid[i, j]) else f"{grid[i, j]:.2f}"
+                axes.text(j, i, text, ha="center", va="center", fontsize=7,
+                          color="black" if np.isnan(grid[i, j]) or grid[i, j] > 0.5 else "white")
+        axes.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+        axes.set_yticks(range(len(result["depths"])), [f"{d:.0%}" for d in result["depths"]])
+        axes.set_xlabel(f"length (trained at {result['train_length']})")
+        axes.set_ylabel("needle depth")
+        axes.set_title(result["label"], fontsize="medium")
+    for axes in list(panels.flat)[len(shown):]:
+        axes.axis("off")
+        if not shown:
+            axes.text(0.5, 0.5, "no needle model", ha="center", va="center")
+    if image is not None:
+        figure.colorbar(image, ax=panels.ravel().tolist(), shrink=0.8, label="exact-match accuracy")
+    figure.savefig(path, dpi=110, format="png", bbox_inches="tight")
+    plt.close(figure)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
+    return plt
