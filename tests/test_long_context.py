@@ -4,6 +4,7 @@ errors (in Python and through the CLI with ``configs/data/niah.yaml``); the eval
 per-sequence loop (float64, needle and MQAR); the context-limit line; a tiny GPT learning the needle at its training
 length (a deterministic learning test)."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -255,3 +256,138 @@ def test_a_model_with_a_context_limit_stops_there_in_one_line(capsys):
 def test_a_model_without_a_context_limit_is_evaluated_at_every_length():
     backbone = CATALOG["xlstm"].build_tiny(64).eval()
     assert lengths_within_context(backbone, [16, 128]) == ([16, 128], None)
+
+
+# -- the command: ltcx evaluate --task long_context ------------------------------------------------------------
+
+NEEDLE_DATA = {"_class_path": "ltcx.data.niah.NeedleDataModule", "tokenizer": "bytes", "block_size": 32,
+               "num_digits": 2, "haystack": "sample", **SHORT}
+MQAR_DATA = {"_class_path": "ltcx.data.RecallDataModule", "vocab_size": 64, "block_size": 16, "num_kv_pairs": 2,
+             "power_a": 0.01, "random_fillers": True}
+
+
+def task_checkpoint(path, backbone, data):
+    """A checkpoint of ``backbone`` (untrained) recording that its data module had the settings ``data``."""
+    from helpers import write_model_checkpoint
+
+    write_model_checkpoint(path, backbone, train_block_size=data["block_size"])
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["datamodule_hyper_parameters"] = dict(data)
+    torch.save(checkpoint, path)
+    return path
+
+
+def test_the_command_scores_each_checkpoint_on_its_task_and_writes_json_and_pngs(tmp_path, capsys):
+    """A rope GPT on the needle (no context limit: every length) and a learned-position GPT on MQAR (context 64:
+    stops there in one line) in one call; the JSON's cells are the evaluators' on the same sequences."""
+    from ltcx.cli import main
+
+    torch.manual_seed(0)
+    rope, learned = CATALOG["gpt"].build_tiny(320, "rope"), CATALOG["gpt"].build_tiny(320)
+    needle = task_checkpoint(tmp_path / "needle.ckpt", rope, NEEDLE_DATA)
+    mqar = task_checkpoint(tmp_path / "mqar.ckpt", learned, MQAR_DATA)
+    out = tmp_path / "eval"
+    main(["evaluate", "--task", "long_context", "--ckpt_path", str(needle), "--ckpt_path", str(mqar),
+          "--factors", "1,2,8", "--depths", "0,0.5,1", "--num_sequences", "3", "--batch_size", "2", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert ("ltcx: GPT stops at its context limit of 64 tokens (max_seq_len, learned positions): lengths 128 not "
+            "evaluated") in captured.err.splitlines()
+    assert sorted(p.name for p in out.iterdir()) == ["long_context.json", "long_context.png", "needle_heatmaps.png"]
+    for png in ("long_context.png", "needle_heatmaps.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    document = json.loads((out / "long_context.json").read_text())
+    assert document["settings"]["factors"] == [1, 2, 8] and document["settings"]["depths"] == [0.0, 0.5, 1.0]
+    first, second = document["results"]
+    assert {"label", "ckpt_path", "backbone", "architecture", "position", "context_limit", "task", "train_length",
+            "lengths", "accuracy", "note", "data"} <= set(first) & set(second)
+    assert (first["task"], first["position"], first["context_limit"], first["lengths"]) == ("needle", "rope", None,
+                                                                                           [32, 64, 256])
+    assert np.array(first["heatmap"]).shape == (3, 3) and first["note"] is None and first["count"] == 3
+    assert (second["task"], second["context_limit"], second["lengths"]) == ("mqar", 64, [16, 32])
+    assert second["kept"]["pairs"] == [2, 2] and second["scaled"]["pairs"] == [2, 4] and "128" in second["note"]
+
+    model_rope = rope.eval()
+    grid = evaluate_niah(model_rope, 32, factors=(1, 2, 8), depths=(0.0, 0.5, 1.0), num_sequences=3, batch_size=2,
+                         num_digits=2, **SHORT)
+    assert first["heatmap"] == [[grid.accuracy[(n, d)] for n in (32, 64, 256)] for d in (0.0, 0.5, 1.0)]
+    assert first["log_prob"][1][2] == pytest.approx(grid.log_prob[(256, 0.5)], rel=1e-6)
+    scaled = evaluate_mqar(learned.eval(), 16, 2, 64, factors=(1, 2, 8), scale_pairs=True, num_sequences=3,
+                           batch_size=2, report=lambda _: None)
+    assert second["scaled"]["accuracy"] == [scaled.accuracy[(16, 2)], scaled.accuracy[(32, 4)]]
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--factors", "0,2"], "--factors '0,2' must be a comma-separated list of distinct whole multiples >= 1 "
+                           "(1,2,4,8)"),
+    (["--depths", "0,1.5"], "--depths '0,1.5' must be a comma-separated list of distinct depths in [0, 1] (0,0.5,1)"),
+    (["--data.path", "sample"], "--data.path is position_loss's: --task long_context reads each model's own task "
+                                "and lengths (--factors)"),
+    (["--num_sequences", "0"], "--num_sequences (0) must be >= 1"),
+])
+def test_bad_long_context_arguments_are_one_line_and_write_nothing(tmp_path, capsys, extra, message):
+    monkeypatch_out = tmp_path / "eval"
+    line = one_error_line(["evaluate", "--task", "long_context", "--ckpt_path", str(tmp_path / "none.ckpt"),
+                           "--out", str(monkeypatch_out), *extra], capsys)
+    assert line == f"ltcx: error: {message}" and not monkeypatch_out.exists()
+
+
+def test_checkpoints_that_cannot_be_scored_are_one_line_before_anything_is_scored(tmp_path, capsys):
+    from helpers import write_model_checkpoint
+    from ltcx.lm import LanguageModel
+    from ltcx.persist import export_model
+
+    out = tmp_path / "eval"
+    text = write_model_checkpoint(tmp_path / "text.ckpt", CATALOG["xlstm"].build_tiny(320), train_block_size=32)
+    needle = task_checkpoint(tmp_path / "needle.ckpt", CATALOG["gpt"].build_tiny(320, "rope"), NEEDLE_DATA)
+    mqar = task_checkpoint(tmp_path / "mqar.ckpt", CATALOG["gpt"].build_tiny(320, "rope"),
+                           {**MQAR_DATA, "vocab_size": 8})
+    export_model(needle, tmp_path / "export", model_class=LanguageModel)
+    cases = [
+        ([], "--task long_context needs --ckpt_path (a model trained on configs/data/niah.yaml or "
+             "configs/data/mqar.yaml) or --train cpu (train the CPU default first)"),
+        (["--ckpt_path", str(needle), "--ckpt_path", str(text)],
+         f"checkpoint '{text}' was not trained on the needle or on MQAR (configs/data/niah.yaml, "
+         "configs/data/mqar.yaml): --task long_context scores a model on the one it learned"),
+        (["--ckpt_path", str(tmp_path / "export")],
+         f"'{tmp_path / 'export'}' is an export, which keeps no data settings: pass the checkpoint it was exported "
+         "from (--task long_context scores a model on the task it trained on)"),
+        (["--ckpt_path", str(mqar)], "MQAR at length 32 with 4 pairs: data.vocab_size=8 is too small for "
+                                     "data.num_kv_pairs=4"),
+    ]
+    for args, message in cases:
+        line = one_error_line(["evaluate", "--task", "long_context", *args, "--out", str(out)], capsys)
+        assert line.startswith(f"ltcx: error: {message}"), line
+        assert not out.exists()
+
+
+def test_position_loss_without_its_text_or_models_is_one_line(tmp_path, capsys):
+    line = one_error_line(["evaluate", "--ckpt_path", str(tmp_path / "a.ckpt")], capsys)
+    assert line == "ltcx: error: --task position_loss needs --data.path: name the model(s) and the text to score"
+    line = one_error_line(["evaluate", "--train", "cpu", "--data.path", "sample"], capsys)
+    assert line == "ltcx: error: --train trains the long-context default: it needs --task long_context"
+
+
+def test_the_cpu_default_trains_each_run_once_then_scores_it(tmp_path, monkeypatch, capsys):
+    """``--train cpu`` with its plan cut to the rope GPT on the needle and 4 steps: a fit through the CLI, its
+    checkpoint scored past the training length; a second call keeps the trained run."""
+    from ltcx.cli import main
+    from ltcx.study import long_context as default
+
+    assert {run.arch for run in default.plan()} == set(CATALOG) and len(default.plan()) == 2 * (len(CATALOG) + 1)
+    run = next(r for r in default.plan() if r.label == "gpt-rope" and r.task == "needle")
+    args = run.fit_args(tmp_path)
+    assert args[args.index("--model.backbone.init_args.position") + 1] == "rope"
+    assert args[args.index("--model.backbone.init_args.block_size") + 1] == str(default.LENGTH)
+    monkeypatch.setattr(default, "plan", lambda: [run])
+    monkeypatch.setattr(default, "STEPS", 4)
+    out = tmp_path / "results"
+    command = ["evaluate", "--task", "long_context", "--train", "cpu", "--factors", "1,4", "--depths", "0.5",
+               "--num_sequences", "2", "--out", str(out)]
+    main(command)
+    assert "gpt-rope-needle: training 4 steps at length 32 (new)" in capsys.readouterr().out
+    document = json.loads((out / "long_context.json").read_text())
+    (result,) = document["results"]
+    assert (result["label"], result["task"], result["lengths"], result["global_step"]) == ("gpt-rope", "needle",
+                                                                                          [32, 128], 4)
+    main(command)
+    assert "gpt-rope-needle: trained before, kept" in capsys.readouterr().out
