@@ -255,13 +255,3 @@ def damaged(tmp_path: Path, checkpoint: Path, how: str) -> Path:
     elif how == "random":
         path.write_bytes(os.urandom(4096))
     return path
-
-
-def load_script(name: str):
-    """``scripts/<name>.py`` as a module (the scripts are not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

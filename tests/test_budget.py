@@ -10,7 +10,6 @@ import pytest
 import torch
 import yaml
 
-from helpers import load_script
 from ltcx.errors import ConfigError
 from ltcx.models.catalog import CATALOG, config_path
 from ltcx.models.config import init_fields
@@ -160,11 +159,17 @@ def test_the_table_shows_every_figure_side_by_side():
     assert len(lines) == 4
 
 
-def test_the_recall_study_shapes_are_the_catalogues_rule_with_heads_of_32():
-    """scripts/recall_study.py at its quick grid's width 64: the shapes it had written by hand (heads of 32, one KV
-    head, LTC's modes the head dim, GTA's one group, the xLSTM's 1:1, Titans' MLP 2x and memory heads of 32), N(0,
-    1/width) but for the xLSTM, and its 2 layers."""
-    study = load_script("recall_study")
+def test_the_quick_recall_shapes_are_the_catalogues_rule_with_heads_of_32():
+    """The quick-recall preset at width 64: the shapes recall studies had written by hand (heads of 32, one KV head,
+    LTC's modes the head dim, GTA's one group, the xLSTM's 1:1, Titans' MLP 2x and memory heads of 32), N(0, 1/width)
+    (``scaled_init``) but for the xLSTM, whose own init scales with the width, and its 2 layers."""
+    import dataclasses
+
+    from ltcx.study.runner import plan_shapes
+    from ltcx.study.spec import find_spec, load_spec
+
+    spec = load_spec(find_spec("quick-recall"))
+    shapes = {shape.arch: shape.init_args for shape in plan_shapes(spec) if shape.size == 64}
     init = dict(init_std=0.125)
     gpt = dict(n_layer=2, n_embd=64, n_head=2, n_kv_head=1, block_size=32, **init)
     expected = {
@@ -175,6 +180,7 @@ def test_the_recall_study_shapes_are_the_catalogues_rule_with_heads_of_32():
                            mem_hidden=64, **init),
     }
     for name, shape in expected.items():
-        got = study.backbone_shape(name, 64, 32)
-        assert {key: got[key] for key in shape} == shape, name
-    assert "init_std" not in study.backbone_shape("gpt", 64, 32, paper_init=True)
+        assert {key: shapes[name][key] for key in shape} == shape, name
+    assert "init_std" not in shapes["xlstm"]
+    unscaled = plan_shapes(dataclasses.replace(spec, scaled_init=False))
+    assert all("init_std" not in shape.init_args for shape in unscaled)

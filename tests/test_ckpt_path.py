@@ -18,7 +18,7 @@ from ltcx.persist import read_checkpoint
 
 @pytest.mark.parametrize("max_steps", ["2", "3"])
 def test_resuming_at_or_past_max_steps_says_so_and_writes_nothing(tmp_path, fit_env, capsys, max_steps):
-    """A finished run asked to resume (scripts/compare.py does so) exits 0 with a notice, leaving no new folder."""
+    """A finished run asked to resume (a resumed study's run does so) exits 0 with a notice, leaving no new folder."""
     main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "3"))
     capsys.readouterr()
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))

@@ -41,7 +41,7 @@ COMMANDS = readme_commands()
 def test_the_readme_has_its_commands():
     verbs = {tuple(c[:3]) if c[0] == "python" else tuple(c[:2]) for c in COMMANDS}
     for expected in [("python", "run.py", "fit"), ("ltcx", "generate"), ("ltcx", "export"), ("ltcx", "prepare"),
-                     ("ltcx", "evaluate"), ("ltcx", "lm-eval"), ("python", "scripts/compare.py", "--name"),
+                     ("ltcx", "evaluate"), ("ltcx", "lm-eval"), ("ltcx", "study"),
                      ("python", "-m", "pytest")]:
         assert expected in verbs, expected
 

@@ -72,11 +72,12 @@ def test_a_bad_spec_through_the_cli_is_one_line_before_anything_is_written(tmp_p
     assert not (tmp_path / "results").exists()
     line = one_error_line(["study", "--spec", "no-such-preset"], capsys)
     assert line.startswith("ltcx: error: --spec no-such-preset: no such file or preset: pass a study YAML or one of "
-                           "fineweb-edu-ladder, quick-recall, reference, tinystories-ladder")
+                           "fineweb-edu-ladder, quick-recall, reference, sample-check, tinystories-ladder, zoology")
 
 
 def test_every_preset_loads_and_is_found_by_name(tmp_path, monkeypatch):
-    assert preset_names() == ["fineweb-edu-ladder", "quick-recall", "reference", "tinystories-ladder"]
+    assert preset_names() == ["fineweb-edu-ladder", "quick-recall", "reference", "sample-check", "tinystories-ladder",
+                              "zoology"]
     monkeypatch.chdir(tmp_path)  # by name from any directory, as --config gpt
     for name in preset_names():
         spec = load_spec(find_spec(name))
@@ -85,6 +86,10 @@ def test_every_preset_loads_and_is_found_by_name(tmp_path, monkeypatch):
     from ltcx.models.catalog import CATALOG
 
     assert sorted(quick.archs) == sorted(CATALOG) and len(quick.seeds) == 3 and len(quick.learning_rates) >= 3
+    from ltcx.study.runner import plan_shapes
+
+    zoology = load_spec(find_spec("zoology"))  # Zoology's 2,176 runs: 17 of its 20 cells hold their pairs
+    assert len(plan_shapes(zoology)) * len(zoology.learning_rates) == 2176
     reference = load_spec(find_spec("reference"))
     assert reference.archs == ["gpt", "ltc"] and reference.steps == 23404 and reference.batch_size == 24
     from ltcx.study.runner import fit_args, make_run, plan_shapes
@@ -312,6 +317,41 @@ def test_a_grid_report_has_its_table_its_figure_the_anchor_and_the_timing_column
     assert "| 800 | -20.00% | 2.00 |" in md and "Sanity anchor: gpt at size16-P2" in md
     written = write_report(summary, tmp_path)
     assert (tmp_path / "grid.png") in written and (tmp_path / "grid.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_timing_pass_interleaves_the_models_round_by_round(monkeypatch):
+    """Each round: one training step of every model, then four decode rounds, the first model rotating; the load
+    average before the first round and after each."""
+    import torch
+
+    from ltcx.lm import LanguageModel
+    from ltcx.models.catalog import build_tiny
+    from ltcx.study import timing
+
+    loads = iter([0.5, 1.5, 0.7])
+    monkeypatch.setattr(timing.os, "getloadavg", lambda: (next(loads), 0.0, 0.0))
+    calls = []
+
+    class Recorded(torch.nn.Module):
+        def __init__(self, name):
+            super().__init__()
+            self.name, self.inner = name, build_tiny(name, 64)
+            self.config = self.inner.config
+
+        def forward(self, idx, state=None):
+            calls.append((self.name, "train" if torch.is_grad_enabled() else "decode", idx.shape[1]))
+            return self.inner(idx, state)
+
+    torch.manual_seed(0)
+    models = {name: LanguageModel(backbone=Recorded(name)) for name in ("gpt", "ltc")}
+    speeds, seen = timing.interleaved_timings(models, batch_size=2, block_size=16, device=torch.device("cpu"), rounds=2)
+    assert seen == [0.5, 1.5, 0.7]
+    assert calls[:2] == [("gpt", "decode", 8), ("ltc", "decode", 8)]  # the states decode starts from
+    assert [name for name, kind, _ in calls if kind == "train"] == ["gpt", "ltc", "gpt", "ltc", "ltc", "gpt"]
+    assert all(tokens == 1 for _, kind, tokens in calls[2:] if kind == "decode")
+    decode = [name for name, kind, _ in calls[2:] if kind == "decode"]
+    assert decode == ["gpt", "ltc"] + ["gpt", "ltc"] * 4 + ["ltc", "gpt"] * 4
+    assert all(v["tokens_per_sec"] > 0 and v["decode_ms_per_token"] > 0 for v in speeds.values())
 
 
 def test_the_timing_pass_times_through_the_loss_path_and_reuses_its_record(tmp_path, monkeypatch):
