@@ -132,3 +132,14 @@ def test_rope_angles_are_those_of_the_documented_formula():
         angle = 3 * 10000.0 ** (-2 * i / 8)
         assert float(rot[i, i]) == pytest.approx(math.cos(angle)) and float(rot[i + 4, i]) == pytest.approx(
             math.sin(angle))
+
+
+def test_a_bad_position_through_the_cli_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    from helpers import ROOT, one_error_line
+
+    monkeypatch.chdir(tmp_path)
+    line = one_error_line(["fit", "--config", str(ROOT / "configs/ltc.yaml"), "--model.backbone.init_args.position",
+                           "rope", "--trainer.max_steps", "1"], capsys)
+    assert line == ("ltcx: error: position ('rope') rotates the GPT's own attention; LTCGPT's attention takes "
+                    "position 'learned' only")
+    assert list(tmp_path.iterdir()) == []
