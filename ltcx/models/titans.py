@@ -530,8 +530,7 @@ class Titans(ConfiguredModule):
         * Memory (spec section A.3, per head of width dk, hidden dm, per piece of n tokens at the chunk
           boundaries): key-side forward and analytic backward 6 n dk dm, the four base/momentum products on
           the query side 8 n dk dm, the end-of-piece state 8 n dk dm, the intra-piece products
-          4 n^2 (dk + dm), the decay matrices 2 n^3 + 2 n^2 and the carry of (W, S) through the piece, a 2 x 2
-          product with each of the two stacked weight pairs (16 dk dm); plus its projections 2 C (3 W) and gates
+          4 n^2 (dk + dm) and the decay matrices 2 n^3 + 2 n^2; plus its projections 2 C (3 W) and gates
           2 C (3 H_m) (W = H_m dk).
         * MAC also reads the memory at the segment-start weights (2 C W for its queries, 4 dk dm per head)
           and projects k/v a second time from the read.
@@ -544,8 +543,7 @@ class Titans(ConfiguredModule):
         mlp = 2 * 2 * C * c.mlp_hidden
 
         def memory(pieces: list[int]) -> float:  # per token, projections and gates included
-            work = sum(22 * n * dk * dm + 16 * dk * dm + 4 * n * n * (dk + dm) + 2 * n ** 3 + 2 * n * n
-                       for n in pieces)
+            work = sum(22 * n * dk * dm + 4 * n * n * (dk + dm) + 2 * n ** 3 + 2 * n * n for n in pieces)
             return 2 * C * 3 * W + 2 * C * 3 * heads + heads * work / T
 
         def attention(visible_tokens: float) -> float:  # per token: visible keys of one query, all heads

@@ -117,36 +117,29 @@ def _step_sizes(step: Tensor, k: Tensor, h: Tensor, delta1: Tensor, delta2: Tens
     return step / step_curvature(k, h, delta1, delta2) if normalize else step
 
 
-def _baddbmm(c: Tensor, a: Tensor, b: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
-    """beta c + alpha (a @ b) in one kernel for any leading dims [...] (torch.baddbmm takes one)."""
+def _baddbmm(c: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
+    """c + alpha (a @ b) in one kernel for any leading dims [...] (torch.baddbmm takes one)."""
     lead = a.shape[:-2]
-    out = torch.baddbmm(c.flatten(0, -3), a.flatten(0, -3), b.flatten(0, -3), beta=beta, alpha=alpha)
+    out = torch.baddbmm(c.flatten(0, -3), a.flatten(0, -3), b.flatten(0, -3), alpha=alpha)
     return out.view(*lead, *out.shape[-2:])
-
-
-def _mix(mix: Tensor, x: Tensor, correction: Tensor) -> Tensor:
-    """mix [..., 2, 2] applied to the two halves of x [..., 2r, c] (weights over momentum), less correction
-    [..., 2r, c]: one batched product of a 2 x 2 with a 2 x (r c)."""
-    lead, rows, cols = x.shape[:-2], x.shape[-2], x.shape[-1]
-    out = torch.baddbmm(correction.reshape(-1, 2, rows // 2 * cols), mix.reshape(-1, 2, 2),
-                        x.reshape(-1, 2, rows // 2 * cols), beta=-1.0)
-    return out.view(*lead, rows, cols)
 
 
 class _Piece(NamedTuple):
     """What a piece of n tokens needs that no memory state changes (computed for all pieces of a size at once).
 
     decay [B, H, n, n]: C[t, i] / theta_i = sum_{i<=j<=t} (A_t / A_j)(E_j / E_i); qk [B, H, n, n] = q k^T;
-    q_ad [B, H, n, 2 dk] = [A_t q_t, D_t q_t]; ad [B, H, n, 2, 1] = (A_t, D_t); momentum_last [B, H, n] =
-    E_n / E_i; mix [B, H, 2, 2] = [[A_n, D_n], [0, E_n]], the carried (W, S) -> (W, S) after the piece.
+    a_q, d_q [B, H, n, dk] = A_t q_t, D_t q_t; a, d [B, H, n, 1] = A_t, D_t; momentum_last [B, H, n] = E_n / E_i;
+    ends [B, H, 3, 1, 1] = (A_n, D_n, E_n), the carry of (W, S) through the piece.
     """
 
     decay: Tensor
     qk: Tensor
-    q_ad: Tensor
-    ad: Tensor
+    a_q: Tensor
+    d_q: Tensor
+    a: Tensor
+    d: Tensor
     momentum_last: Tensor
-    mix: Tensor
+    ends: Tensor
 
 
 def _pieces(q: Tensor, k: Tensor, log_retain: Tensor, log_momentum: Tensor, sizes: list[int]) -> list[_Piece]:
@@ -165,27 +158,27 @@ def _pieces(q: Tensor, k: Tensor, log_retain: Tensor, log_momentum: Tensor, size
         retain_ratio = torch.exp(_segment_sums(retain_r))  # [t, j] = A_t / A_j
         momentum_ratio = torch.exp(_segment_sums(momentum_r))  # [j, i] = E_j / E_i
         carried = (retain_ratio @ momentum.unsqueeze(-1)).squeeze(-1)  # D_t: weight of the incoming momentum
-        ad = torch.stack([retain, carried], dim=-1).unsqueeze(-1)  # [B, H, N, n, 2, 1]
-        last = torch.stack([retain[..., -1], carried[..., -1], torch.zeros_like(carried[..., -1]),
-                            momentum[..., -1]], dim=-1).unflatten(-1, (2, 2))
-        fields = (retain_ratio @ momentum_ratio, q_r @ k_r.transpose(-1, -2), (q_r.unsqueeze(-2) * ad).flatten(-2),
-                  ad, momentum_ratio[..., -1, :], last)
+        a, d = retain.unsqueeze(-1), carried.unsqueeze(-1)
+        ends = torch.stack([retain[..., -1], carried[..., -1], momentum[..., -1]], dim=-1)[..., None, None]
+        fields = (retain_ratio @ momentum_ratio, q_r @ k_r.transpose(-1, -2), a * q_r, d * q_r, a, d,
+                  momentum_ratio[..., -1, :], ends)
         pieces += [_Piece(*piece) for piece in zip(*(x.unbind(2) for x in fields))]
     return pieces
 
 
 def _memory_chunk(
-    q: Tensor, k: Tensor, kv: Tensor, k2: Tensor, step: Tensor, piece: _Piece, w1s_t: Tensor, w2s_t: Tensor,
-    p: Tensor, r: Tensor, normalize: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """n tokens of one chunk (all gradients at the chunk start) in closed form -> (y [B, H, n, dk], p, r after it).
+    q: Tensor, k: Tensor, kv2: Tensor, k2: Tensor, step: Tensor, piece: _Piece, w1s_t: Tensor, w2s_t: Tensor,
+    weights: tuple[Tensor, Tensor, Tensor, Tensor], normalize: bool,
+) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """n tokens of one chunk (all gradients at the chunk start) in closed form -> (y [B, H, n, dk], weights after it).
 
-    The weights are carried transposed and stacked with their momentum, p = [W1^T; S1^T] [B, H, 2 dk, dm] and
-    r = [W2^T; S2^T] [B, H, 2 dm, dk], so that each read, write and carry is one batched product;
-    w1s_t = W1^T [B, H, dk, dm] and w2s_t = W2^T [B, H, dm, dk] at the chunk start; kv = k - v, k2 = ||k||^2.
+    The weights are carried transposed, weights = (W1^T, S1^T [B, H, dk, dm], W2^T, S2^T [B, H, dm, dk]), so that
+    every product reads them as its right operand; w1s_t = W1^T and w2s_t = W2^T at the chunk start;
+    kv2 = 2 (k - v), k2 = ||k||^2.
     """
+    w1_t, s1_t, w2_t, s2_t = weights
     h, gelu_grad = _gelu_with_derivative(k @ w1s_t)
-    delta2 = _baddbmm(kv, h, w2s_t, beta=2.0, alpha=2.0)  # 2 (M(k) - v)
+    delta2 = _baddbmm(kv2, h, w2s_t, alpha=2.0)  # 2 (M(k) - v)
     delta1 = (delta2 @ w2s_t.transpose(-1, -2)) * gelu_grad
     if normalize:  # theta / kappa, kappa as step_curvature with ||k||^2 computed once for all chunks
         theta = step / (h.square().sum(-1) + k2 * delta1.square().sum(-1) / (delta2.square().sum(-1) + 1e-6))
@@ -194,17 +187,19 @@ def _memory_chunk(
     coeff = piece.decay * theta.unsqueeze(-2)  # C [B, H, n, n], lower-triangular
 
     # y_t = M(q_t; W_t) without forming W_t: W1_t q_t and W2_t GELU(W1_t q_t) expanded by the closed form.
-    hidden = F.gelu(_baddbmm(piece.q_ad @ p, coeff * piece.qk, delta1, alpha=-1.0))
-    hidden_ad = (hidden.unsqueeze(-2) * piece.ad).flatten(-2)  # [A_t hidden_t, D_t hidden_t]
-    y = _baddbmm(_baddbmm(q, hidden_ad, r), coeff * (hidden @ h.transpose(-1, -2)), delta2, alpha=-1.0)
+    hidden = F.gelu(_baddbmm(_baddbmm(piece.a_q @ w1_t, piece.d_q, s1_t), coeff * piece.qk, delta1, alpha=-1.0))
+    y = _baddbmm(_baddbmm(q, piece.a * hidden, w2_t), piece.d * hidden, s2_t)
+    y = _baddbmm(y, coeff * (hidden @ h.transpose(-1, -2)), delta2, alpha=-1.0)
 
     # State after the chunk's last token: rank-n corrections of the carried weights and momentum.
-    scales = torch.stack([coeff[..., -1, :], theta * piece.momentum_last], dim=-1).unsqueeze(-1)  # C[n, i], θ E_n/E_i
-    k_scaled = (k.unsqueeze(-2) * scales).flatten(-2)  # [B, H, n, 2 dk]
-    h_scaled = (h.unsqueeze(-2) * scales).flatten(-2)  # [B, H, n, 2 dm]
-    p = _mix(piece.mix, p, k_scaled.transpose(-1, -2) @ delta1)
-    r = _mix(piece.mix, r, h_scaled.transpose(-1, -2) @ delta2)
-    return y, p, r
+    a_n, d_n, e_n = piece.ends.unbind(2)  # [B, H, 1, 1] each
+    last_coeff = coeff[..., -1, :].unsqueeze(-1)  # C[n, i]
+    last_momentum = (theta * piece.momentum_last).unsqueeze(-1)  # theta_i E_n / E_i
+    new_w1 = _baddbmm(torch.addcmul(a_n * w1_t, d_n, s1_t), (k * last_coeff).transpose(-1, -2), delta1, alpha=-1.0)
+    new_w2 = _baddbmm(torch.addcmul(a_n * w2_t, d_n, s2_t), (h * last_coeff).transpose(-1, -2), delta2, alpha=-1.0)
+    new_s1 = _baddbmm(e_n * s1_t, (k * last_momentum).transpose(-1, -2), delta1, alpha=-1.0)
+    new_s2 = _baddbmm(e_n * s2_t, (h * last_momentum).transpose(-1, -2), delta2, alpha=-1.0)
+    return y, (new_w1, new_s1, new_w2, new_s2)
 
 
 def neural_memory(
@@ -220,35 +215,29 @@ def neural_memory(
 
     Chunks are at absolute positions, so a call that starts mid-chunk first finishes that chunk: the result
     does not depend on how a sequence is split into calls. What no state changes (the decay matrices, q k^T,
-    the query scalings) is computed for all chunks at once before the loop.
+    the query scalings, 2 (k - v), ||k||^2) is computed for all chunks at once before the loop.
     """
     w1_start, w2_start, w1, w2, s1, s2 = state
     length = q.shape[2]
     if length == 0:
         return q.new_zeros(q.shape), state
-    dk, dm = w1.shape[-1], w1.shape[-2]
     sizes = chunk_sizes(position, length, chunk_size)
-    p = torch.cat([w1.transpose(-1, -2), s1.transpose(-1, -2)], dim=-2)  # [B, H, 2 dk, dm]
-    r = torch.cat([w2.transpose(-1, -2), s2.transpose(-1, -2)], dim=-2)  # [B, H, 2 dm, dk]
-    at_start = w1_start is w1 and w2_start is w2  # (a chunk boundary, or M_0): views of p and r, no copies
-    w1s_t, w2s_t = (p[:, :, :dk], r[:, :, :dm]) if at_start else (w1_start.transpose(-1, -2),
-                                                                   w2_start.transpose(-1, -2))
+    weights = tuple(x.transpose(-1, -2) for x in (w1, s1, w2, s2))
+    w1s_t, w2s_t = w1_start.transpose(-1, -2), w2_start.transpose(-1, -2)
     pieces = _pieces(q, k, log_retain, log_momentum, sizes)
-    kv, k2 = k - v, k.square().sum(-1)
+    kv2, k2 = 2.0 * (k - v), k.square().sum(-1)
     # torch.split, not slicing in the loop: the backward of a split is one concatenation, where each
     # slice's backward would fill a zero tensor of the whole sequence (quadratic in the number of chunks).
-    per_chunk = zip(*(x.split(sizes, dim=2) for x in (q, k, kv)), *(x.split(sizes, dim=-1) for x in (k2, step)))
+    per_chunk = zip(*(x.split(sizes, dim=2) for x in (q, k, kv2)), *(x.split(sizes, dim=-1) for x in (k2, step)))
     outputs = []
-    for n, piece, (q_c, k_c, kv_c, k2_c, step_c) in zip(sizes, pieces, per_chunk):
-        y, p, r = _memory_chunk(q_c, k_c, kv_c, k2_c, step_c, piece, w1s_t, w2s_t, p, r, normalize_step)
+    for n, piece, (q_c, k_c, kv2_c, k2_c, step_c) in zip(sizes, pieces, per_chunk):
+        y, weights = _memory_chunk(q_c, k_c, kv2_c, k2_c, step_c, piece, w1s_t, w2s_t, weights, normalize_step)
         outputs.append(y)
         position += n
-        at_start = chunk_size is not None and position % chunk_size == 0
-        if at_start:
-            w1s_t, w2s_t = p[:, :, :dk], r[:, :, :dm]
-    w1, s1 = p[:, :, :dk].transpose(-1, -2), p[:, :, dk:].transpose(-1, -2)
-    w2, s2 = r[:, :, :dm].transpose(-1, -2), r[:, :, dm:].transpose(-1, -2)
-    # at a boundary the start is the current weights, the same objects (the next call then needs no copy)
+        if chunk_size is not None and position % chunk_size == 0:
+            w1s_t, w2s_t = weights[0], weights[2]
+    w1, s1, w2, s2 = (x.transpose(-1, -2) for x in weights)
+    at_start = w1s_t is weights[0]  # the start is the current weights: the same objects, as the recurrent form
     start = (w1, w2) if at_start else (w1s_t.transpose(-1, -2), w2s_t.transpose(-1, -2))
     return torch.cat(outputs, dim=2), MemoryState(*start, w1, w2, s1, s2)
 
