@@ -166,6 +166,7 @@ def mlstm_chunkwise(
     2. a loop over chunks (not tokens) carries (C, n, m) from chunk to chunk;
     3. all full chunks' outputs are computed at once from their starting states;
     4. a trailing partial chunk is one more parallel block.
+    A sequence of at most one chunk is one parallel block (:func:`mlstm_parallel`'s form).
     Shapes as :func:`mlstm_parallel`.
     """
     if chunk_size < 1:
@@ -173,6 +174,9 @@ def mlstm_chunkwise(
     out_dtype = q.dtype
     q, k, v, log_i, log_f, (C, n, m) = _prepare(q, k, v, i_pre, f_pre, state, forget_gate)
     B, H, T, D = q.shape
+    if T <= chunk_size:  # one block: the parallel form, without the carry loop and the chunk-state detour
+        h, state = _chunk(q, k, v, log_i, log_f, C, n, m, eps) if T else (q, (C, n, m))
+        return h.to(out_dtype), state
     L = chunk_size
     N = T // L
     outs = []

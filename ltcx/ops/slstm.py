@@ -37,18 +37,10 @@ def slstm_init_state(
     return zeros, zeros.clone(), zeros.clone(), torch.full(shape, float("-inf"), device=device, dtype=dtype)
 
 
-def slstm_step(
-    gates_x: Tensor, R: Tensor, state: SLSTMState | None = None, *, forget_gate: str = "sigmoid"
-) -> tuple[Tensor, SLSTMState]:
-    """One step. gates_x ``[B, 4, H, Dh]`` (W x + b), R ``[4, H, Dh, Dh]``. Returns h ``[B, H, Dh]``, state."""
-    B, _, H, Dh = gates_x.shape
-    cdt = state_dtype(gates_x.dtype)
-    if state is None:
-        state = slstm_init_state(B, H, Dh, device=gates_x.device, dtype=cdt)
-    c, n, h, m = (s.to(cdt) for s in state)
-    # recurrent contribution, per gate and head: h_{t-1} [B, H, Dh] @ R[g, h] [Dh, Dh]
-    pre = gates_x.to(cdt) + torch.einsum("bhd,ghde->bghe", h, R.to(cdt))
-    i_pre, f_pre, z_pre, o_pre = pre.unbind(1)
+def _cell(pre: Tensor, c: Tensor, n: Tensor, m: Tensor, forget_gate: str) -> SLSTMState:
+    """The stabilised update from the four pre-activations pre ``[..., 4 Dh]`` (i, f, z, o side by side) and the state
+    c, n, m ``[..., Dh]`` -> (c, n, h, m) after the step."""
+    i_pre, f_pre, z_pre, o_pre = pre.chunk(4, dim=-1)
     log_f = log_forget_gate(f_pre, forget_gate)
     m_new = torch.maximum(log_f + m, i_pre)
     ip = torch.exp(i_pre - m_new)
@@ -56,19 +48,45 @@ def slstm_step(
     c = fp * c + ip * torch.tanh(z_pre)
     n = fp * n + ip
     h = torch.sigmoid(o_pre) * (c / n)
-    return h, (c, n, h, m_new)
+    return c, n, h, m_new
+
+
+def _recurrent_weights(R: Tensor, dtype: torch.dtype) -> Tensor:
+    """R ``[4, H, Dh, Dh]`` -> ``[H, Dh, 4 Dh]``: per head the four gates' maps side by side, so the recurrent part
+    of all four gates is one product per step."""
+    H, Dh = R.shape[1], R.shape[2]
+    return R.to(dtype).permute(1, 2, 0, 3).reshape(H, Dh, 4 * Dh)
+
+
+def slstm_step(
+    gates_x: Tensor, R: Tensor, state: SLSTMState | None = None, *, forget_gate: str = "sigmoid"
+) -> tuple[Tensor, SLSTMState]:
+    """One step. gates_x ``[B, 4, H, Dh]`` (W x + b), R ``[4, H, Dh, Dh]``. Returns h ``[B, H, Dh]``, state."""
+    h, state = slstm_scan(gates_x.unsqueeze(1), R, state, forget_gate=forget_gate)
+    return h[:, 0], state
 
 
 def slstm_scan(
     gates_x: Tensor, R: Tensor, state: SLSTMState | None = None, *, forget_gate: str = "sigmoid"
 ) -> tuple[Tensor, SLSTMState]:
-    """Run the recurrence over time. gates_x ``[B, T, 4, H, Dh]``; returns h ``[B, T, H, Dh]`` (dtype of gates_x)."""
+    """Run the recurrence over time. gates_x ``[B, T, 4, H, Dh]``; returns h ``[B, T, H, Dh]`` (dtype of gates_x).
+
+    Inside the loop everything is head-major ``[H, B, ...]``: the recurrent part of a step is one ``baddbmm`` of
+    h ``[H, B, Dh]`` with ``[H, Dh, 4 Dh]`` onto that step's input part, and the steps' inputs come from one
+    ``unbind`` (whose backward is one stack, where indexing each step would zero-fill a [T, ...] gradient per step).
+    """
     B, T, _, H, Dh = gates_x.shape
+    cdt = state_dtype(gates_x.dtype)
     if state is None:
-        state = slstm_init_state(B, H, Dh, device=gates_x.device, dtype=state_dtype(gates_x.dtype))
+        state = slstm_init_state(B, H, Dh, device=gates_x.device, dtype=cdt)
+    c, n, h, m = (s.to(cdt).transpose(0, 1) for s in state)  # [H, B, Dh]
+    if T == 0:
+        return gates_x.new_zeros(B, 0, H, Dh), state
+    recurrent = _recurrent_weights(R, cdt)
+    steps = gates_x.to(cdt).permute(1, 3, 0, 2, 4).reshape(T, H, B, 4 * Dh).unbind(0)
     hs = []
-    for t in range(T):  # sLSTM's own recurrence: the only token loop in a training path
-        h, state = slstm_step(gates_x[:, t], R, state, forget_gate=forget_gate)
+    for gates_t in steps:  # sLSTM's own recurrence: the only token loop in a training path
+        c, n, h, m = _cell(torch.baddbmm(gates_t, h, recurrent), c, n, m, forget_gate)
         hs.append(h)
-    out = torch.stack(hs, dim=1) if hs else gates_x.new_zeros(B, 0, H, Dh)
-    return out.to(gates_x.dtype), state
+    out = torch.stack(hs, dim=0).permute(2, 0, 1, 3)  # [T, H, B, Dh] -> [B, T, H, Dh]
+    return out.to(gates_x.dtype), tuple(s.transpose(0, 1) for s in (c, n, h, m))
