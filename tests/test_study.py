@@ -382,18 +382,28 @@ def test_the_timing_pass_times_through_the_loss_path_and_reuses_its_record(tmp_p
 
 
 def test_the_report_renders_in_headless_chromium(tmp_path):
+    """The page as a browser builds it (Chromium's DOM after loading, offline) holds every table and every figure,
+    and it paints (a screenshot of it)."""
     import shutil
 
     browser = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)),
                    None)
     if browser is None:
         pytest.skip("no chromium on this machine (apt-get install chromium)")
-    write_report(ladder_summary(tmp_path), tmp_path)
+    summary = ladder_summary(tmp_path)
+    written = write_report(summary, tmp_path)
+    flags = [browser, "--headless", "--disable-gpu", "--no-sandbox", "--no-first-run", "--disable-extensions"]
+    dom = subprocess.run([*flags, "--dump-dom", (tmp_path / "report.html").as_uri()], check=True, timeout=120,
+                         capture_output=True, text=True).stdout
+    page = Tables()
+    page.feed(dom)
+    assert [found for found in page.tables] == [[header, *rows] for _, header, rows, _ in tables(summary)]
+    assert len(page.sources) == sum(p.suffix == ".png" for p in written)
+    assert all(s.startswith("data:image/png;base64,") for s in page.sources)
     shot = tmp_path / "shot.png"
-    subprocess.run([browser, "--headless", "--disable-gpu", "--no-sandbox", f"--screenshot={shot}",
-                    "--window-size=1200,3000", (tmp_path / "report.html").as_uri()], check=True, timeout=120,
-                   capture_output=True)
-    assert shot.stat().st_size > 10_000
+    subprocess.run([*flags, f"--screenshot={shot}", "--window-size=1200,3000", (tmp_path / "report.html").as_uri()],
+                   check=True, timeout=120, capture_output=True)
+    assert shot.read_bytes().startswith(b"\x89PNG") and shot.stat().st_size > 10_000
 
 
 # ----------------------------------------------------------------------------- end to end
