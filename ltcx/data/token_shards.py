@@ -111,35 +111,35 @@ class ShardSource:
 
     def val_dataset(self, rank: int, world_size: int) -> ShardBlocks:
         """``val_batches`` whole batches; one line naming the flags when a rank would have no block."""
-        shards = self.meta["shards"]["validation"]
-        blocks = sum(shard["tokens"] // self.block_len for shard in shards)
-        if blocks <= rank:
-            tokens = sum(shard["tokens"] for shard in shards)
-            raise ConfigError(
-                f"the validation shards in '{self.path}' hold {tokens:,} tokens ({validation_source(self.meta)}): "
-                f"{blocks} blocks of {self.block_len} tokens (--data.block_size + 1), fewer than one for each of "
-                f"{world_size} rank(s); {more_validation(self.meta)}, or lower --data.block_size"
-            )
-        return self._blocks("validation", rank, world_size, num_batches=self.val_batches)
+        return self._held_out("validation", rank, world_size, self.val_batches, validation_source(self.meta),
+                              f"{more_validation(self.meta)}, or lower --data.block_size")
 
     def test_dataset(self, rank: int, world_size: int) -> ShardBlocks:
         """``test_batches`` whole batches of the test shards; one line when the folder has none or too few."""
-        shards = self.meta["shards"].get("test", [])
-        if not shards:
+        if not self.meta["shards"].get("test"):
             raise ConfigError(
                 f"the token shards in '{self.path}' hold no test documents ({test_source(self.meta)}): prepare the "
                 "data again into a new --out with ltcx prepare, which writes a test split (the source's own, else "
                 "--test_fraction of the documents by hash)"
             )
+        return self._held_out("test", rank, world_size, self.test_batches, test_source(self.meta),
+                              "prepare again into a new --out with a larger --test_fraction, or lower "
+                              "--data.block_size")
+
+    def _held_out(self, split: str, rank: int, world_size: int, num_batches: int, source: str,
+                  remedy: str) -> ShardBlocks:
+        """``num_batches`` whole batches of ``split``; one line naming the ``remedy`` when a rank would have no
+        block."""
+        shards = self.meta["shards"][split]
         blocks = sum(shard["tokens"] // self.block_len for shard in shards)
         if blocks <= rank:
             tokens = sum(shard["tokens"] for shard in shards)
             raise ConfigError(
-                f"the test shards in '{self.path}' hold {tokens:,} tokens ({test_source(self.meta)}): {blocks} "
-                f"blocks of {self.block_len} tokens (--data.block_size + 1), fewer than one for each of {world_size} "
-                "rank(s); prepare again into a new --out with a larger --test_fraction, or lower --data.block_size"
+                f"the {split} shards in '{self.path}' hold {tokens:,} tokens ({source}): {blocks} blocks of "
+                f"{self.block_len} tokens (--data.block_size + 1), fewer than one for each of {world_size} rank(s); "
+                f"{remedy}"
             )
-        return self._blocks("test", rank, world_size, num_batches=self.test_batches)
+        return self._blocks(split, rank, world_size, num_batches=num_batches)
 
     def dataloader(self, dataset: ShardBlocks) -> DataLoader:
         return make_loader(dataset, batch_size=None, num_workers=self.num_workers)  # ShardBlocks makes batches
