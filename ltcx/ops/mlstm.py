@@ -242,8 +242,11 @@ def mlstm_step(
     m_new = torch.maximum(log_f + m, i_pre)
     fp = torch.exp(log_f + m - m_new)  # [B, H]
     ip = torch.exp(i_pre - m_new)
-    C = fp[..., None, None] * C + ip[..., None, None] * (k.unsqueeze(-1) * v.unsqueeze(-2))
-    n = fp.unsqueeze(-1) * n + ip.unsqueeze(-1) * k
+    # C' = f' C + (i' k) v^T in two passes over the [D, D] matrices (a new one, then an update of it in place),
+    # where the four of f' C + i' (k v^T) dominated a decode step
+    ik = ip.unsqueeze(-1) * k
+    C = (C * fp[..., None, None]).addcmul_(ik.unsqueeze(-1), v.unsqueeze(-2))
+    n = torch.addcmul(ik, fp.unsqueeze(-1), n)
     num = (q.unsqueeze(-2) @ C).squeeze(-2)  # [B, H, D]
     den = (q * n).sum(-1)  # [B, H]
     h = _normalise(num, den, m_new, eps)
