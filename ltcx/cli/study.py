@@ -4,6 +4,9 @@
     ltcx study --spec quick-recall                 # a preset: MQAR on the CPU
     ltcx study --spec my_study.yaml --dry_run      # what would run
     ltcx study --spec my_study.yaml                # rerun after a stop: it continues where it stopped
+    ltcx study --spec my_study.yaml --launcher devices --workers 8   # a run per GPU of this node (docs/launchers.md)
+    ltcx study --spec my_study.yaml --launcher slurm --partition gpu # a SLURM job per run, through submitit
+    ltcx study --spec my_study.yaml --report_only  # the report of the runs finished so far
 """
 
 from __future__ import annotations
@@ -22,22 +25,59 @@ class _Parser(argparse.ArgumentParser):
         raise LtcxError(f"{message} (see `ltcx study --help`)")
 
 
+def _at_least(low: int):
+    def number(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, not {text!r}")
+        return value
+
+    return number
+
+
 def study_main(argv: list[str]) -> None:
     parser = _Parser(prog="ltcx study", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--spec", required=True, help="a study YAML, or a preset: quick-recall, tinystories-ladder, "
                                                       "fineweb-edu-ladder, reference")
     parser.add_argument("--name", default=None, help="results go to <out>/<name>/ (default: the spec's name)")
     parser.add_argument("--out", type=Path, default=Path("results"), help="the folder of every study's results")
-    parser.add_argument("--dry_run", action="store_true", help="print the plan and each run's command; run nothing")
+    parser.add_argument("--dry_run", action="store_true",
+                        help="print the plan, each run's command and where it would run; run nothing")
+    parser.add_argument("--report_only", action="store_true",
+                        help="write the summary and the report from the runs finished so far; run nothing")
+    where = parser.add_argument_group("launcher (over the spec's `launcher:`; docs/launchers.md)")
+    where.add_argument("--launcher", choices=["local", "devices", "slurm"], default=None,
+                       help="local: one run after another; devices: one run per GPU (or per worker on a CPU); slurm: "
+                            "a SLURM job per run through submitit")
+    where.add_argument("--workers", type=_at_least(1), default=None,
+                       help="devices: runs at a time (default: one per GPU; on a CPU-only machine 1, each worker with "
+                            "cores / workers threads)")
+    where.add_argument("--gpus_per_run", type=_at_least(0), default=None, help="devices, slurm: GPUs of each run")
+    where.add_argument("--partition", default=None, help="slurm: the partition")
+    where.add_argument("--time_min", type=_at_least(1), default=None, help="slurm: each job's time limit in minutes")
     args = parser.parse_args(argv)
+    if args.dry_run and args.report_only:
+        raise LtcxError("--dry_run and --report_only exclude each other: give one (see `ltcx study --help`)")
 
-    from ltcx.study.runner import StudyStopped, run_study
+    from ltcx.study.runner import StudyFailed, StudyStopped, run_study
     from ltcx.study.spec import find_spec, load_spec
 
     spec = load_spec(find_spec(args.spec), args.name)
     out = (args.out / spec.name).resolve()
+    launcher = {"kind": args.launcher, "workers": args.workers, "gpus_per_run": args.gpus_per_run,
+                "partition": args.partition, "time_min": args.time_min}
     try:
-        run_study(spec, out, dry_run=args.dry_run, say=lambda line: print(line, flush=True))
+        run_study(spec, out, dry_run=args.dry_run, say=lambda line: print(line, flush=True),
+                  launcher={k: v for k, v in launcher.items() if v is not None}, report_only=args.report_only)
     except StudyStopped as stop:
         print(f"ltcx: {stop.line}", file=sys.stderr, flush=True)
         sys.exit(stop.code)
+    except StudyFailed as failed:  # the others finished; the report holds them
+        for run in failed.failed:
+            print(f"ltcx: failed: {run.line}", file=sys.stderr, flush=True)
+        print(f"ltcx: study {spec.name}: {len(failed.failed)} runs failed (above); rerun the same command to retry "
+              "them", file=sys.stderr, flush=True)
+        sys.exit(1)

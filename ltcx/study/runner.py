@@ -19,6 +19,7 @@ its step and exits 128 + the signal; the runner then raises ``StudyStopped`` nam
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -27,6 +28,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +38,8 @@ from ltcx.errors import ConfigError, LtcxError
 from ltcx.study.report import write_json
 from ltcx.study.spec import StudySpec, arch_name
 
-__all__ = ["Run", "Shape", "StudyStopped", "plan_shapes", "read_logs", "run_study", "select_learning_rates"]
+__all__ = ["Run", "Shape", "StudyFailed", "StudyStopped", "plan_shapes", "read_logs", "run_study",
+           "select_learning_rates"]
 
 DEFAULT_VOCAB = 50304  # GPT-2's padded vocabulary: the shapes' figures when the data sets none
 
@@ -47,6 +50,15 @@ class StudyStopped(Exception):
     def __init__(self, line: str, code: int) -> None:
         super().__init__(line)
         self.line, self.code = line, code
+
+
+class StudyFailed(Exception):
+    """Runs failed (each reported with its log's last line) while the others finished: ``failed``, the
+    ``launch.Failed`` of each."""
+
+    def __init__(self, failed: list) -> None:
+        super().__init__(f"{len(failed)} runs failed")
+        self.failed = failed
 
 
 @dataclass(frozen=True)
@@ -305,24 +317,73 @@ def ltcx_command() -> list[str]:
     return [sys.executable, "-c", "import sys; sys.argv[0] = 'ltcx'; from ltcx.cli import main; main()"]
 
 
-def _child(args: list[str], log: Path, label: str, env: dict | None = None) -> int:
-    """Run ``ltcx args`` to its end, output appended to ``log``. A signal reaching this process (Ctrl-C reaches the
-    whole process group, the child too) is not passed on: the child saves its step and exits, and this process then
-    stops with it (a child that got no signal and finishes stops the study after it)."""
-    received: list[int] = []
+_received: list[int] = []  # SIGINT / SIGTERM this process got while children ran: noted, not acted on
+_noting = [0]  # depth of signals_noted in the main thread
+_running: set[subprocess.Popen] = set()  # the children running now (stop_children)
+_running_lock = threading.Lock()
 
-    def note(signum, frame):
-        received.append(signum)
 
-    previous = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+@contextlib.contextmanager
+def signals_noted():
+    """While children run, SIGINT and SIGTERM are noted and not acted on: Ctrl-C reaches the whole process group, so
+    each child saves its step and exits, and the study stops after them. Only the main thread sets handlers; in
+    another thread, or inside an outer one, it does nothing."""
+    if threading.current_thread() is not threading.main_thread() or _noting[0]:
+        yield
+        return
+    _received.clear()
+    previous = {s: signal.signal(s, lambda signum, frame: _received.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    _noting[0] += 1
     try:
-        with open(log, "a") as stream:
-            child = subprocess.Popen([*ltcx_command(), *args], stdout=stream, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
-            code = child.wait()
+        yield
     finally:
+        _noting[0] -= 1
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def stop_requested() -> bool:
+    """A signal reached this process while children ran (start no more runs)."""
+    return bool(_received)
+
+
+def stop_children(signum: int = signal.SIGTERM) -> None:
+    """Ask every running child to save its step and exit (a SLURM job's time limit or preemption); returns once each
+    has exited (left for the thread waiting on it to reap)."""
+    with _running_lock:
+        children = list(_running)
+    for child in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signum)
+    for child in children:
+        with contextlib.suppress(ChildProcessError):
+            os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+
+
+def _child(args: list[str], log: Path, label: str, env: dict | None = None, keep_fds: tuple[int, ...] = ()) -> int:
+    """Run ``ltcx args`` to its end, output appended to ``log``; ``env`` on top of this process's, ``keep_fds``
+    inherited (the run's claim: held until the child is gone too). A signal reaching this process (Ctrl-C reaches the
+    whole process group, the child too) is not passed on: the child saves its step and exits, and this process then
+    stops with it (a child that got no signal and finishes stops the study after it). SIGUSR2 is blocked in the
+    child: SLURM sends its time-limit warning to every process of a job, and the job answers it for the child
+    (``launch.StudyJob.checkpoint``)."""
+    with signals_noted():
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})  # the child inherits this thread's mask
+        try:
+            with open(log, "a") as stream:
+                child = subprocess.Popen([*ltcx_command(), *args], stdout=stream, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **(env or {})}, pass_fds=keep_fds)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        with _running_lock:
+            _running.add(child)
+        try:
+            code = child.wait()
+        finally:
+            with _running_lock:
+                _running.discard(child)
+        received = list(_received)
     if code in (128 + signal.SIGINT, 128 + signal.SIGTERM) or received:
         signum = code - 128 if code in (128 + signal.SIGINT, 128 + signal.SIGTERM) else received[0]
         where = _stop_line(log, signum) if code != 0 else f"{signal.Signals(signum).name} after it finished"
@@ -331,8 +392,11 @@ def _child(args: list[str], log: Path, label: str, env: dict | None = None) -> i
     return code
 
 
-def train(spec: StudySpec, run: Run, out: Path, say: Callable[[str], None]) -> dict:
-    """Train ``run`` unless it finished before (its ``result.json``); its result."""
+def train(spec: StudySpec, run: Run, out: Path, say: Callable[[str], None], env: dict | None = None,
+          keep_fds: tuple[int, ...] = (), where: str = "") -> dict:
+    """Train ``run`` unless it finished before (its ``result.json``); its result. ``env``, ``keep_fds``: the child's
+    (``_child``); ``where``: the launcher's slot, said in the start line. The caller holds the run's claim
+    (``ltcx/study/launch.py``)."""
     root = run.folder(out)
     result_file = root / "result.json"
     if result_file.is_file():
@@ -343,8 +407,9 @@ def train(spec: StudySpec, run: Run, out: Path, say: Callable[[str], None]) -> d
     if checkpoint is not None:
         args += ["--ckpt_path", str(checkpoint)]  # a stopped run continues where it stopped
     root.mkdir(parents=True, exist_ok=True)
-    say(f"{run.label}: training {run.steps} steps ({'resumed from ' + checkpoint.name if checkpoint else 'new'})")
-    code = _child(args, root / "run.log", run.label)
+    say(f"{run.label}: training {run.steps} steps ({'resumed from ' + checkpoint.name if checkpoint else 'new'})"
+        + (f" on {where}" if where else ""))
+    code = _child(args, root / "run.log", run.label, env=env, keep_fds=keep_fds)
     diverged = False
     if code != 0:
         line = last_line(root / "run.log")
@@ -388,7 +453,8 @@ def measure(checkpoint: Path, seq_len: int) -> dict:
             "state_bytes": int(backbone.state_bytes(seq_len))}
 
 
-def evaluate_test(spec: StudySpec, run: Run, out: Path, say: Callable[[str], None]) -> dict:
+def evaluate_test(spec: StudySpec, run: Run, out: Path, say: Callable[[str], None], env: dict | None = None,
+                  keep_fds: tuple[int, ...] = ()) -> dict:
     """``ltcx test`` of a finished run on the data's test split: the metrics of its ``test_metrics.json``
     (``test/loss``, ``test/bpb``, ``test/recall_acc``), kept as the run's ``test.json``."""
     root = run.folder(out)
@@ -401,7 +467,7 @@ def evaluate_test(spec: StudySpec, run: Run, out: Path, say: Callable[[str], Non
     test_root.mkdir(exist_ok=True)
     args = ["test", *common_args(spec, run), "--ckpt_path", result["checkpoint"],
             "--trainer.default_root_dir", str(test_root)]
-    code = _child(args, root / "test.log", f"{run.label} (test)")
+    code = _child(args, root / "test.log", f"{run.label} (test)", env=env, keep_fds=keep_fds)
     if code != 0:
         raise LtcxError(f"{run.label}: ltcx test failed (exit {code}): {last_line(root / 'test.log')} "
                         f"(see {root / 'test.log'})")
@@ -462,47 +528,107 @@ def check_folder(spec: StudySpec, out: Path) -> None:
                               f"{now.get(changed[0])!r}): give the study another name (--name) or restore the spec")
 
 
-def run_study(spec: StudySpec, out: Path, dry_run: bool = False, say: Callable[[str], None] = print) -> dict | None:
-    """Plan, tune, train every seed, test, then write the summary and the report (``ltcx/study/report.py``); with
-    ``dry_run`` print what would run and run nothing. Returns the summary."""
+def run_study(spec: StudySpec, out: Path, dry_run: bool = False, say: Callable[[str], None] = print,
+              retime: bool = False, launcher: dict | None = None, report_only: bool = False) -> dict | None:
+    """Plan, tune, train every seed and test it, then time and write the summary and the report
+    (``write_summary``); with ``dry_run`` print what would run where and run nothing; with ``report_only`` write the
+    report from the runs finished so far and run nothing. ``launcher``: the command line's launcher options over the
+    spec's (``ltcx/study/launch.py``). Returns the summary; raises ``StudyFailed`` after it when runs failed."""
+    from ltcx.study.launch import Job, make_launcher
+
     check_folder(spec, out)
     composed_configs(spec)  # a bad path is one line now, not after the first run
     shapes = plan_shapes(spec)
     tuning_runs = [make_run(spec, shape, lr, spec.tune_seed) for shape in shapes for lr in spec.learning_rates]
+    launch = make_launcher(spec, out, say, launcher)
     if dry_run:
-        _print_plan(spec, out, shapes, tuning_runs, say)
+        _print_plan(spec, out, shapes, tuning_runs, say, launch)
         return None
+    if report_only:
+        return _report_from_folder(spec, out, shapes, tuning_runs, say)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "spec.json", spec.defining())
     total = len(tuning_runs) + len(shapes) * (len(spec.seeds) - 1)
     say(f"study {spec.name}: {len(shapes)} shapes x {len(spec.learning_rates)} learning rates on seed "
-        f"{spec.tune_seed}, then {len(spec.seeds)} seeds: {total} runs in {out}")
-    tuning = [train(spec, run, out, say) for run in tuning_runs]
-    tuned = {run.folder(out): result for run, result in zip(tuning_runs, tuning)}
+        f"{spec.tune_seed}, then {len(spec.seeds)} seeds: {total} runs in {out} ({launch.kind} launcher)")
+    tuned_results = launch.map([Job(run) for run in tuning_runs], "tune")
+    tuning = [result for result in tuned_results if result is not None]
     chosen = select_learning_rates(spec, tuning)
-    final: list[tuple[Run, dict]] = []
-    for seed in spec.seeds:  # seed by seed: a stopped study has whole seeds of every architecture first
-        for shape in shapes:
-            pick = chosen[(shape.arch, shape.label)]
-            run = make_run(spec, shape, pick["lr"], seed)
-            result = tuned.get(run.folder(out))  # the tuning seed's run at the chosen rate is that seed's run
-            final.append((run, result if result is not None else train(spec, run, out, say)))
-    for run, result in final:
-        result["test"] = {} if result.get("diverged") else evaluate_test(spec, run, out, say)
+    held = list(dict.fromkeys(f"{run.arch} {run.shape.label}" for run, result in zip(tuning_runs, tuned_results)
+                              if result is None))
+    if held:  # its rate is chosen from the whole grid or not at all
+        say(f"tune: {', '.join(held)}: a tuning run failed, so no seeds run there until it is rerun")
+    # seed by seed: a stopped study has whole seeds of every architecture first; the tuning seed's run at the chosen
+    # rate is that seed's run (done, then tested)
+    final_runs = [make_run(spec, shape, chosen[(shape.arch, shape.label)]["lr"], seed) for seed in spec.seeds
+                  for shape in shapes if f"{shape.arch} {shape.label}" not in held]
+    final = [result for result in launch.map([Job(run, test=True) for run in final_runs], "seeds")
+             if result is not None]
+    for result in final:
+        result.setdefault("test", {})  # a diverged run has no test
+    summary = write_summary(spec, out, tuning, final, chosen, say, retime) if final else None
+    if launch.failed:
+        raise StudyFailed(launch.failed)
+    return summary
+
+
+def _report_from_folder(spec: StudySpec, out: Path, shapes: list[Shape], tuning_runs: list[Run],
+                        say: Callable[[str], None]) -> dict:
+    """The summary of the runs finished so far (``--report_only``): shapes whose tuning grid is complete, their
+    seeds that were tested."""
+    from ltcx.study.launch import Job, finished
+
+    if not (out / "spec.json").is_file():
+        raise LtcxError(f"{out} holds no study yet: run `ltcx study` with this spec first")
+    tuning = [r for r in (finished(spec, Job(run), out) for run in tuning_runs) if r is not None]
+    chosen = select_learning_rates(spec, tuning)
+    complete = {key for key in chosen
+                if sum((r["arch"], r["size_label"]) == key for r in tuning) == len(spec.learning_rates)}
+    final = [r for r in (finished(spec, Job(make_run(spec, shape, chosen[(shape.arch, shape.label)]["lr"], seed),
+                                           test=True), out)
+                         for seed in spec.seeds for shape in shapes if (shape.arch, shape.label) in complete)
+             if r is not None]
+    if not final:
+        raise LtcxError(f"{out}: no run is finished and tested yet: nothing to report (run `ltcx study` first)")
+    for result in final:
+        result.setdefault("test", {})
+    return write_summary(spec, out, tuning, final, {k: v for k, v in chosen.items() if k in complete}, say)
+
+
+def write_summary(spec: StudySpec, out: Path, tuning: list[dict], final: list[dict], chosen: dict,
+                  say: Callable[[str], None], retime: bool = False) -> dict:
+    """The timing pass (``ltcx/study/timing.py``: one checkpoint per row, its lowest seed's, unless
+    ``timing_rounds`` is 0), then ``summary.json``, ``summary.md``, the figures and ``report.html``."""
     from ltcx.study.report import summarize, write_report
 
-    summary = summarize(spec, tuning, [result for _, result in final], chosen)
+    timing = None
+    if spec.timing_rounds:
+        from ltcx.study.timing import timing_pass
+
+        checkpoints: dict[str, tuple[Path, int]] = {}
+        for result in sorted(final, key=lambda r: r["seed"]):
+            key = f"{result['arch']} {result['size_label']}"
+            if not result.get("diverged") and result.get("checkpoint") and key not in checkpoints:
+                block = int(result.get("cell", {}).get("block_size", spec.block_size))
+                checkpoints[key] = (Path(result["checkpoint"]), block)
+        if checkpoints:
+            timing = timing_pass(out, checkpoints, spec.batch_size, spec.timing_rounds, retime, say)
+    summary = summarize(spec, tuning, final, chosen, timing)
     written = write_report(summary, out)
     say(f"study {spec.name}: wrote {', '.join(str(p.relative_to(out)) for p in written)} in {out}")
     return summary
 
 
-def _print_plan(spec: StudySpec, out: Path, shapes: list[Shape], tuning: list[Run], say) -> None:
-    say(f"study {spec.name} (dry run, nothing is trained): results in {out}")
+def _print_plan(spec: StudySpec, out: Path, shapes: list[Shape], tuning: list[Run], say, launch) -> None:
+    say(f"study {spec.name} (dry run, nothing is trained): results in {out}, {launch.kind} launcher")
     say(f"tune: {len(tuning)} runs on seed {spec.tune_seed}")
+    to_run = 0
     for run in tuning:
-        state = "done" if (run.folder(out) / "result.json").is_file() else "to run"
-        say(f"  {run.label}: {run.steps} steps [{state}]: ltcx {' '.join(fit_args(spec, run, run.folder(out)))}")
+        done = (run.folder(out) / "result.json").is_file()
+        where = "" if done or not launch.where(to_run) else f" on {launch.where(to_run)}"
+        to_run += not done
+        say(f"  {run.label}: {run.steps} steps [{'done' if done else 'to run'}]{where}: "
+            f"ltcx {' '.join(fit_args(spec, run, run.folder(out)))}")
     others = [s for s in spec.seeds if s != spec.tune_seed]
     say(f"seeds: {len(shapes) * len(others)} runs more (seeds {', '.join(map(str, others)) or 'none'}) at each shape's "
         "chosen learning rate, then `ltcx test` on every seed's run")

@@ -18,6 +18,8 @@
                                   # each (architecture, size, cell) has its own learning rate
     anchor: 0.99                  # optional: the baseline must reach this test/<metric> on the first cell
     timing_rounds: 5              # the interleaved timing pass after training (0: none)
+    launcher: {kind: devices, workers: 8}   # where runs train: local (default) | devices | slurm (partition,
+                                  # time_min, gpus_per_run, cpus_per_run, runs_per_job); docs/launchers.md
 
 An ``archs`` entry is a catalogue name or, with ``size_by: config``, a model YAML of your own (a variant: its file
 stem names it in the tables).
@@ -76,6 +78,7 @@ class StudySpec:
     grid: dict[str, list] = field(default_factory=dict)
     anchor: float | None = None
     timing_rounds: int = 5
+    launcher: dict[str, Any] = field(default_factory=dict)
     source: str = ""
 
     @property
@@ -93,9 +96,10 @@ class StudySpec:
 
     def defining(self) -> dict[str, Any]:
         """What decides the runs' results: a results folder holds one study (``runner`` compares this on resume).
-        The timing pass and the anchor are read from the finished runs, so changing them redoes no run."""
+        The timing pass and the anchor are read from the finished runs, so changing them redoes no run; the launcher
+        says where runs train, not what they are."""
         return {k: v for k, v in dataclasses.asdict(self).items()
-                if k not in ("name", "description", "source", "timing_rounds", "anchor")}
+                if k not in ("name", "description", "source", "timing_rounds", "anchor", "launcher")}
 
 
 _TYPES = {f.name: f.type for f in dataclasses.fields(StudySpec)}
@@ -235,6 +239,10 @@ def _check(where: str, key: str, value: Any) -> Any:
         if not isinstance(value, str) or not value or (key == "name" and ("/" in value or value in (".", ".."))):
             raise bad("a non-empty string" + (" without '/'" if key == "name" else ""))
         return value
+    if key == "launcher":
+        from ltcx.study.launch import check_options
+
+        return check_options(where, value)
     raise AssertionError(key)  # every key of StudySpec is checked above
 
 

@@ -1,0 +1,319 @@
+"""ltcx study's launchers (ltcx/study/launch.py) on one tiny study (gpt and xlstm at width 16, 6 steps, one learning
+rate, two seeds), trained once by the local launcher in a module fixture and used by every test:
+
+- two `devices` launchers of 2 CPU workers each, started at once on a folder whose first launcher was SIGKILLed with
+  its runs held mid-run: the claims are won again, the held runs resume from their last.ckpt, no run trains twice,
+  and every result.json and test.json equals the local launcher's;
+- submitit's local executor (the same job objects as SLURM's, in real processes): a job preempted (SIGUSR2) is
+  requeued and its run resumes from the step it saved; a job SIGKILLed with its run is submitted again;
+- a run that fails is reported with its log's last line while the others finish, and the study exits 1;
+- the claim itself, the progress lines, --dry_run, --report_only and the launcher's one-line errors.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from helpers import ROOT, one_error_line
+from ltcx.cli.threads import usable_cores
+from ltcx.errors import ConfigError
+from ltcx.study import launch
+from ltcx.study.spec import load_spec
+
+ARCHS = ["gpt", "xlstm"]
+LABELS = [f"{arch} size16 lr=0.003 seed {seed}" for seed in (0, 1) for arch in ARCHS]
+THREADS = str(max(1, usable_cores() // 2))  # a devices slot's share of 2 workers: the local runs get the same
+
+
+def write_spec(folder: Path, file: str = "tiny.yaml", **changes) -> Path:
+    every3 = folder / "every3.yaml"  # a last.ckpt at step 3 to resume from, and the hold of tests/launch_faults.py
+    every3.write_text(yaml.safe_dump({"trainer": {"callbacks": [
+        {"class_path": "ltcx.callbacks.ModelCheckpoint", "init_args": {"save_last": True, "every_n_train_steps": 3}},
+        {"class_path": "launch_faults.HoldUntil", "init_args": {"at_step": 4}}]}}))
+    spec = dict(name="tiny", archs=ARCHS, configs=["data/mqar", str(every3)], size_by="width", sizes=[16], layers=1,
+                head_dim=8, data={"vocab_size": 32, "num_kv_pairs": 2, "random_fillers": False, "val_batches": 1},
+                trainer={"log_every_n_steps": 1}, block_size=16, batch_size=8, steps=6, evals=2,
+                learning_rates=[3e-3], seeds=[0, 1], metric="recall_acc", timing_rounds=0)
+    path = folder / file
+    path.write_text(yaml.safe_dump({**spec, **changes}))
+    return path
+
+
+def start(spec: Path, out: Path, *flags: str, hold: Path | None = None) -> subprocess.Popen:
+    """``ltcx study`` in a process group of its own (a worker to kill whole), its output in ``out``'s log files."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": THREADS}
+    env.pop("LTCX_TEST_HOLD", None)
+    if hold is not None:
+        env["LTCX_TEST_HOLD"] = str(hold)
+    out.mkdir(parents=True, exist_ok=True)
+    n = len(list(out.glob("launcher*.out")))
+    stdout, stderr = open(out / f"launcher{n}.out", "w"), open(out / f"launcher{n}.err", "w")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "study", "--spec", str(spec), "--out", str(out),
+                             *flags], cwd=out, env=env, stdout=stdout, stderr=stderr, start_new_session=True)
+    proc.logs = (out / f"launcher{n}.out", out / f"launcher{n}.err")
+    return proc
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> SimpleNamespace:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return SimpleNamespace(code=proc.returncode, out=proc.logs[0].read_text(), err=proc.logs[1].read_text())
+
+
+def wait_for(condition, *procs: subprocess.Popen, what: str, timeout: float = 300) -> None:
+    """Poll ``condition`` (a guard against a hang, not a measurement) while ``procs`` run."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        for proc in procs:
+            assert proc.poll() is None, f"exited {proc.returncode} before {what}: {proc.logs[1].read_text()[-2000:]}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.1)
+
+
+def held(hold: Path) -> dict[str, int]:
+    """Run folder -> pid of each fit held by ``launch_faults.HoldUntil``."""
+    return {str(Path(p.read_text()).resolve()): int(p.name.split("-")[1]) for p in hold.glob("held-*")
+            if p.read_text()}
+
+
+def gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] in "ZX"
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+def runs(out: Path) -> dict[str, Path]:
+    return {f"{arch} size16 lr=0.003 seed {seed}": (out / f"tiny/runs/{arch}/size16/lr0.003/seed{seed}").resolve()
+            for seed in (0, 1) for arch in ARCHS}
+
+
+def figures(folder: Path) -> dict:
+    """result.json less the checkpoint's path, and test.json."""
+    result = json.loads((folder / "result.json").read_text())
+    result.pop("checkpoint")
+    return {"result": result, "test": json.loads((folder / "test.json").read_text())}
+
+
+def fit_starts(folder: Path) -> list[str]:
+    """The start line of every ``ltcx fit`` of the run (ltcx/cli/console.py): one per process that trained it."""
+    return [line for line in (folder / "run.log").read_text().splitlines()
+            if line.startswith("ltcx: ") and " parameters; logs " in line]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny study trained by the local launcher: the figures every other launcher must give."""
+    root = tmp_path_factory.mktemp("launch")
+    spec = write_spec(root)
+    local = finish(start(spec, root / "local"))
+    assert local.code == 0, local.err[-3000:]
+    return SimpleNamespace(root=root, spec=spec, out=root / "local", stdout=local.out)
+
+
+def test_the_local_launcher_trains_each_run_once_and_says_its_progress(tiny):
+    assert [line.split(": training")[0] for line in tiny.stdout.splitlines() if ": training 6 steps" in line] == \
+        LABELS
+    lines = tiny.stdout.splitlines()
+    finished = [line for line in lines if line.endswith(": val/recall_acc 0.0000") or ": val/recall_acc " in line]
+    assert [line.split(":")[0] for line in finished] == [*LABELS[:2], *LABELS]  # tune, then seeds (trained, tested)
+    assert "tune: done 1 / running 0 / failed 0 / left 1, about " in tiny.stdout
+    assert "seeds: done 4 / running 0 / failed 0 / left 0" in tiny.stdout
+    for folder in runs(tiny.out).values():
+        assert len(fit_starts(folder)) == 1
+    assert (tiny.out / "tiny/summary.json").is_file()
+
+
+def test_two_devices_launchers_finish_a_study_whose_worker_was_killed(tiny):
+    """A: 2 CPU workers, each run held after step 4 (last.ckpt at step 3), then SIGKILLed with its process group.
+    B and C, 2 workers each, started at once: the claims A's death released are won again, those runs resume at
+    step 3, every other run trains once, and the figures are the local launcher's."""
+    out, hold = tiny.root / "shared", tiny.root / "hold-shared"
+    hold.mkdir()
+    first = start(tiny.spec, out, "--launcher", "devices", "--workers", "2", hold=hold)
+    wait_for(lambda: len(held(hold)) == 2, first, what="both tuning runs held at step 4")
+    os.killpg(first.pid, signal.SIGKILL)
+    killed = finish(first)
+    assert killed.code == -signal.SIGKILL
+    assert "slot 0 (OMP_NUM_THREADS=" in killed.out and "slot 1 (OMP_NUM_THREADS=" in killed.out
+    for folder in held(hold):
+        assert (Path(folder) / "claim").is_file() and not (Path(folder) / "result.json").exists()
+
+    second = start(tiny.spec, out, "--launcher", "devices", "--workers", "2")
+    third = start(tiny.spec, out, "--launcher", "devices", "--workers", "2")
+    b, c = finish(second), finish(third)
+    assert b.code == 0, b.err[-3000:]
+    assert c.code == 0, c.err[-3000:]
+    both = b.out + c.out
+    for label, folder in runs(out).items():
+        trained = [line for line in both.splitlines() if line.startswith(f"{label}: training 6 steps")]
+        starts = fit_starts(folder)
+        if label.endswith("seed 0"):  # A's, killed at step 4: resumed once, by one of them
+            assert len(trained) == 1 and "(resumed from last.ckpt)" in trained[0], both
+            assert len(starts) == 2 and "resumed at step 3 of 6" in (folder / "run.log").read_text()
+        else:
+            assert len(trained) == 1 and "(new)" in trained[0], both
+            assert len(starts) == 1
+        assert figures(folder) == figures(runs(tiny.out)[label]), label
+    summary, reference = (json.loads((o / "tiny/summary.json").read_text()) for o in (out, tiny.out))
+    assert summary["results"] == reference["results"]
+
+
+def test_submitit_requeues_a_preempted_job_and_resubmits_a_killed_one(tiny):
+    """The local study's folder without its two tuning runs, through submitit's local executor (a spec of its own,
+    `launcher: {kind: slurm, cluster: local}`: the launcher is no part of what the study is). Both runs held after
+    step 4: xlstm's job gets SIGUSR2 (SLURM's warning before preemption or the time limit): its fit saves step 4 and
+    the job is requeued, resuming there; gpt's job is SIGKILLed with its fit: submitted again, it resumes at step 3.
+    Their figures are the local launcher's."""
+    out, hold = tiny.root / "submitit", tiny.root / "hold-submitit"
+    hold.mkdir()
+    shutil.copytree(tiny.out / "tiny", out / "tiny", ignore=shutil.ignore_patterns("launcher*"))
+    for label in LABELS[:2]:
+        shutil.rmtree(runs(out)[label])
+    spec = write_spec(tiny.root, "tiny-submitit.yaml",
+                      launcher={"kind": "slurm", "cluster": "local", "gpus_per_run": 0})
+    proc = start(spec, out, hold=hold)
+    wait_for(lambda: len(held(hold)) == 2, proc, what="both tuning jobs held at step 4")
+    fits = held(hold)
+    folders = {label: str(folder) for label, folder in runs(out).items()}
+    job_pid = {label: int((runs(out)[label] / "claim").read_text().split()[1]) for label in LABELS[:2]}
+    gpt, xlstm = LABELS[0], LABELS[1]
+    os.kill(job_pid[xlstm], signal.SIGUSR2)
+    wait_for(lambda: gone(fits[folders[xlstm]]), proc, what="xlstm's fit saving and exiting")
+    os.kill(job_pid[gpt], signal.SIGKILL)
+    os.kill(fits[folders[gpt]], signal.SIGKILL)
+    (hold / "release").touch()
+    done = finish(proc)
+    assert done.code == 0, done.err[-3000:] + done.out[-3000:]
+    assert "ended without a result" in done.out and "submitted again" in done.out
+    log = (runs(out)[xlstm] / "run.log").read_text()
+    assert "SIGTERM at step 4" in log and "resumed at step 4 of 6" in log and len(fit_starts(runs(out)[xlstm])) == 2
+    assert "resumed at step 3 of 6" in (runs(out)[gpt] / "run.log").read_text()
+    for label in LABELS:
+        assert figures(runs(out)[label]) == figures(runs(tiny.out)[label]), label
+
+
+def test_a_failing_run_is_reported_with_its_last_line_and_the_others_finish(tiny):
+    """xlstm has no n_kv_head: its fit stops at the command line; gpt's runs finish and the report holds them."""
+    spec = write_spec(tiny.root, "tiny-failing.yaml", name="failing", archs=["xlstm", "gpt"], baseline="gpt",
+                      seeds=[0], args=["--model.backbone.init_args.n_kv_head=1"])
+    out = tiny.root / "failing"
+    done = finish(start(spec, out))
+    assert done.code == 1, done.err[-3000:]
+    failed = "xlstm size16 lr=0.003 seed 0 failed (exit 2): ltcx: error: "
+    lines = done.err.splitlines()
+    assert lines[-1] == "ltcx: study failing: 1 runs failed (above); rerun the same command to retry them"
+    assert lines[-2].startswith(f"ltcx: failed: {failed}") and "n_kv_head" in lines[-2]
+    assert lines[-2].endswith(f"(see {out / 'failing/runs/xlstm/size16/lr0.003/seed0/run.log'}; rerun to resume)")
+    assert "gpt size16 lr=0.003 seed 0: val/recall_acc " in done.out and "tune: done 1 / running 0 / failed 1 / " \
+        "left 0" in done.out
+    assert "tune: xlstm size16: a tuning run failed, so no seeds run there until it is rerun" in done.out
+    summary = json.loads((out / "failing/summary.json").read_text())
+    assert [entry["arch"] for entry in summary["results"]] == ["gpt"]
+
+
+def test_the_report_is_written_again_from_the_folder_alone(tiny, capsys):
+    from ltcx.cli import main
+
+    out = tiny.root / "report"
+    shutil.copytree(tiny.out / "tiny", out / "tiny", ignore=shutil.ignore_patterns("summary.*", "report.html"))
+    main(["study", "--spec", str(tiny.spec), "--out", str(out), "--report_only"])
+    assert "wrote summary.json" in capsys.readouterr().out
+    written, reference = (json.loads((o / "tiny/summary.json").read_text()) for o in (out, tiny.out))
+    assert written["results"] == reference["results"]
+    assert not any("training" in line for line in capsys.readouterr().out.splitlines())
+
+
+# ----------------------------------------------------------------------------- without training
+
+
+def test_the_claim_is_the_lock_and_the_kernel_releases_it_with_its_process(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                               "from pathlib import Path; from ltcx.study.launch import try_claim; "
+                               "fd = try_claim(Path(sys.argv[2])); print(fd is not None, flush=True); "
+                               "import time; time.sleep(600)", str(ROOT), str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "True"
+        assert launch.try_claim(tmp_path) is None and launch.claimed(tmp_path)  # held by another process
+        assert (tmp_path / "claim").read_text().split()[1] == str(holder.pid)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not launch.claimed(tmp_path)  # its process died: the kernel released it
+    fd = launch.try_claim(tmp_path)
+    assert fd is not None
+    os.close(fd)
+
+
+def test_progress_counts_runs_and_estimates_the_time_left():
+    said = []
+    spec = SimpleNamespace(metric="recall_acc")
+    progress = launch.Progress(spec, "tune", 5, 2, said.append)
+    job = launch.Job(SimpleNamespace(label="gpt size16 lr=0.003 seed 0"))
+    progress.started()
+    progress.started()
+    progress.ended(job, {"val": {"val/recall_acc": 0.25}}, 60.0)
+    progress.ended(job, None, 0.0, failed=True)
+    assert said == ["gpt size16 lr=0.003 seed 0: val/recall_acc 0.2500",
+                    "tune: done 1 / running 1 / failed 0 / left 3, about 2 min left",  # 60 s x 4 runs / 2 slots
+                    "tune: done 1 / running 0 / failed 1 / left 3, about 2 min left"]  # 60 s x 3 / 2
+
+
+def test_the_dry_run_says_where_each_run_would_run(tmp_path, capsys):
+    from ltcx.cli import main
+
+    spec = write_spec(tmp_path)
+    main(["study", "--spec", str(spec), "--out", str(tmp_path / "results"), "--dry_run", "--launcher", "devices",
+          "--workers", "2"])
+    out = capsys.readouterr().out
+    assert "devices launcher" in out.splitlines()[0]
+    assert f"gpt size16 lr=0.003 seed 0: 6 steps [to run] on slot 0 (OMP_NUM_THREADS={THREADS}): ltcx fit " in out
+    assert f"xlstm size16 lr=0.003 seed 0: 6 steps [to run] on slot 1 (OMP_NUM_THREADS={THREADS}): ltcx fit " in out
+    main(["study", "--spec", str(write_spec(tmp_path, launcher={"kind": "slurm", "partition": "gpu", "time_min": 90,
+                                                                 "runs_per_job": 2})),
+          "--out", str(tmp_path / "results"), "--dry_run"])
+    out = capsys.readouterr().out
+    assert "xlstm size16 lr=0.003 seed 0: 6 steps [to run] on SLURM job 0, partition gpu, 90 min, 1 GPUs: " in out
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("launcher, message", [
+    ({"kind": "ray"}, "key 'launcher.kind' ('ray') must be local, devices or slurm"),
+    ({"workers": 0}, "key 'launcher.workers' (0) must be an integer >= 1"),
+    ({"nodes": 2}, "unknown key 'launcher.nodes': the keys are kind, workers, gpus_per_run"),
+    ("devices", "key 'launcher' ('devices') must be a mapping"),
+])
+def test_a_bad_launcher_key_is_one_line(tmp_path, launcher, message):
+    path = write_spec(tmp_path, launcher=launcher)
+    with pytest.raises(ConfigError) as error:
+        load_spec(path)
+    assert str(error.value) == f"study spec {path}: {message}" or str(error.value).startswith(
+        f"study spec {path}: {message}")
+
+
+def test_bad_launcher_flags_are_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    spec, out = str(write_spec(tmp_path)), str(tmp_path / "results")
+    line = one_error_line(["study", "--spec", spec, "--out", out, "--workers", "0"], capsys)
+    assert line == "ltcx: error: argument --workers: must be an integer >= 1, not '0' (see `ltcx study --help`)"
+    line = one_error_line(["study", "--spec", spec, "--out", out, "--launcher", "slurm", "--workers", "2"], capsys)
+    assert line == ("ltcx: error: launcher slurm: 'workers' applies to launcher devices only: leave it out or "
+                    "choose that kind")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    line = one_error_line(["study", "--spec", spec, "--out", out, "--launcher", "devices", "--workers", "3"], capsys)
+    assert line == ("ltcx: error: launcher devices: 3 workers x 1 GPUs per run but this machine shows 2 GPUs: give "
+                    "--workers 2 or fewer")
+    assert not (tmp_path / "results").exists()
