@@ -1,18 +1,33 @@
 """Speed and memory of each architecture, measured as ratios within one run.
 
     python scripts/benchmark.py --archs gpt ltc --batch_size 4 --seq_len 256
+    python scripts/benchmark.py --archs gpt xlstm titans_mag --width 256 --n_layer 4 --repeats 5   # a scaled shape
+    python scripts/benchmark.py --archs gpt --nanogpt /tmp/nanogpt_model.py   # karpathy/nanoGPT's model.py beside
     python scripts/benchmark.py --archs gpt --generate_tokens 512      # cached vs uncached generation
     python scripts/benchmark.py --archs gpt titans_mag titans_mag:memory_chunk_size=64   # override init_args
+    python scripts/benchmark.py --archs gpt xlstm --peak_memory --batch_size 24 --seq_len 512   # peak RSS per model
     python scripts/benchmark.py --data_loader sample --batch_size 24 --seq_len 512 --resume_tokens 10000000
     python scripts/benchmark.py --archs gpt ltc --compile          # also the torch.compile'd training step
     python scripts/benchmark.py --archs gpt gpt gta --decode_at 128   # gpt twice: the noise between two copies
     python scripts/benchmark.py --startup      # CPU seconds of the commands that answer without training
 
-For each architecture (its model block of configs/<arch>.yaml, vocabulary 50,304) it reports training
-tokens/s (forward + backward + AdamW) and its MFU (tokens/s x the backbone's flops_per_token / the peak
-FLOP/s of the device: a known GPU's dense bf16 peak, on a CPU the float32 matmul rate measured here, or
---peak_flops), prefill latency, cached decode latency per token, cache/state bytes per token and peak
-memory, prints a table and writes JSON.
+For each architecture (its model block of configs/<arch>.yaml, or with ``--width`` and ``--n_layer`` the
+catalogue's scaling of it, ``Architecture.scaled``; vocabulary ``--vocab_size``, 50,304) it reports training
+tokens/s and its MFU (tokens/s x the backbone's flops_per_token / the peak FLOP/s of the device: a known GPU's
+dense bf16 peak, on a CPU the float32 matmul rate measured here, or --peak_flops), prefill latency, cached decode
+latency per token, cache/state bytes per token and peak memory, prints a table and writes JSON.
+
+Training is timed as ltcx trains: ``LanguageModel.loss`` (the fused head and cross-entropy), backward, AdamW. All
+models' steps run interleaved in one process, round after round (the first model rotating), and each model's
+figure is the median of ``--repeats`` (at least 5) steps after one warm-up, so a load that drifts on a shared machine
+hits all alike and the ratios hold. ``--nanogpt PATH`` adds karpathy/nanoGPT's ``GPT`` read from a local copy of its
+model.py (never vendored), built at the shape of the first ``gpt`` model (multi-head attention, nanoGPT's own loss
+from full logits) and timed in the same rounds; ``--compile`` adds each model's ``torch.compile``d loss path
+(``LanguageModel(compile=True)``) to the rounds, with its compile time.
+
+``--peak_memory`` measures each model's peak training memory instead: one training step in a fresh process per
+(model, loss path) (``--memory_loss fused full``: ``LanguageModel.loss`` or the full ``[B, T, V]`` logits and
+``F.cross_entropy``), its peak resident set (``resource.getrusage`` max RSS) and its resident set before the step.
 
 ``--data_loader TEXT`` measures the data instead: a corpus made of TEXT's training files repeated (each copy's
 paragraphs tagged with the copy number, so that deduplication keeps them) is read as streaming text and, prepared
@@ -30,7 +45,9 @@ the interleaved rounds that make the ratios fair, and one table and JSON.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import platform
 import resource
 import statistics
@@ -45,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ltcx.generation import generate  # noqa: E402
+from ltcx.lm import LanguageModel  # noqa: E402
 from ltcx.models.catalog import CATALOG, build_configured  # noqa: E402
 from ltcx.models.state import map_state_tensors  # noqa: E402
 from ltcx.throughput import (  # noqa: E402
@@ -55,16 +73,169 @@ from ltcx.throughput import (  # noqa: E402
     prefilled_state,
     sync,
     timed,
-    training_step,
 )
 
 
-def build_backbone(arch: str, vocab_size: int, min_context: int) -> torch.nn.Module:
-    """The backbone of ``arch`` (a catalogue name, optionally ``name:key=value,...``) from its YAML."""
+def fail(message: str) -> None:
+    """A user error: one line, exit 2."""
+    print(f"benchmark: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def build_backbone(arch: str, args, min_context: int) -> torch.nn.Module:
+    """The backbone of ``arch`` (a catalogue name, optionally ``name:key=value,...``): from its YAML, or with
+    ``--width`` the catalogue's scaling of it to ``--width`` x ``--n_layer`` (heads of ``--head_dim``)."""
     try:
-        return build_configured(arch, vocab_size, min_context)
+        if args.width is None:
+            return build_configured(arch, args.vocab_size, min_context)
+        import yaml
+
+        name, _, overrides = arch.partition(":")
+        entry = CATALOG[name]
+        fields = entry.scaled(args.width, args.n_layer, args.seq_len, head_dim=args.head_dim)
+        for assignment in filter(None, overrides.split(",")):
+            key, _, value = assignment.partition("=")
+            fields[key] = yaml.safe_load(value)
+        if "block_size" in fields:
+            fields["block_size"] = max(fields["block_size"] or 0, min_context)
+        return entry.backbone_class()(**fields, vocab_size=args.vocab_size)
     except KeyError as error:
-        raise SystemExit(f"benchmark: {error.args[0]}") from None
+        fail(str(error.args[0]))
+
+
+def load_nanogpt(path: str):
+    """karpathy/nanoGPT's model.py from a local copy: the module (its ``GPT`` and ``GPTConfig``)."""
+    file = Path(path)
+    if not file.is_file():
+        fail(f"--nanogpt {path}: no such file; give a local copy of karpathy/nanoGPT's model.py")
+    spec = importlib.util.spec_from_file_location("nanogpt_model", file)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # noqa: BLE001 - whatever the file raises, one line
+        fail(f"--nanogpt {path}: cannot be imported ({type(error).__name__}: {error})")
+    if not all(hasattr(module, name) for name in ("GPT", "GPTConfig")):
+        fail(f"--nanogpt {path}: no GPT and GPTConfig in it; give karpathy/nanoGPT's model.py")
+    return module
+
+
+class Trainee:
+    """One model's training step (forward through its loss, backward, AdamW), a function of no arguments."""
+
+    def __init__(self, label: str, step, params: int, flops_per_token: float | None, tokens: int) -> None:
+        self.label, self.step, self.params, self.flops_per_token, self.tokens = (
+            label, step, params, flops_per_token, tokens)
+
+
+def loss_step(model: LanguageModel, batch: torch.Tensor, autocast, path: str = "fused"):
+    """One step of ``model`` on batch [B, T + 1]: ``LanguageModel.loss`` (fused head; ``path`` "full": the full
+    logits and ``F.cross_entropy``), backward, AdamW."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        with autocast:
+            if path == "fused":
+                loss = model.loss(batch)
+            else:
+                loss = model._cross_entropy(model.backbone(batch[:, :-1])[0], batch[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def nanogpt_trainee(module, shape: dict, args, device: torch.device, autocast) -> Trainee:
+    """nanoGPT's GPT at ``shape`` (a GPT's n_layer, n_head, n_embd, bias): its forward(idx, targets) loss."""
+    torch.manual_seed(0)
+    config = module.GPTConfig(block_size=args.seq_len, vocab_size=args.vocab_size, n_layer=shape["n_layer"],
+                              n_head=shape["n_head"], n_embd=shape["n_embd"], dropout=0.0, bias=shape["bias"])
+    model = module.GPT(config).to(device).train()
+    batch = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
+    inputs, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()  # its loss views the targets flat
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        with autocast:
+            _, loss = model(inputs, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    params = sum(p.numel() for p in model.parameters())  # tied weights once, position embeddings included
+    return Trainee("nanogpt", step, params, None, args.batch_size * args.seq_len)
+
+
+def interleaved_medians(trainees: list[Trainee], device: torch.device, repeats: int) -> dict[str, float]:
+    """{label: median seconds of a step}: one warm-up step each, then ``repeats`` rounds of one step of every
+    model, the first model rotating round by round."""
+    for trainee in trainees:
+        trainee.step()
+    samples: dict[str, list[float]] = {t.label: [] for t in trainees}
+    for round_index in range(repeats):
+        shift = round_index % len(trainees)
+        for trainee in trainees[shift:] + trainees[:shift]:
+            sync(device)
+            start = time.perf_counter()
+            trainee.step()
+            sync(device)
+            samples[trainee.label].append(time.perf_counter() - start)
+    return {label: statistics.median(values) for label, values in samples.items()}
+
+
+def memory_child(args) -> None:
+    """One training step of ``--memory_child`` in this (fresh) process; prints {"rss_before_mb", "peak_rss_mb"}."""
+    torch.set_flush_denormal(True)
+    torch.manual_seed(0)
+    device = torch.device(args.device)
+    if args.memory_child == "nanogpt":
+        trainee = nanogpt_trainee(load_nanogpt(args.nanogpt), json.loads(args.nanogpt_shape), args, device,
+                                  nullcontext())
+        step = trainee.step
+    else:
+        model = LanguageModel(build_backbone(args.memory_child, args, args.seq_len)).to(device).train()
+        batch = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
+        step = loss_step(model, batch, nullcontext(), args.memory_child_loss)
+    before = _resident_mb()
+    step()
+    print(json.dumps({"rss_before_mb": before, "peak_rss_mb": peak_memory_mb(torch.device("cpu"))}))
+
+
+def _resident_mb() -> float | None:
+    status = Path("/proc/self/status")
+    if not status.is_file():
+        return None
+    for line in status.read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return None
+
+
+def bench_peak_memory(args, gpt_shape: dict | None) -> list[dict]:
+    """Each (model, loss path) in a fresh process: its peak resident set over one training step."""
+    import subprocess
+
+    results = []
+    archs = list(args.archs) + (["nanogpt"] if args.nanogpt else [])
+    for arch in archs:
+        for path in (["full"] if arch == "nanogpt" else args.memory_loss):
+            command = [sys.executable, str(Path(__file__).resolve()), "--memory_child", arch, "--memory_child_loss",
+                       path, "--batch_size", str(args.batch_size), "--seq_len", str(args.seq_len),
+                       "--vocab_size", str(args.vocab_size), "--device", args.device]
+            if args.width is not None:
+                command += ["--width", str(args.width), "--n_layer", str(args.n_layer), "--head_dim",
+                            str(args.head_dim)]
+            if arch == "nanogpt":
+                command += ["--nanogpt", args.nanogpt, "--nanogpt_shape", json.dumps(gpt_shape)]
+            env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
+            run = subprocess.run(command, capture_output=True, text=True, env=env)
+            if run.returncode != 0:
+                fail(f"peak memory of {arch} ({path}): {(run.stderr.strip().splitlines() or ['failed'])[-1]}")
+            result = {"arch": arch, "loss": path, **json.loads(run.stdout.strip().splitlines()[-1])}
+            results.append(result)
+            print(f"{arch:<40} {path:<6} peak RSS {result['peak_rss_mb']:8.0f} MiB "
+                  f"(before the step {result['rss_before_mb'] or 0:6.0f} MiB)", flush=True)
+    return results
 
 
 def state_bytes(state) -> int:
@@ -79,40 +250,28 @@ def state_bytes(state) -> int:
     return total
 
 
-def bench_arch(arch: str, args, device: torch.device, peak_flops: float | None) -> dict:
+def build_arch(arch: str, args, device: torch.device) -> tuple[torch.nn.Module, list[Trainee]]:
+    """The backbone of ``arch`` and its training steps: eager, and compiled with ``--compile``."""
     torch.manual_seed(0)
-    model = build_backbone(arch, 50304, max(args.seq_len, args.generate_tokens)).to(device)
-    autocast = (
-        torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
-    )
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    idx = torch.randint(0, 50304, (args.batch_size, args.seq_len + 1), device=device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    train_step = training_step(lambda i: model(i)[0], idx, optimizer, autocast)
-    model.train()
-    tokens = args.batch_size * args.seq_len
-    train_s = timed(train_step, device, args.repeats)
-    flops_per_token = model_flops_per_token(model, args.seq_len)
-    result = {
-        "arch": arch,
-        "params": model.parameter_count(),
-        "train_tokens_per_s": tokens / train_s,
-        "train_flops_per_token": flops_per_token,
-        "mfu": None if peak_flops is None else tokens / train_s * flops_per_token / peak_flops,
-    }
+    model = build_backbone(arch, args, max(args.seq_len, args.generate_tokens)).to(device).train()
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
+    batch = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
+    tokens, flops = args.batch_size * args.seq_len, model_flops_per_token(model, args.seq_len)
+    trainees = [Trainee(arch, loss_step(LanguageModel(model), batch, autocast), model.parameter_count(), flops,
+                        tokens)]
     if args.compile:
-        # The logits alone, as LanguageModel compiles them (a state among a compiled graph's outputs is not needed
-        # for training, and torch 2.13's AOTAutograd cache rebuilds such outputs wrongly).
-        compiled_step = training_step(torch.compile(lambda i: model(i)[0]), idx, optimizer, autocast)
-        start = time.perf_counter()
-        compiled_step()  # compiles forward and backward
-        sync(device)
-        result["compile_s"] = time.perf_counter() - start
-        compiled_s = timed(compiled_step, device, args.repeats)
-        result["compiled_train_tokens_per_s"] = tokens / compiled_s
-        result["compiled_vs_eager"] = train_s / compiled_s
+        compiled = LanguageModel(model, compile=True)
+        compiled.configure_model()  # compiles forward_hidden, as a fit with compile: true does
+        trainees.append(Trainee(arch + " (compiled)", loss_step(compiled, batch, autocast), model.parameter_count(),
+                                flops, tokens))
+    return model, trainees
+
+
+def bench_arch(arch: str, model: torch.nn.Module, args, device: torch.device) -> dict:
+    """Prefill, decode, state size (and generation, the token loop's training) of one built model."""
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
+    idx = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
+    result = {}
     model.eval()
     with torch.no_grad(), autocast:
         prompt = idx[:, : args.seq_len]
@@ -138,11 +297,20 @@ def bench_arch(arch: str, args, device: torch.device, peak_flops: float | None) 
             result["generate_uncached_s"] = uncached_s
     if args.recurrent_baseline and hasattr(model, "forward_recurrent"):
         model.train()
-        recurrent_train_step = training_step(lambda i: model.forward_recurrent(i)[0], idx, optimizer, autocast)
-        seconds = timed(recurrent_train_step, device, 1, 0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def recurrent_step() -> None:
+            with autocast:
+                logits = model.forward_recurrent(idx[:, :-1])[0]
+                loss = LanguageModel._cross_entropy(logits, idx[:, 1:])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        seconds = timed(recurrent_step, device, 1, 0)
         result["recurrent_train_tokens_per_s"] = args.batch_size * args.seq_len / seconds
     result["peak_memory_mb"] = peak_memory_mb(device)
-    return result, model
+    return result
 
 
 def decode_at(models: dict, args, device: torch.device) -> dict:
@@ -276,6 +444,28 @@ def bench_startup(args) -> list[dict]:
     return results
 
 
+def gpt_shape(args) -> dict | None:
+    """The shape nanoGPT is built at: the first ``gpt`` model's n_layer, n_head, n_embd and bias."""
+    for arch in args.archs:
+        if arch.partition(":")[0] == "gpt":
+            config = build_backbone(arch, args, args.seq_len).config
+            return {"n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd, "bias": config.bias}
+    return None
+
+
+def stamp(argv: list[str]) -> dict:
+    """Commit, command, machine and load: what a table of these figures is stamped with."""
+    import subprocess
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "ltcx", "scripts"], cwd=ROOT,
+                           capture_output=True, text=True)
+    return {"commit": (commit.stdout.strip() or None) and commit.stdout.strip() + ("+" if dirty.stdout.strip() else ""),
+            "command": " ".join(["python", "scripts/benchmark.py", *argv]),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}",
+            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--archs", nargs="+", default=["gpt"],
@@ -283,8 +473,17 @@ def main() -> None:
                         "init_args")
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--seq_len", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--width", type=int, default=None,
+                        help="build every model at this width with the catalogue's scaling rule (default: the YAMLs)")
+    parser.add_argument("--n_layer", type=int, default=4, help="with --width: the number of blocks")
+    parser.add_argument("--head_dim", type=int, default=64, help="with --width: the attention heads' width")
+    parser.add_argument("--vocab_size", type=int, default=50304)
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed runs of each measurement (training: at least 5 interleaved rounds)")
     parser.add_argument("--dtype", choices=["float32", "bf16"], default="float32")
+    parser.add_argument("--nanogpt", default=None, metavar="PATH",
+                        help="also train karpathy/nanoGPT's GPT from this local copy of its model.py, at the first "
+                             "gpt model's shape")
     parser.add_argument("--generate_tokens", type=int, default=0, help="also time generating this many tokens")
     parser.add_argument("--decode_at", type=int, nargs="*", default=[],
                         help="also time one cached decode step (batch --decode_batch) after this many tokens")
@@ -292,7 +491,14 @@ def main() -> None:
     parser.add_argument("--recurrent_baseline", action="store_true",
                         help="also time training through forward_recurrent (token by token), where a model has it")
     parser.add_argument("--compile", action="store_true",
-                        help="also time the training step of torch.compile(model) (its ratio to eager, compile time)")
+                        help="also time each model's torch.compile'd loss path in the same rounds (ratio, compile s)")
+    parser.add_argument("--peak_memory", action="store_true",
+                        help="measure each model's peak training memory (a fresh process per model and loss path)")
+    parser.add_argument("--memory_loss", nargs="+", choices=["fused", "full"], default=["fused"],
+                        help="with --peak_memory: the loss paths (fused head, or full logits)")
+    parser.add_argument("--memory_child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--memory_child_loss", default="fused", help=argparse.SUPPRESS)
+    parser.add_argument("--nanogpt_shape", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--peak_flops", type=float, default=None,
                         help="FLOP/s of the device for MFU (default: a known GPU's dense bf16 peak, or on a CPU the "
                              "measured float32 matmul rate)")
@@ -306,13 +512,26 @@ def main() -> None:
     parser.add_argument("--prepare_proc", type=int, default=2, help="with --data_loader: ltcx prepare's processes")
     parser.add_argument("--startup", action="store_true", help="measure the CPU time of help and argument errors")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.memory_child:
+        memory_child(args)
+        return
     if args.data_loader or args.startup:
         results = bench_data(args) if args.data_loader else bench_startup(args)
         Path(args.out).write_text(json.dumps({"meta": vars(args), "results": results}, indent=2))
         print(f"wrote {args.out}")
         return
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    meta = stamp(sys.argv[1:])
+    nanogpt = load_nanogpt(args.nanogpt) if args.nanogpt else None  # a bad path: one line before any model
+    shape = gpt_shape(args)
+    if nanogpt is not None and shape is None:
+        fail("--nanogpt is built at the shape of a gpt model: name gpt among --archs")
+    if args.peak_memory:
+        results = bench_peak_memory(args, shape)
+        Path(args.out).write_text(json.dumps({"meta": {**meta, **vars(args)}, "results": results}, indent=2))
+        print(f"wrote {args.out}")
+        return
     # Products of tiny decay factors (Titans' memory, xLSTM's gates) reach float32 denormals, which are
     # very slow on CPUs; flushing them to zero changes no figure that matters and times the real work.
     torch.set_flush_denormal(True)
@@ -322,32 +541,62 @@ def main() -> None:
         peak_flops, source = args.peak_flops, "--peak_flops"
     else:
         peak_flops, source = default_peak_flops(device)
-    results, models = [], {}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    models, trainees = {}, []
     for arch in args.archs:
         label = arch
         while label in models:  # the same architecture twice: the spread between the copies is the noise floor
             label += "'"
-        result, models[label] = bench_arch(arch, args, device, peak_flops)
-        result["arch"] = label
+        models[label], built = build_arch(arch, args, device)
+        for trainee in built:
+            trainee.label = trainee.label.replace(arch, label, 1)
+        trainees += built
+    if nanogpt is not None:
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
+        trainees.append(nanogpt_trainee(nanogpt, shape, args, device, autocast))
+    compile_s = {}
+    for trainee in trainees:
+        if trainee.label.endswith(" (compiled)"):
+            start = time.perf_counter()
+            trainee.step()  # compiles forward and backward
+            sync(device)
+            compile_s[trainee.label] = time.perf_counter() - start
+    step_s = interleaved_medians(trainees, device, max(5, args.repeats))
+    base = trainees[0].tokens / step_s[trainees[0].label]
+    results = []
+    for trainee in trainees:
+        rate = trainee.tokens / step_s[trainee.label]
+        result = {"arch": trainee.label, "params": trainee.params, "train_step_s": step_s[trainee.label],
+                  "train_tokens_per_s": rate, "vs_first": rate / base, "train_flops_per_token": trainee.flops_per_token,
+                  "mfu": None if peak_flops is None or trainee.flops_per_token is None
+                  else rate * trainee.flops_per_token / peak_flops}
+        eager = trainee.label.removesuffix(" (compiled)")
+        if trainee.label in compile_s:
+            result["compile_s"] = compile_s[trainee.label]
+            result["compiled_vs_eager"] = step_s[eager] / step_s[trainee.label]
+        if trainee.label in models:
+            result.update(bench_arch(trainee.label, models[trainee.label], args, device))
         results.append(result)
     if args.decode_at:
         decode_times = decode_at(models, args, device)
         for result in results:
-            result.update(decode_times[result["arch"]])
-    base = results[0]["train_tokens_per_s"]
+            result.update(decode_times.get(result["arch"], {}))
+    meta["load_average_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     columns = ["arch", "params", "train_tokens_per_s", "vs_first", "mfu", "prefill_ms", "decode_ms_per_token",
                "state_bytes_per_token", "state_bytes_per_sequence", "peak_memory_mb"]
     if args.compile:
-        columns += ["compiled_train_tokens_per_s", "compiled_vs_eager", "compile_s"]
+        columns += ["compiled_vs_eager", "compile_s"]
     if args.generate_tokens:
         columns += ["generate_cached_s", "generate_uncached_s"]
     columns += [f"decode_ms_at_{p}" for p in args.decode_at]
     if args.recurrent_baseline:
         columns += ["recurrent_train_tokens_per_s"]
-    for r in results:
-        r["vs_first"] = r["train_tokens_per_s"] / base
     print(f"device={device} dtype={args.dtype} batch={args.batch_size} seq_len={args.seq_len} "
           f"torch={torch.__version__}")
+    print(f"commit {meta['commit']}, `{meta['command']}`, {meta['machine']}, load average "
+          f"{meta['load_average'][0]:.2f} before, {meta['load_average_after'][0]:.2f} after"
+          if meta["load_average"] else f"commit {meta['commit']}, `{meta['command']}`, {meta['machine']}")
     if matmul_flops is not None:
         print(f"measured float32 matmul rate: {matmul_flops / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
     print("MFU peak: "
@@ -355,10 +604,10 @@ def main() -> None:
     print(" | ".join(columns))
     for r in results:
         print(" | ".join(f"{r.get(c):.3g}" if isinstance(r.get(c), float) else str(r.get(c, "-")) for c in columns))
-    meta = {"device": str(device), "dtype": args.dtype, "batch_size": args.batch_size, "seq_len": args.seq_len,
-            "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(), "peak_flops": peak_flops, "peak_source": source,
-            "matmul_fp32_flops": matmul_flops}
+    meta.update({"device": str(device), "dtype": args.dtype, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                 "torch": torch.__version__, "processor": platform.processor() or platform.machine(),
+                 "threads": torch.get_num_threads(), "peak_flops": peak_flops, "peak_source": source,
+                 "matmul_fp32_flops": matmul_flops})
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     print(f"wrote {args.out}")
 
