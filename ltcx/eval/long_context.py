@@ -234,20 +234,30 @@ def evaluate_task(
     return result
 
 
+def _colours(results: Sequence[dict]) -> dict[str, Any]:
+    """One colour per label, the same in every panel (a model's needle and MQAR runs share its label)."""
+    plt = _pyplot()
+    labels = list(dict.fromkeys(r["label"] for r in results))
+    palette = plt.get_cmap("tab10" if len(labels) <= 10 else "tab20")
+    return {label: palette(i % palette.N) for i, label in enumerate(labels)}
+
+
 def plot_accuracy_by_length(results: Sequence[dict], path: str) -> None:
     """A PNG of exact-match accuracy against length (log2 axis): the needle (mean over depths) and MQAR (solid:
-    pairs kept; dashed: pairs scaled with the length), one line per result (``label``); dotted: the training
-    length; a line that ends early ends at its model's context limit."""
+    pairs kept; dashed: pairs scaled with the length), one colour per result label (one legend for both panels);
+    dotted: the training length; a line that ends early ends at its model's context limit."""
     plt = _pyplot()
-    figure, panels = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    colours = _colours(results)
+    figure, panels = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True, layout="constrained")
     titles = {"needle": "needle in a haystack (mean over depths)", "mqar": "MQAR (solid: pairs kept; dashed: scaled)"}
     for axes, task in zip(panels, TASKS):
         shown = [r for r in results if r["task"] == task]
         for result in shown:
-            (line,) = axes.plot(result["lengths"], result["accuracy"], marker="o", label=result["label"])
+            colour = colours[result["label"]]
+            axes.plot(result["lengths"], result["accuracy"], marker="o", color=colour, label=result["label"])
             if task == "mqar":
                 axes.plot(result["scaled"]["lengths"], result["scaled"]["accuracy"], marker="x", linestyle="--",
-                          color=line.get_color())
+                          color=colour)
         for length in sorted({r["train_length"] for r in shown}):
             axes.axvline(length, color="grey", linestyle=":", linewidth=1)
         axes.set_xscale("log", base=2)
@@ -255,10 +265,10 @@ def plot_accuracy_by_length(results: Sequence[dict], path: str) -> None:
         axes.set_title(titles[task] if shown else f"{titles[task]}: no model")
         axes.set_ylim(-0.03, 1.03)
         axes.grid(alpha=0.3)
-        if shown:
-            axes.legend(fontsize="small")
     panels[0].set_ylabel("exact-match accuracy")
-    figure.tight_layout()
+    handles = {h.get_label(): h for axes in panels for h in axes.get_lines() if not h.get_label().startswith("_")}
+    if handles:
+        figure.legend(handles.values(), handles.keys(), loc="outside right upper", fontsize="small")
     figure.savefig(path, dpi=110, format="png")
     plt.close(figure)
 
@@ -270,7 +280,8 @@ def plot_needle_heatmaps(results: Sequence[dict], path: str) -> None:
     shown = [r for r in results if r["task"] == "needle"]
     columns = min(3, max(1, len(shown)))
     rows = max(1, -(-len(shown) // columns))
-    figure, panels = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.2 * rows), squeeze=False)
+    figure, panels = plt.subplots(rows, columns, figsize=(4.4 * columns + 1, 3.3 * rows), squeeze=False,
+                                  layout="constrained")
     lengths = sorted({n for r in shown for n in r["lengths"]} | {r["train_length"] * f for r in shown
                                                                   for f in r.get("factors", ())})
     image = None
@@ -290,14 +301,14 @@ def plot_needle_heatmaps(results: Sequence[dict], path: str) -> None:
         axes.set_yticks(range(len(result["depths"])), [f"{d:.0%}" for d in result["depths"]])
         axes.set_xlabel(f"length (trained at {result['train_length']})")
         axes.set_ylabel("needle depth")
-        axes.set_title(result["label"], fontsize="medium")
+        axes.set_title(result["label"], fontsize="small")
     for axes in list(panels.flat)[len(shown):]:
         axes.axis("off")
         if not shown:
             axes.text(0.5, 0.5, "no needle model", ha="center", va="center")
     if image is not None:
-        figure.colorbar(image, ax=panels.ravel().tolist(), shrink=0.8, label="exact-match accuracy")
-    figure.savefig(path, dpi=110, format="png", bbox_inches="tight")
+        figure.colorbar(image, ax=panels, shrink=0.8, label="exact-match accuracy")
+    figure.savefig(path, dpi=110, format="png")
     plt.close(figure)
 
 

@@ -93,7 +93,7 @@ def train_cpu_default(out: Path, say: Callable[[str], None] = print) -> list[tup
         done = root / "done.json"
         if done.is_file():
             say(f"{run.name}: trained before, kept")
-            trained.append((run.label, Path(json.loads(done.read_text())["checkpoint"])))
+            trained.append((run.label, root / json.loads(done.read_text())["checkpoint"]))
             continue
         args, checkpoint = run.fit_args(root), latest_checkpoint(root)
         if checkpoint is not None:
@@ -105,6 +105,6 @@ def train_cpu_default(out: Path, say: Callable[[str], None] = print) -> list[tup
         if code != 0 or final is None:
             raise LtcxError(f"{run.name} failed (exit {code}): {last_line(root / 'run.log')} (see {root / 'run.log'}; "
                             "rerun to resume)")
-        done.write_text(json.dumps({"checkpoint": str(final)}) + "\n")
+        done.write_text(json.dumps({"checkpoint": str(final.relative_to(root))}) + "\n")  # the folder may move
         trained.append((run.label, final))
     return trained
