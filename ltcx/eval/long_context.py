@@ -8,6 +8,11 @@ log-probability of its answer tokens (nats), which moves before accuracy does. T
 same at every depth (the batch's seed is ``(seed, split, length, batch)``), so depths are compared on paired data.
 A backbone with a context limit (``max_seq_len``) is scored up to it; the longer lengths are left out, named in one
 line (``ScoreGrid.note``, printed to stderr).
+
+``ltcx evaluate --task long_context`` (``ltcx/cli/evaluate_long_context.py``) reads a checkpoint's task from its data
+settings (``trained_task``), checks it at every length and depth (``check_task``), scores it (``evaluate_task``: a
+JSON-ready dict) and draws accuracy against length (``plot_accuracy_by_length``) and the needle's heatmaps
+(``plot_needle_heatmaps``).
 """
 
 from __future__ import annotations
