@@ -117,19 +117,13 @@ def _step_sizes(step: Tensor, k: Tensor, h: Tensor, delta1: Tensor, delta2: Tens
     return step / step_curvature(k, h, delta1, delta2) if normalize else step
 
 
-def _baddbmm(c: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
-    """c + alpha (a @ b) in one kernel for any leading dims [...] (torch.baddbmm takes one)."""
-    lead = a.shape[:-2]
-    out = torch.baddbmm(c.flatten(0, -3), a.flatten(0, -3), b.flatten(0, -3), alpha=alpha)
-    return out.view(*lead, *out.shape[-2:])
-
-
 class _Piece(NamedTuple):
-    """What a piece of n tokens needs that no memory state changes (computed for all pieces of a size at once).
+    """What a piece of n tokens needs that no memory state changes (computed for all pieces of a size at once);
+    batch and heads flattened into one leading dim [BH].
 
-    decay [B, H, n, n]: C[t, i] / theta_i = sum_{i<=j<=t} (A_t / A_j)(E_j / E_i); qk [B, H, n, n] = q k^T;
-    a_q, d_q [B, H, n, dk] = A_t q_t, D_t q_t; a, d [B, H, n, 1] = A_t, D_t; momentum_last [B, H, n] = E_n / E_i;
-    ends [B, H, 3, 1, 1] = (A_n, D_n, E_n), the carry of (W, S) through the piece.
+    decay [BH, n, n]: C[t, i] / theta_i = sum_{i<=j<=t} (A_t / A_j)(E_j / E_i); qk [BH, n, n] = q k^T;
+    a_q, d_q [BH, n, dk] = A_t q_t, D_t q_t; a, d [BH, n, 1] = A_t, D_t; momentum_last [BH, n] = E_n / E_i;
+    ends [BH, 3, 1, 1] = (A_n, D_n, E_n), the carry of (W, S) through the piece.
     """
 
     decay: Tensor
@@ -143,15 +137,16 @@ class _Piece(NamedTuple):
 
 
 def _pieces(q: Tensor, k: Tensor, log_retain: Tensor, log_momentum: Tensor, sizes: list[int]) -> list[_Piece]:
-    """The state-free part of every piece: pieces of one size batched as [B, H, N, n, ...], then unbound."""
+    """The state-free part of every piece (q, k [BH, T, dk], gates [BH, T]): pieces of one size batched as
+    [BH, N, n, ...], then unbound."""
     runs = [(n, len(list(group))) for n, group in itertools.groupby(sizes)]
     spans = [n * count for n, count in runs]
     pieces: list[_Piece] = []
     for (n, count), q_r, k_r, retain_r, momentum_r in zip(
-        runs, q.split(spans, dim=2), k.split(spans, dim=2), log_retain.split(spans, dim=-1),
+        runs, q.split(spans, dim=1), k.split(spans, dim=1), log_retain.split(spans, dim=-1),
         log_momentum.split(spans, dim=-1),
     ):
-        q_r, k_r = q_r.unflatten(2, (count, n)), k_r.unflatten(2, (count, n))  # [B, H, N, n, dk]
+        q_r, k_r = q_r.unflatten(1, (count, n)), k_r.unflatten(1, (count, n))  # [BH, N, n, dk]
         retain_r, momentum_r = retain_r.unflatten(-1, (count, n)), momentum_r.unflatten(-1, (count, n))
         retain = torch.exp(retain_r.cumsum(-1))  # A_t
         momentum = torch.exp(momentum_r.cumsum(-1))  # E_t
@@ -162,7 +157,7 @@ def _pieces(q: Tensor, k: Tensor, log_retain: Tensor, log_momentum: Tensor, size
         ends = torch.stack([retain[..., -1], carried[..., -1], momentum[..., -1]], dim=-1)[..., None, None]
         fields = (retain_ratio @ momentum_ratio, q_r @ k_r.transpose(-1, -2), a * q_r, d * q_r, a, d,
                   momentum_ratio[..., -1, :], ends)
-        pieces += [_Piece(*piece) for piece in zip(*(x.unbind(2) for x in fields))]
+        pieces += [_Piece(*piece) for piece in zip(*(x.unbind(1) for x in fields))]
     return pieces
 
 
@@ -170,35 +165,37 @@ def _memory_chunk(
     q: Tensor, k: Tensor, kv2: Tensor, k2: Tensor, step: Tensor, piece: _Piece, w1s_t: Tensor, w2s_t: Tensor,
     weights: tuple[Tensor, Tensor, Tensor, Tensor], normalize: bool,
 ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
-    """n tokens of one chunk (all gradients at the chunk start) in closed form -> (y [B, H, n, dk], weights after it).
+    """n tokens of one chunk (all gradients at the chunk start) in closed form -> (y [BH, n, dk], weights after it).
 
-    The weights are carried transposed, weights = (W1^T, S1^T [B, H, dk, dm], W2^T, S2^T [B, H, dm, dk]), so that
-    every product reads them as its right operand; w1s_t = W1^T and w2s_t = W2^T at the chunk start;
-    kv2 = 2 (k - v), k2 = ||k||^2.
+    Batch and heads are one leading dim [BH], so every product is one ``bmm``/``baddbmm``. The weights are carried
+    transposed, weights = (W1^T, S1^T [BH, dk, dm], W2^T, S2^T [BH, dm, dk]), so that every product reads them as
+    its right operand; w1s_t = W1^T and w2s_t = W2^T at the chunk start; kv2 = 2 (k - v), k2 = ||k||^2.
     """
     w1_t, s1_t, w2_t, s2_t = weights
-    h, gelu_grad = _gelu_with_derivative(k @ w1s_t)
-    delta2 = _baddbmm(kv2, h, w2s_t, alpha=2.0)  # 2 (M(k) - v)
-    delta1 = (delta2 @ w2s_t.transpose(-1, -2)) * gelu_grad
+    h, gelu_grad = _gelu_with_derivative(torch.bmm(k, w1s_t))
+    delta2 = torch.baddbmm(kv2, h, w2s_t, alpha=2.0)  # 2 (M(k) - v)
+    delta1 = torch.bmm(delta2, w2s_t.transpose(-1, -2)) * gelu_grad
     if normalize:  # theta / kappa, kappa as step_curvature with ||k||^2 computed once for all chunks
         theta = step / (h.square().sum(-1) + k2 * delta1.square().sum(-1) / (delta2.square().sum(-1) + 1e-6))
     else:
         theta = step
-    coeff = piece.decay * theta.unsqueeze(-2)  # C [B, H, n, n], lower-triangular
+    coeff = piece.decay * theta.unsqueeze(-2)  # C [BH, n, n], lower-triangular
 
     # y_t = M(q_t; W_t) without forming W_t: W1_t q_t and W2_t GELU(W1_t q_t) expanded by the closed form.
-    hidden = F.gelu(_baddbmm(_baddbmm(piece.a_q @ w1_t, piece.d_q, s1_t), coeff * piece.qk, delta1, alpha=-1.0))
-    y = _baddbmm(_baddbmm(q, piece.a * hidden, w2_t), piece.d * hidden, s2_t)
-    y = _baddbmm(y, coeff * (hidden @ h.transpose(-1, -2)), delta2, alpha=-1.0)
+    hidden = torch.baddbmm(torch.bmm(piece.a_q, w1_t), piece.d_q, s1_t)
+    hidden = F.gelu(torch.baddbmm(hidden, coeff * piece.qk, delta1, alpha=-1.0))
+    y = torch.baddbmm(torch.baddbmm(q, piece.a * hidden, w2_t), piece.d * hidden, s2_t)
+    y = torch.baddbmm(y, coeff * torch.bmm(hidden, h.transpose(-1, -2)), delta2, alpha=-1.0)
 
-    # State after the chunk's last token: rank-n corrections of the carried weights and momentum.
-    a_n, d_n, e_n = piece.ends.unbind(2)  # [B, H, 1, 1] each
+    # State after the chunk's last token: rank-n corrections of the carried weights and momentum (A_n W + D_n S
+    # accumulated in place into the new tensor: nothing saved for the backward reads it).
+    a_n, d_n, e_n = piece.ends.unbind(1)  # [BH, 1, 1] each
     last_coeff = coeff[..., -1, :].unsqueeze(-1)  # C[n, i]
     last_momentum = (theta * piece.momentum_last).unsqueeze(-1)  # theta_i E_n / E_i
-    new_w1 = _baddbmm(torch.addcmul(a_n * w1_t, d_n, s1_t), (k * last_coeff).transpose(-1, -2), delta1, alpha=-1.0)
-    new_w2 = _baddbmm(torch.addcmul(a_n * w2_t, d_n, s2_t), (h * last_coeff).transpose(-1, -2), delta2, alpha=-1.0)
-    new_s1 = _baddbmm(e_n * s1_t, (k * last_momentum).transpose(-1, -2), delta1, alpha=-1.0)
-    new_s2 = _baddbmm(e_n * s2_t, (h * last_momentum).transpose(-1, -2), delta2, alpha=-1.0)
+    new_w1 = torch.baddbmm((s1_t * d_n).addcmul_(a_n, w1_t), (k * last_coeff).transpose(-1, -2), delta1, alpha=-1.0)
+    new_w2 = torch.baddbmm((s2_t * d_n).addcmul_(a_n, w2_t), (h * last_coeff).transpose(-1, -2), delta2, alpha=-1.0)
+    new_s1 = torch.baddbmm(s1_t * e_n, (k * last_momentum).transpose(-1, -2), delta1, alpha=-1.0)
+    new_s2 = torch.baddbmm(s2_t * e_n, (h * last_momentum).transpose(-1, -2), delta2, alpha=-1.0)
     return y, (new_w1, new_s1, new_w2, new_s2)
 
 
@@ -218,17 +215,21 @@ def neural_memory(
     the query scalings, 2 (k - v), ||k||^2) is computed for all chunks at once before the loop.
     """
     w1_start, w2_start, w1, w2, s1, s2 = state
-    length = q.shape[2]
+    batch, heads, length, _ = q.shape
     if length == 0:
         return q.new_zeros(q.shape), state
     sizes = chunk_sizes(position, length, chunk_size)
-    weights = tuple(x.transpose(-1, -2) for x in (w1, s1, w2, s2))
-    w1s_t, w2s_t = w1_start.transpose(-1, -2), w2_start.transpose(-1, -2)
+    q, k, v, log_retain, log_momentum, step = (x.flatten(0, 1) for x in (q, k, v, log_retain, log_momentum, step))
+    weights = tuple(x.transpose(-1, -2).flatten(0, 1) for x in (w1, s1, w2, s2))
+    if w1_start is w1 and w2_start is w2:  # at a chunk boundary (or M_0): the same tensors, no second copy
+        w1s_t, w2s_t = weights[0], weights[2]
+    else:
+        w1s_t, w2s_t = (x.transpose(-1, -2).flatten(0, 1) for x in (w1_start, w2_start))
     pieces = _pieces(q, k, log_retain, log_momentum, sizes)
     kv2, k2 = 2.0 * (k - v), k.square().sum(-1)
     # torch.split, not slicing in the loop: the backward of a split is one concatenation, where each
     # slice's backward would fill a zero tensor of the whole sequence (quadratic in the number of chunks).
-    per_chunk = zip(*(x.split(sizes, dim=2) for x in (q, k, kv2)), *(x.split(sizes, dim=-1) for x in (k2, step)))
+    per_chunk = zip(*(x.split(sizes, dim=1) for x in (q, k, kv2)), *(x.split(sizes, dim=-1) for x in (k2, step)))
     outputs = []
     for n, piece, (q_c, k_c, kv2_c, k2_c, step_c) in zip(sizes, pieces, per_chunk):
         y, weights = _memory_chunk(q_c, k_c, kv2_c, k2_c, step_c, piece, w1s_t, w2s_t, weights, normalize_step)
@@ -236,10 +237,14 @@ def neural_memory(
         position += n
         if chunk_size is not None and position % chunk_size == 0:
             w1s_t, w2s_t = weights[0], weights[2]
-    w1, s1, w2, s2 = (x.transpose(-1, -2) for x in weights)
-    at_start = w1s_t is weights[0]  # the start is the current weights: the same objects, as the recurrent form
-    start = (w1, w2) if at_start else (w1s_t.transpose(-1, -2), w2s_t.transpose(-1, -2))
-    return torch.cat(outputs, dim=2), MemoryState(*start, w1, w2, s1, s2)
+
+    def unflat(x: Tensor) -> Tensor:  # [BH, r, c] -> [B, H, c, r]
+        return x.unflatten(0, (batch, heads)).transpose(-1, -2)
+
+    w1, s1, w2, s2 = (unflat(x) for x in weights)
+    # the start is the current weights at a boundary: the same objects, as the recurrent form returns
+    start = (w1, w2) if w1s_t is weights[0] else (unflat(w1s_t), unflat(w2s_t))
+    return torch.cat(outputs, dim=1).unflatten(0, (batch, heads)), MemoryState(*start, w1, w2, s1, s2)
 
 
 def chunk_sizes(position: int, length: int, chunk_size: int | None) -> list[int]:
