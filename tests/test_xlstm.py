@@ -221,6 +221,30 @@ def test_model_token_recurrence_equals_the_parallel_forms_float64(backend):
         _assert_states_close([t for blk in step_state for t in blk], [t for blk in state for t in blk], **F64)
 
 
+def test_decode_keeps_the_rearranged_recurrence_until_r_changes():
+    """The sLSTM block keeps R rearranged ([H, Dh, 4 Dh]) between decode steps; a write into R rebuilds it, so the
+    next step equals a model built with the new R."""
+    model = _tiny_model()
+    block = model.blocks[1]
+    idx = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        _, state = model(idx[:, :5])
+        model(idx[:, 5:], state)
+        kept = block.__dict__["_derived_recurrent"][1]
+        model(idx[:, 5:], state)
+        assert block.__dict__["_derived_recurrent"][1] is kept
+        block.R.add_(0.05)
+        model(idx[:, 5:], state)
+        fresh = _tiny_model()
+        fresh.load_state_dict(model.state_dict())
+        _, fresh_state = fresh(idx[:, :5])
+        expected, _ = fresh(idx[:, 5:], fresh_state)
+    assert block.__dict__["_derived_recurrent"][1] is not kept
+    _, prefix_state = model(idx[:, :5])  # the prefix under the new R too (gradients on: nothing kept)
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx[:, 5:], prefix_state)[0], expected, **F64)
+
+
 def test_model_float32_stepwise_close_to_full():
     model = _tiny_model(dtype=torch.float32)
     idx = torch.randint(0, 37, (2, 24), generator=torch.Generator().manual_seed(1))

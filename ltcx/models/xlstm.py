@@ -54,6 +54,7 @@ from torch import Tensor
 
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.config import ConfiguredModule
+from ltcx.models.inference_cache import derived_in_inference
 from ltcx.models.state import model_dtype, reorder_state
 from ltcx.ops.conv import causal_depthwise_conv
 from ltcx.ops.mlstm import FORGET_GATES, mlstm_chunkwise, mlstm_parallel, mlstm_step, state_dtype
@@ -64,7 +65,7 @@ from ltcx.ops.mlstm_kernels import (
     mlstm_chunkwise_kernels,
     padded_length,
 )
-from ltcx.ops.slstm import slstm_scan
+from ltcx.ops.slstm import recurrent_weights, slstm_scan
 
 MLSTM_BACKENDS = ("chunkwise", "parallel", "kernels")
 
@@ -403,7 +404,9 @@ class SLSTMBlock(nn.Module):
         # all steps' input projections in one batched matmul: [2, B, T, H, Dh] x [2, H, Dh, 2Dh]
         g = torch.einsum("sbthd,shde->sbthe", torch.stack([x_c, xn]).view(2, B, T, H, Dh), self.w_in)
         g = g.view(2, B, T, H, 2, Dh).permute(1, 2, 0, 4, 3, 5).reshape(B, T, 4, H, Dh) + self.gate_bias
-        h, cell = slstm_scan(g, self.R, cell, forget_gate=self.forget_gate)  # [B, T, H, Dh]
+        # R rearranged for one product per step, kept between decode steps (rebuilt when R changes)
+        recurrent = derived_in_inference(self, "recurrent", (self.R,), lambda: recurrent_weights(self.R))
+        h, cell = slstm_scan(g, self.R, cell, forget_gate=self.forget_gate, recurrent=recurrent)  # [B, T, H, Dh]
         x = x + self.dropout(self.out_norm(h))
         u, gate = self.ffn_up(self.ffn_norm(x)).chunk(2, dim=-1)
         x = x + self.dropout(self.ffn_down(F.gelu(gate) * u))

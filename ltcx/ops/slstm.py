@@ -51,11 +51,11 @@ def _cell(pre: Tensor, c: Tensor, n: Tensor, m: Tensor, forget_gate: str) -> SLS
     return c, n, h, m_new
 
 
-def _recurrent_weights(R: Tensor, dtype: torch.dtype) -> Tensor:
-    """R ``[4, H, Dh, Dh]`` -> ``[H, Dh, 4 Dh]``: per head the four gates' maps side by side, so the recurrent part
-    of all four gates is one product per step."""
+def recurrent_weights(R: Tensor) -> Tensor:
+    """R ``[4, H, Dh, Dh]`` -> ``[H, Dh, 4 Dh]`` in the state dtype: per head the four gates' maps side by side, so
+    the recurrent part of all four gates is one product per step (a decoder may keep it between steps)."""
     H, Dh = R.shape[1], R.shape[2]
-    return R.to(dtype).permute(1, 2, 0, 3).reshape(H, Dh, 4 * Dh)
+    return R.to(state_dtype(R.dtype)).permute(1, 2, 0, 3).reshape(H, Dh, 4 * Dh)
 
 
 def slstm_step(
@@ -67,9 +67,11 @@ def slstm_step(
 
 
 def slstm_scan(
-    gates_x: Tensor, R: Tensor, state: SLSTMState | None = None, *, forget_gate: str = "sigmoid"
+    gates_x: Tensor, R: Tensor, state: SLSTMState | None = None, *, forget_gate: str = "sigmoid",
+    recurrent: Tensor | None = None,
 ) -> tuple[Tensor, SLSTMState]:
     """Run the recurrence over time. gates_x ``[B, T, 4, H, Dh]``; returns h ``[B, T, H, Dh]`` (dtype of gates_x).
+    ``recurrent``: ``recurrent_weights(R)`` when the caller keeps it (else built here).
 
     Inside the loop everything is head-major ``[H, B, ...]``: the recurrent part of a step is one ``baddbmm`` of
     h ``[H, B, Dh]`` with ``[H, Dh, 4 Dh]`` onto that step's input part, and the steps' inputs come from one
@@ -82,7 +84,7 @@ def slstm_scan(
     c, n, h, m = (s.to(cdt).transpose(0, 1) for s in state)  # [H, B, Dh]
     if T == 0:
         return gates_x.new_zeros(B, 0, H, Dh), state
-    recurrent = _recurrent_weights(R, cdt)
+    recurrent = (recurrent_weights(R) if recurrent is None else recurrent).to(cdt)
     steps = gates_x.to(cdt).permute(1, 3, 0, 2, 4).reshape(T, H, B, 4 * Dh).unbind(0)
     hs = []
     for gates_t in steps:  # sLSTM's own recurrence: the only token loop in a training path
