@@ -299,7 +299,8 @@ def test_the_command_scores_each_checkpoint_on_its_task_and_writes_json_and_pngs
     assert document["settings"]["factors"] == [1, 2, 8] and document["settings"]["depths"] == [0.0, 0.5, 1.0]
     first, second = document["results"]
     assert {"label", "ckpt_path", "backbone", "architecture", "position", "context_limit", "task", "train_length",
-            "lengths", "accuracy", "note", "data"} <= set(first) & set(second)
+            "lengths", "accuracy", "note", "data", "parameters"} <= set(first) & set(second)
+    assert first["parameters"] == rope.parameter_count()
     assert (first["task"], first["position"], first["context_limit"], first["lengths"]) == ("needle", "rope", None,
                                                                                            [32, 64, 256])
     assert np.array(first["heatmap"]).shape == (3, 3) and first["note"] is None and first["count"] == 3
