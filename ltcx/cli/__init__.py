@@ -35,7 +35,7 @@ OWN_COMMANDS = {
     "generate": "sample text from a checkpoint or an exported folder",
     "export": "write a weights-only folder (model.safetensors + config.json)",
     "prepare": "tokenize a corpus once into deduplicated token shards",
-    "evaluate": "mean loss by position, up to several times the training length",
+    "evaluate": "loss by position or long-context recall, up to several times the training length",
     "lm-eval": "lm-evaluation-harness tasks (--tasks hellaswag,...)",
     "study": "a study spec: tuned learning rates, paired seeds, a ladder, a report",
 }
