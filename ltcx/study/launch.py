@@ -190,8 +190,8 @@ class Progress:
         left = self.total - self.done - self.failed - self.running
         eta = ""
         if self.seconds and left + self.running:
-            eta = f", about {_duration(sum(self.seconds) / len(self.seconds) * (left + self.running) / self.slots)} " \
-                  "left"
+            slots = self.slots or max(1, self.running)  # 0: a cluster's, as many as run now
+            eta = f", about {_duration(sum(self.seconds) / len(self.seconds) * (left + self.running) / slots)} left"
         self.say(f"{self.phase}: done {self.done} / running {self.running} / failed {self.failed} / left {left}{eta}")
 
 
@@ -401,7 +401,7 @@ class Slurm(Launcher):
 
     @property
     def slots(self) -> int:
-        return 1_000_000  # the cluster's: the time left is that of the longest job
+        return 0  # the cluster's: as many as run at once (Progress)
 
     def where(self, index: int) -> str:
         words = [f"job {index // self.runs_per_job}", f"{self.time_min} min", f"{self.gpus_per_run} GPUs"]
@@ -414,7 +414,7 @@ class Slurm(Launcher):
             import submitit
         except ImportError:
             raise LtcxError("the slurm launcher needs submitit: pip install submitit==1.5.4") from None
-        executor = submitit.AutoExecutor(folder=str(self.folder / "%j"), cluster=self.cluster)
+        executor = submitit.AutoExecutor(folder=str(self.folder), cluster=self.cluster)
         options: dict[str, Any] = {"timeout_min": self.time_min * self.runs_per_job, "nodes": 1,
                                    "tasks_per_node": 1, "gpus_per_node": self.gpus_per_run,
                                    "name": f"ltcx-{self.spec.name}"}
@@ -457,12 +457,12 @@ class Slurm(Launcher):
                 try:
                     answers = job.result()
                 except Exception as error:  # submitit's: the job died (killed, node lost) or raised
-                    if tries < MAX_RESUBMITS and "raised" not in type(error).__name__.lower() and _died(error):
-                        self.say(f"job {job.job_id} ended without a result ({_first_line(error)}): submitted again")
+                    if tries < MAX_RESUBMITS and _died(error):
+                        self.say(f"job {job.job_id} ended without a result (state {job.state}): submitted again")
                         submitted[key] = (group, self._submit(executor, jobs, group), tries + 1, started)
                         continue
                     answers = [Failed(jobs[i], f"{jobs[i].run.label}: job {job.job_id} failed: "
-                                               f"{_first_line(error)}") for i in group]
+                                               f"{_last_line(error)}") for i in group]
                 seconds = (time.monotonic() - started) / len(group)
                 for index, answer in zip(group, answers):
                     outcomes[index] = answer
@@ -484,10 +484,10 @@ class Slurm(Launcher):
 
 def _died(error: Exception) -> bool:
     """submitit's error for a job whose process ended without writing a result (killed), not one our code raised."""
-    return "has not produced any output" in str(error) or type(error).__name__ == "UncompletedJobError"
+    return type(error).__name__ == "UncompletedJobError"
 
 
-def _first_line(error: BaseException) -> str:
+def _last_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[-1] if lines else type(error).__name__
 

@@ -14,7 +14,10 @@ Each run is an ordinary ``ltcx fit`` subprocess in its own folder ``<out>/<name>
 (TensorBoard logs, checkpoints, ``run.log``). ``result.json`` marks a finished run and ``test.json`` a finished test
 (written atomically); a killed study rerun continues where it stopped: finished runs are skipped and an unfinished one
 resumes from its ``last.ckpt``. A signal (Ctrl-C reaches the whole process group) is left to the child, which saves
-its step and exits 128 + the signal; the runner then raises ``StudyStopped`` naming the run and the step.
+its step and exits 128 + the signal; the runner then raises ``StudyStopped`` naming the run and the step. Where a
+phase's runs train (one after another, a run per GPU, a SLURM job per run) is the launcher's
+(``ltcx/study/launch.py``): each run trains under its claim, and a failed one is reported while the others finish
+(``StudyFailed`` after the report).
 """
 
 from __future__ import annotations
