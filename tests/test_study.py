@@ -460,7 +460,8 @@ def test_a_study_stopped_by_ctrl_c_resumes_where_it_stopped(tmp_path):
     assert "xlstm size16 lr=0.003 seed 1" not in stopped.stdout  # nothing started after the stop
 
     resumed = study(spec, tmp_path)
-    assert resumed.stdout.count("done before, skipped") == 2
+    # the two tuning runs, and the same two as seed 0's final runs (each trained, then tested, before the stop)
+    assert resumed.stdout.count("done before, skipped") == 4
     assert "gpt size16 lr=0.003 seed 1: training 6 steps (resumed from last.ckpt)" in resumed.stdout
     assert "resumed at step 3 of 6" in (run / "run.log").read_text()
     result = json.loads((run / "result.json").read_text())
