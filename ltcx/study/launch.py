@@ -4,7 +4,7 @@
 - ``devices``: ``workers`` slots in this process, one run per slot at a time, each run's ``ltcx fit`` child seeing its
   slot's GPUs (``CUDA_VISIBLE_DEVICES``) and its share of the cores (``OMP_NUM_THREADS`` = cores // workers).
 - ``slurm``: one SLURM job per run (or per ``runs_per_job``) through ``submitit``, requeued on preemption or at the
-  time limit; on the node the job runs the same ``execute`` as the other two.
+  time limit; on the node the job does the same work as the other two.
 
 Whatever launches it, a run trains only under its **claim**: an exclusive ``fcntl.flock`` on ``<run folder>/claim``,
 held by the process that trains it and inherited by its ``ltcx fit`` child, so the kernel releases it when both are
@@ -15,6 +15,7 @@ A run that fails is reported with its log's last line; the phase finishes the ot
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -30,8 +31,8 @@ from typing import Any
 
 from ltcx.errors import ConfigError, LtcxError
 
-__all__ = ["KINDS", "Failed", "Job", "Launcher", "check_options", "claimed", "execute", "finished", "make_launcher",
-           "try_claim"]
+__all__ = ["CLAIMED", "KINDS", "Failed", "Job", "Launcher", "StudyStopped", "check_options", "claimed", "finished",
+           "make_launcher", "received", "running", "signals_noted", "stop_children", "try_claim"]
 
 KINDS = ("local", "devices", "slurm")
 # launcher key -> (what it takes, check); the spec's `launcher:` and the command line's flags both pass here
@@ -85,7 +86,73 @@ class Failed:
     line: str
 
 
-CLAIMED = "claimed"  # execute's answer when another process holds the run's claim
+CLAIMED = "claimed"  # a job's answer when another process holds the run's claim
+
+
+class StudyStopped(Exception):
+    """A signal stopped the study: ``line`` says where, ``code`` is the exit status (128 + the signal)."""
+
+    def __init__(self, line: str, code: int) -> None:
+        super().__init__(line)
+        self.line, self.code = line, code
+
+
+# ----------------------------------------------------------------------------- signals and children
+
+_received: list[int] = []  # SIGINT / SIGTERM this process got while children ran: noted, not acted on
+_noting = [0]  # depth of signals_noted in the main thread
+_running: set = set()  # the children (subprocess.Popen) running now (stop_children)
+_running_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def signals_noted():
+    """While children run, SIGINT and SIGTERM are noted and not acted on: Ctrl-C reaches the whole process group, so
+    each child saves its step and exits, and the study stops after them. Only the main thread sets handlers; in
+    another thread, or inside an outer one, it does nothing."""
+    if threading.current_thread() is not threading.main_thread() or _noting[0]:
+        yield
+        return
+    _received.clear()
+    previous = {s: signal.signal(s, lambda signum, frame: _received.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    _noting[0] += 1
+    try:
+        yield
+    finally:
+        _noting[0] -= 1
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def received() -> list[int]:
+    """The signals noted since the outermost ``signals_noted`` began (start no more runs when there are any)."""
+    return list(_received)
+
+
+@contextlib.contextmanager
+def running(child):
+    """``child`` (a ``subprocess.Popen``) listed as running, for ``stop_children``."""
+    with _running_lock:
+        _running.add(child)
+    try:
+        yield child
+    finally:
+        with _running_lock:
+            _running.discard(child)
+
+
+def stop_children(signum: int = signal.SIGTERM) -> None:
+    """Ask every running child to save its step and exit (a SLURM job's time limit or preemption); returns once each
+    has exited (left for the thread waiting on it to reap)."""
+    with _running_lock:
+        children = list(_running)
+    for child in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signum)
+    for child in children:
+        with contextlib.suppress(ChildProcessError):
+            os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
 
 
 # ----------------------------------------------------------------------------- the claim and one job
@@ -131,29 +198,6 @@ def finished(spec, job: Job, out: Path) -> dict | None:
     except FileNotFoundError:
         return None
     return result
-
-
-def execute(spec, job: Job, out: Path, say: Callable[[str], None], env: dict | None = None,
-            where: str = "") -> dict | str:
-    """Train ``job``'s run (and test it) under its claim; its result, or ``CLAIMED`` when another process holds
-    the claim. The runner's errors (``LtcxError``, ``StudyStopped``) pass through."""
-    from ltcx.study.runner import evaluate_test, train
-
-    done = finished(spec, job, out)
-    if done is not None:
-        return done
-    fd = try_claim(job.run.folder(out))
-    if fd is None:
-        return CLAIMED
-    try:
-        trained = job.run.folder(out) / "result.json"  # a final run trained in the tuning phase: only its test is left
-        result = json.loads(trained.read_text()) if trained.is_file() else train(
-            spec, job.run, out, say, env=env, keep_fds=(fd,), where=where)
-        if job.test and not result.get("diverged"):
-            result = {**result, "test": evaluate_test(spec, job.run, out, say, env=env, keep_fds=(fd,))}
-        return result
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- progress
@@ -210,12 +254,13 @@ def _duration(seconds: float) -> str:
 
 class Launcher:
     """Maps a phase's jobs to workers; ``map`` returns their results in order (None for a failed job, listed in
-    ``failed``). This base class runs each job through ``launch``; subclasses say where."""
+    ``failed``). ``work(spec, job, out, say, env=, where=)`` does one job under its claim (``runner.execute_job``:
+    its result, or ``CLAIMED``). This base class runs the jobs here one after another; subclasses say where."""
 
     kind = "local"
 
-    def __init__(self, spec, out: Path, say: Callable[[str], None]) -> None:
-        self.spec, self.out = spec, out
+    def __init__(self, spec, out: Path, say: Callable[[str], None], work: Callable[..., Any]) -> None:
+        self.spec, self.out, self.work = spec, out, work
         lock = threading.Lock()
 
         def said(line: str) -> None:
@@ -277,7 +322,7 @@ class Launcher:
         started = time.monotonic()
         progress.started()
         try:
-            outcome = execute(self.spec, job, self.out, self.say, env=env, where=where)
+            outcome = self.work(self.spec, job, self.out, self.say, env=env, where=where)
         except LtcxError as error:
             failed = Failed(job, str(error))
             self.say(f"{job.run.label}: FAILED: {error}")
@@ -300,9 +345,9 @@ class Devices(Launcher):
 
     kind = "devices"
 
-    def __init__(self, spec, out: Path, say: Callable[[str], None], workers: int | None = None,
-                 gpus_per_run: int = 1) -> None:
-        super().__init__(spec, out, say)
+    def __init__(self, spec, out: Path, say: Callable[[str], None], work: Callable[..., Any],
+                 workers: int | None = None, gpus_per_run: int = 1) -> None:
+        super().__init__(spec, out, say, work)
         from ltcx.cli.threads import usable_cores
 
         gpus = visible_gpus()
@@ -337,8 +382,6 @@ class Devices(Launcher):
         return self._slot_words(index % self.slots)
 
     def launch(self, jobs: Sequence[Job], indices: list[int], progress: Progress) -> dict[int, Any]:
-        from ltcx.study.runner import StudyStopped, signals_noted, stop_requested
-
         free = list(range(self.slots))
         lock = threading.Lock()
         outcomes: dict[int, Any] = {}
@@ -348,7 +391,7 @@ class Devices(Launcher):
             with lock:
                 slot = free.pop(0)
             try:
-                if stops or stop_requested():
+                if stops or received():
                     return None  # a signal or a stopped run: start nothing more
                 return self._one(jobs[index], progress, self.envs[slot], self._slot_words(slot))
             finally:
@@ -370,7 +413,7 @@ class Devices(Launcher):
                         outcomes[futures[future]] = outcome
         if stops:
             raise stops[0]
-        if stop_requested():
+        if received():
             raise StudyStopped("study stopped by a signal between runs; run the same `ltcx study` command to resume",
                                130)
         return outcomes
@@ -393,10 +436,11 @@ class Slurm(Launcher):
 
     kind = "slurm"
 
-    def __init__(self, spec, out: Path, say: Callable[[str], None], partition: str | None = None,
+    def __init__(self, spec, out: Path, say: Callable[[str], None], work: Callable[..., Any],
+                 partition: str | None = None,
                  time_min: int = 60 * 24, gpus_per_run: int = 1, cpus_per_run: int | None = None,
                  runs_per_job: int = 1, folder: str | None = None, cluster: str = "slurm") -> None:
-        super().__init__(spec, out, say)
+        super().__init__(spec, out, say, work)
         self.partition, self.time_min, self.gpus_per_run = partition, time_min, gpus_per_run
         self.cpus_per_run, self.runs_per_job, self.cluster = cpus_per_run, runs_per_job, cluster
         self.folder = Path(folder) if folder else out / "submitit"
@@ -481,7 +525,7 @@ class Slurm(Launcher):
         return outcomes
 
     def _submit(self, executor, jobs: Sequence[Job], group: list[int]):
-        return executor.submit(StudyJob(self.spec, self.out, [jobs[i] for i in group]))
+        return executor.submit(StudyJob(self.spec, self.out, [jobs[i] for i in group], self.work))
 
 
 def _died(error: Exception) -> bool:
@@ -495,20 +539,18 @@ def _last_line(error: BaseException) -> str:
 
 
 class StudyJob:
-    """What a SLURM job runs on its node: ``execute`` for each of its jobs (picklable: a spec, a folder, runs).
+    """What a SLURM job runs on its node: ``work`` for each of its jobs (picklable: a spec, a folder, runs).
     submitit calls ``checkpoint`` on the time limit's or a preemption's signal: the running ``ltcx fit`` is asked to
     save its step (SIGTERM), and the same job is requeued; its runs resume from their last.ckpt."""
 
-    def __init__(self, spec, out: Path, jobs: list[Job]) -> None:
-        self.spec, self.out, self.jobs = spec, out, jobs
+    def __init__(self, spec, out: Path, jobs: list[Job], work: Callable[..., Any]) -> None:
+        self.spec, self.out, self.jobs, self.work = spec, out, jobs, work  # work: a module's function, pickled by name
 
     def __call__(self) -> list[Any]:
-        from ltcx.study.runner import StudyStopped
-
         answers: list[Any] = []
         for job in self.jobs:
             try:
-                answers.append(execute(self.spec, job, self.out, lambda line: print(line, flush=True)))
+                answers.append(self.work(self.spec, job, self.out, lambda line: print(line, flush=True)))
             except LtcxError as error:
                 answers.append(Failed(job, str(error)))
             except StudyStopped as stop:
@@ -524,18 +566,17 @@ class StudyJob:
     def checkpoint(self, *args: Any, **kwargs: Any):
         import submitit
 
-        from ltcx.study.runner import stop_children
-
         stop_children()  # each saves its step and exits 143; this job's claim is released once they have
-        return submitit.helpers.DelayedSubmission(StudyJob(self.spec, self.out, self.jobs))
+        return submitit.helpers.DelayedSubmission(StudyJob(self.spec, self.out, self.jobs, self.work))
 
 
 _ALLOWED = {"local": (), "devices": ("workers", "gpus_per_run"),
             "slurm": ("partition", "time_min", "gpus_per_run", "cpus_per_run", "runs_per_job", "folder", "cluster")}
 
 
-def make_launcher(spec, out: Path, say: Callable[[str], None], overrides: dict[str, Any] | None = None) -> Launcher:
-    """The spec's ``launcher`` with the command line's ``overrides`` (typed wins)."""
+def make_launcher(spec, out: Path, say: Callable[[str], None], work: Callable[..., Any],
+                  overrides: dict[str, Any] | None = None) -> Launcher:
+    """The spec's ``launcher`` with the command line's ``overrides`` (typed wins); ``work`` does one job."""
     options = {**spec.launcher, **{k: v for k, v in (overrides or {}).items() if v is not None}}
     check_options("launcher", options)
     kind = options.pop("kind", "local")
@@ -546,7 +587,7 @@ def make_launcher(spec, out: Path, say: Callable[[str], None], overrides: dict[s
         raise ConfigError(f"launcher {kind}: '{extra[0]}' applies to launcher {kinds} only: leave it out or choose "
                           "that kind")
     if kind == "devices":
-        return Devices(spec, out, say, **options)
+        return Devices(spec, out, say, work, **options)
     if kind == "slurm":
-        return Slurm(spec, out, say, **options)
-    return Launcher(spec, out, say)
+        return Slurm(spec, out, say, work, **options)
+    return Launcher(spec, out, say, work)

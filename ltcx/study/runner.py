@@ -22,7 +22,6 @@ phase's runs train (one after another, a run per GPU, a SLURM job per run) is th
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import json
@@ -31,13 +30,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ltcx.errors import ConfigError, LtcxError
+from ltcx.study.launch import CLAIMED, Job, StudyStopped, make_launcher, received, running, signals_noted, try_claim
 from ltcx.study.report import write_json
 from ltcx.study.spec import StudySpec, arch_name
 
@@ -45,14 +44,6 @@ __all__ = ["Run", "Shape", "StudyFailed", "StudyStopped", "plan_shapes", "read_l
            "select_learning_rates"]
 
 DEFAULT_VOCAB = 50304  # GPT-2's padded vocabulary: the shapes' figures when the data sets none
-
-
-class StudyStopped(Exception):
-    """A signal stopped the study: ``line`` says where, ``code`` is the exit status (128 + the signal)."""
-
-    def __init__(self, line: str, code: int) -> None:
-        super().__init__(line)
-        self.line, self.code = line, code
 
 
 class StudyFailed(Exception):
@@ -320,50 +311,6 @@ def ltcx_command() -> list[str]:
     return [sys.executable, "-c", "import sys; sys.argv[0] = 'ltcx'; from ltcx.cli import main; main()"]
 
 
-_received: list[int] = []  # SIGINT / SIGTERM this process got while children ran: noted, not acted on
-_noting = [0]  # depth of signals_noted in the main thread
-_running: set[subprocess.Popen] = set()  # the children running now (stop_children)
-_running_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def signals_noted():
-    """While children run, SIGINT and SIGTERM are noted and not acted on: Ctrl-C reaches the whole process group, so
-    each child saves its step and exits, and the study stops after them. Only the main thread sets handlers; in
-    another thread, or inside an outer one, it does nothing."""
-    if threading.current_thread() is not threading.main_thread() or _noting[0]:
-        yield
-        return
-    _received.clear()
-    previous = {s: signal.signal(s, lambda signum, frame: _received.append(signum))
-                for s in (signal.SIGINT, signal.SIGTERM)}
-    _noting[0] += 1
-    try:
-        yield
-    finally:
-        _noting[0] -= 1
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-def stop_requested() -> bool:
-    """A signal reached this process while children ran (start no more runs)."""
-    return bool(_received)
-
-
-def stop_children(signum: int = signal.SIGTERM) -> None:
-    """Ask every running child to save its step and exit (a SLURM job's time limit or preemption); returns once each
-    has exited (left for the thread waiting on it to reap)."""
-    with _running_lock:
-        children = list(_running)
-    for child in children:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child.pid, signum)
-    for child in children:
-        with contextlib.suppress(ChildProcessError):
-            os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
-
-
 def _child(args: list[str], log: Path, label: str, env: dict | None = None, keep_fds: tuple[int, ...] = ()) -> int:
     """Run ``ltcx args`` to its end, output appended to ``log``; ``env`` on top of this process's, ``keep_fds``
     inherited (the run's claim: held until the child is gone too). A signal reaching this process (Ctrl-C reaches the
@@ -379,16 +326,11 @@ def _child(args: list[str], log: Path, label: str, env: dict | None = None, keep
                                          env={**os.environ, **(env or {})}, pass_fds=keep_fds)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        with _running_lock:
-            _running.add(child)
-        try:
+        with running(child):
             code = child.wait()
-        finally:
-            with _running_lock:
-                _running.discard(child)
-        received = list(_received)
-    if code in (128 + signal.SIGINT, 128 + signal.SIGTERM) or received:
-        signum = code - 128 if code in (128 + signal.SIGINT, 128 + signal.SIGTERM) else received[0]
+        noted = received()
+    if code in (128 + signal.SIGINT, 128 + signal.SIGTERM) or noted:
+        signum = code - 128 if code in (128 + signal.SIGINT, 128 + signal.SIGTERM) else noted[0]
         where = _stop_line(log, signum) if code != 0 else f"{signal.Signals(signum).name} after it finished"
         raise StudyStopped(f"study stopped: {label}: {where}; run the same `ltcx study` command to resume",
                            128 + signum)
@@ -485,6 +427,26 @@ def evaluate_test(spec: StudySpec, run: Run, out: Path, say: Callable[[str], Non
     return metrics
 
 
+def execute_job(spec: StudySpec, job: Job, out: Path, say: Callable[[str], None], env: dict | None = None,
+                where: str = "") -> dict | str:
+    """One launcher job under its run's claim: train the run (a final run trained in the tuning phase goes straight
+    to its test) and, for a final run, test it; its result, or ``CLAIMED`` when another process holds the claim.
+    The claim's descriptor goes to each child, so it is held until they are gone too."""
+    root = job.run.folder(out)
+    fd = try_claim(root)
+    if fd is None:
+        return CLAIMED
+    try:
+        trained = root / "result.json"
+        result = json.loads(trained.read_text()) if trained.is_file() else train(
+            spec, job.run, out, say, env=env, keep_fds=(fd,), where=where)
+        if job.test and not result.get("diverged"):
+            result = {**result, "test": evaluate_test(spec, job.run, out, say, env=env, keep_fds=(fd,))}
+        return result
+    finally:
+        os.close(fd)
+
+
 # ----------------------------------------------------------------------------- selection
 
 
@@ -537,13 +499,11 @@ def run_study(spec: StudySpec, out: Path, dry_run: bool = False, say: Callable[[
     (``write_summary``); with ``dry_run`` print what would run where and run nothing; with ``report_only`` write the
     report from the runs finished so far and run nothing. ``launcher``: the command line's launcher options over the
     spec's (``ltcx/study/launch.py``). Returns the summary; raises ``StudyFailed`` after it when runs failed."""
-    from ltcx.study.launch import Job, make_launcher
-
     check_folder(spec, out)
     composed_configs(spec)  # a bad path is one line now, not after the first run
     shapes = plan_shapes(spec)
     tuning_runs = [make_run(spec, shape, lr, spec.tune_seed) for shape in shapes for lr in spec.learning_rates]
-    launch = make_launcher(spec, out, say, launcher)
+    launch = make_launcher(spec, out, say, execute_job, launcher)
     if dry_run:
         _print_plan(spec, out, shapes, tuning_runs, say, launch)
         return None
@@ -579,7 +539,7 @@ def _report_from_folder(spec: StudySpec, out: Path, shapes: list[Shape], tuning_
                         say: Callable[[str], None]) -> dict:
     """The summary of the runs finished so far (``--report_only``): shapes whose tuning grid is complete, their
     seeds that were tested."""
-    from ltcx.study.launch import Job, finished
+    from ltcx.study.launch import finished
 
     if not (out / "spec.json").is_file():
         raise LtcxError(f"{out} holds no study yet: run `ltcx study` with this spec first")
