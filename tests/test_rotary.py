@@ -104,15 +104,23 @@ def test_learned_positions_have_a_context_limit_and_rope_has_none(capsys):
      "head_dim (n_embd / n_head = 3) must be even with position 'rope'"),
     (lambda: GPT(vocab_size=16, n_embd=16, n_head=2, n_layer=1, position="rope", rope_base=-1.0),
      "rope_base (-1.0) must be a positive number"),
-    (lambda: CATALOG["ltc"].build_tiny(64, position="rope"),
-     "position ('rope') rotates the GPT's own attention; LTCGPT's attention takes position 'learned' only"),
-    (lambda: CATALOG["gta"].build_tiny(64, position="rope"),
-     "position ('rope') rotates the GPT's own attention; GTAGPT's attention takes position 'learned' only"),
 ])
 def test_bad_position_settings_are_one_line(build, message):
     with pytest.raises(ConfigError) as error:
         build()
     assert str(error.value) == message
+
+
+@pytest.mark.parametrize("arch", ["ltc", "gta"])
+def test_ltc_and_gta_have_no_gpt_position_option(arch):
+    """Their attention keeps its own positions (LTC's learned ones and decay, GTA's ``rope`` on its keys): the GPT's
+    ``position`` and ``rope_base`` are not among their arguments."""
+    import inspect
+
+    backbone = CATALOG[arch].backbone_class()
+    assert not {"position", "rope_base"} & set(inspect.signature(backbone).parameters)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'position'"):
+        CATALOG[arch].build_tiny(64, position="rope")
 
 
 def test_gpt2_layout_refuses_rope_in_one_line():
@@ -140,6 +148,6 @@ def test_a_bad_position_through_the_cli_is_one_line_and_writes_nothing(tmp_path,
     monkeypatch.chdir(tmp_path)
     line = one_error_line(["fit", "--config", str(ROOT / "configs/ltc.yaml"), "--model.backbone.init_args.position",
                            "rope", "--trainer.max_steps", "1"], capsys)
-    assert line == ("ltcx: error: position ('rope') rotates the GPT's own attention; LTCGPT's attention takes "
-                    "position 'learned' only")
+    assert line.startswith("ltcx: error: --model.backbone: ltcx.models.ltc.LTCGPT has no option 'position' (its "
+                           "options: --model.backbone.help LTCGPT); see `")
     assert list(tmp_path.iterdir()) == []

@@ -34,6 +34,9 @@ class GTAConfig(GPTConfig):
 
     # GTA has no KV heads (keys: n_key_head, values: n_latent_head), so this GPT field is not an argument.
     n_kv_head: int | None = field(default=None, init=False, repr=False)
+    # GTA has its own rotary option (``rope``, on its keys); the GPT's ``position`` is not an argument
+    position: str = field(default="learned", init=False, repr=False)
+    rope_base: float = field(default=GPTConfig.rope_base, init=False, repr=False)
     # GPT fields whose meaning GTA refines: re-documented here, their defaults (and places) the GPT's
     n_head: int = GPTConfig.n_head
     """number of output heads (head_dim = n_embd / n_head); a multiple of n_query_group."""

@@ -10,7 +10,7 @@ fast form live in ``ltcx.ops.ltc``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -41,6 +41,9 @@ class LTCConfig(GPTConfig):
 
     bias: bool = GPTConfig.bias  # re-documented here, its default (and place) the GPT's
     """use biases in Linear and LayerNorm layers (the LTC controller always has one)."""
+    # LTC's attention has its own positions (learned, the decay's); the GPT's rotary option is not an argument
+    position: str = field(default="learned", init=False, repr=False)
+    rope_base: float = field(default=GPTConfig.rope_base, init=False, repr=False)
     num_decay_modes: int = 64
     """orthonormal decay modes per KV head, from 1 to head_dim (n_embd / n_head)."""
     controller_rank: int = 0
