@@ -235,6 +235,13 @@ def test_the_report_is_written_again_from_the_folder_alone(tiny, capsys):
     written, reference = (json.loads((o / "tiny/summary.json").read_text()) for o in (out, tiny.out))
     assert written["results"] == reference["results"]
     assert not any("training" in line for line in capsys.readouterr().out.splitlines())
+    timed = write_spec(tiny.root, "timed.yaml", timing_rounds=2)  # the same study: timing_rounds redoes no run
+    for flags, line in (((), "timing pass: 2 models interleaved, 2 rounds"),
+                        ((), "timing pass: done before for these checkpoints, reused (--retime redoes it)"),
+                        (("--retime",), "timing pass: 2 models interleaved, 2 rounds")):
+        main(["study", "--spec", str(timed), "--out", str(out), "--report_only", *flags])
+        assert line in capsys.readouterr().out
+    assert json.loads((out / "tiny/summary.json").read_text())["results"][0]["tokens_per_sec"] > 0
 
 
 # ----------------------------------------------------------------------------- without training

@@ -7,6 +7,7 @@
     ltcx study --spec my_study.yaml --launcher devices --workers 8   # a run per GPU of this node (docs/launchers.md)
     ltcx study --spec my_study.yaml --launcher slurm --partition gpu # a SLURM job per run, through submitit
     ltcx study --spec my_study.yaml --report_only  # the report of the runs finished so far
+    ltcx study --spec my_study.yaml --report_only --retime   # ... with the timing pass redone (a quieter machine)
 """
 
 from __future__ import annotations
@@ -40,14 +41,17 @@ def _at_least(low: int):
 
 def study_main(argv: list[str]) -> None:
     parser = _Parser(prog="ltcx study", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--spec", required=True, help="a study YAML, or a preset: quick-recall, tinystories-ladder, "
-                                                      "fineweb-edu-ladder, reference")
+    from ltcx.study.spec import preset_names
+
+    parser.add_argument("--spec", required=True, help=f"a study YAML, or a preset: {', '.join(preset_names())}")
     parser.add_argument("--name", default=None, help="results go to <out>/<name>/ (default: the spec's name)")
     parser.add_argument("--out", type=Path, default=Path("results"), help="the folder of every study's results")
     parser.add_argument("--dry_run", action="store_true",
                         help="print the plan, each run's command and where it would run; run nothing")
     parser.add_argument("--report_only", action="store_true",
                         help="write the summary and the report from the runs finished so far; run nothing")
+    parser.add_argument("--retime", action="store_true",
+                        help="redo the timing pass even where timing.json holds these checkpoints (docs/compare.md)")
     where = parser.add_argument_group("launcher (over the spec's `launcher:`; docs/launchers.md)")
     where.add_argument("--launcher", choices=["local", "devices", "slurm"], default=None,
                        help="local: one run after another; devices: one run per GPU (or per worker on a CPU); slurm: "
@@ -71,7 +75,8 @@ def study_main(argv: list[str]) -> None:
                 "partition": args.partition, "time_min": args.time_min}
     try:
         run_study(spec, out, dry_run=args.dry_run, say=lambda line: print(line, flush=True),
-                  launcher={k: v for k, v in launcher.items() if v is not None}, report_only=args.report_only)
+                  launcher={k: v for k, v in launcher.items() if v is not None}, report_only=args.report_only,
+                  retime=args.retime)
     except StudyStopped as stop:
         print(f"ltcx: {stop.line}", file=sys.stderr, flush=True)
         sys.exit(stop.code)

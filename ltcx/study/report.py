@@ -236,8 +236,6 @@ def tables(summary: dict) -> list[tuple[str, list[str], list[list[str]], str]]:
     note = (f"Paired by seed against {base} at the same size (the same batches in the same order); p: the paired "
             "t-test's. An interval that holds 0 does not tell the two apart.")
     if timing:
-        from ltcx.study.timing import timing_note
-
         note += " " + timing_note(timing)
     if summary.get("anchor"):
         note += " " + " ".join(summary["anchor"]["lines"])
@@ -263,6 +261,21 @@ def tables(summary: dict) -> list[tuple[str, list[str], list[list[str]], str]]:
                     "largest size, over the architecture's compute (above 1: less compute for the same loss); seed "
                     "by seed, geometric mean and 95% interval."))
     return out
+
+
+def timing_note(timing: dict) -> str:
+    """How the speed columns were timed and, when the load average passed the core count, that they are
+    unreliable."""
+    note = (f"Speed columns: one timing pass after training, in one process on {timing['device']} "
+            f"({timing['precision']}), {timing['rounds']} interleaved rounds over one checkpoint per row (its lowest "
+            f"seed's); training steps through the loss path at batch {timing['batch_size']}, decode at batch 1 after "
+            f"half a block. Load average (1 min) up to {timing['load_average_max']:.1f} on {timing['usable_cores']} "
+            "usable cores.")
+    if timing["speed_unreliable"]:
+        note += (f" **The speed columns are unreliable**: the load average ({timing['load_average_max']:.1f}) exceeded "
+                 f"the {timing['usable_cores']} usable cores while they were timed; rerun with --retime on a quieter "
+                 "machine.")
+    return note
 
 
 def _grid_table(summary: dict) -> tuple[str, list[str], list[list[str]], str]:

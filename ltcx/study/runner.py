@@ -508,7 +508,7 @@ def run_study(spec: StudySpec, out: Path, dry_run: bool = False, say: Callable[[
         _print_plan(spec, out, shapes, tuning_runs, say, launch)
         return None
     if report_only:
-        return _report_from_folder(spec, out, shapes, tuning_runs, say)
+        return _report_from_folder(spec, out, shapes, tuning_runs, say, retime)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "spec.json", spec.defining())
     total = len(tuning_runs) + len(shapes) * (len(spec.seeds) - 1)
@@ -536,7 +536,7 @@ def run_study(spec: StudySpec, out: Path, dry_run: bool = False, say: Callable[[
 
 
 def _report_from_folder(spec: StudySpec, out: Path, shapes: list[Shape], tuning_runs: list[Run],
-                        say: Callable[[str], None]) -> dict:
+                        say: Callable[[str], None], retime: bool = False) -> dict:
     """The summary of the runs finished so far (``--report_only``): shapes whose tuning grid is complete, their
     seeds that were tested."""
     from ltcx.study.launch import finished
@@ -555,7 +555,8 @@ def _report_from_folder(spec: StudySpec, out: Path, shapes: list[Shape], tuning_
         raise LtcxError(f"{out}: no run is finished and tested yet: nothing to report (run `ltcx study` first)")
     for result in final:
         result.setdefault("test", {})
-    return write_summary(spec, out, tuning, final, {k: v for k, v in chosen.items() if k in complete}, say)
+    return write_summary(spec, out, tuning, final, {k: v for k, v in chosen.items() if k in complete}, say,
+                         retime)
 
 
 def write_summary(spec: StudySpec, out: Path, tuning: list[dict], final: list[dict], chosen: dict,

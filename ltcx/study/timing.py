@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["interleaved_timings", "timing_note", "timing_pass"]
+__all__ = ["interleaved_timings", "timing_pass"]
 
 
 def _training_step(model, idx: torch.Tensor, optimizer: torch.optim.Optimizer, autocast) -> Callable[[], None]:
@@ -121,18 +121,3 @@ def timing_pass(out: Path, checkpoints: dict[str, tuple[Path, int]], batch_size:
               "usable_cores": cores, "speed_unreliable": max(loads) > cores}
     write_json(timing_file, timing)
     return timing
-
-
-def timing_note(timing: dict) -> str:
-    """How the speed columns were timed and, when the load average passed the core count, that they are
-    unreliable."""
-    note = (f"Speed columns: one timing pass after training, in one process on {timing['device']} "
-            f"({timing['precision']}), {timing['rounds']} interleaved rounds over one checkpoint per row (its lowest "
-            f"seed's); training steps through the loss path at batch {timing['batch_size']}, decode at batch 1 after "
-            f"half a block. Load average (1 min) up to {timing['load_average_max']:.1f} on {timing['usable_cores']} "
-            "usable cores.")
-    if timing["speed_unreliable"]:
-        note += (f" **The speed columns are unreliable**: the load average ({timing['load_average_max']:.1f}) exceeded "
-                 f"the {timing['usable_cores']} usable cores while they were timed; rerun with --retime on a quieter "
-                 "machine.")
-    return note
