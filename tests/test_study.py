@@ -442,49 +442,45 @@ def finish_or_xfail(result: subprocess.CompletedProcess) -> None:
 
 
 def test_a_study_stopped_by_ctrl_c_resumes_where_it_stopped(tmp_path):
-    """2 architectures x 1 size x 1 rate x 2 seeds: Ctrl-C (SIGINT to the process group) at step 3 of the third run
-    (gpt, seed 1): one line and exit 130; the rerun skips the two finished runs and continues the third from its
-    last.ckpt."""
+    """2 architectures x 2 sizes x 2 rates x 2 seeds end to end: 8 tuning runs, then seed 0's 4 runs (the tuning
+    seed's, tested), then Ctrl-C (SIGINT to the process group) at step 3 of the first run of seed 1: one line and exit
+    130. The rerun skips the 12 finished runs, continues that one from its last.ckpt, trains the other 3 of seed 1,
+    tests them, times every row and writes the report."""
+    import re
+
     count = tmp_path / "runs_at_step_3"
     signal_args = ["--trainer.callbacks+=fault_injection.SignalSelf", "--trainer.callbacks.at_step=3",
                    "--trainer.callbacks.signal_name=SIGINT", "--trainer.callbacks.group=true",
-                   f"--trainer.callbacks.count_file={count}", "--trainer.callbacks.skip_runs=2"]
-    spec = study_spec(tmp_path, ["gpt", "xlstm"], [16], [3e-3], [0, 1], signal_args)
+                   f"--trainer.callbacks.count_file={count}", "--trainer.callbacks.skip_runs=8"]
+    spec = study_spec(tmp_path, ["gpt", "xlstm"], [16, 32], [1e-3, 3e-3], [0, 1], signal_args)
     stopped = study(spec, tmp_path)
     assert stopped.returncode == 130, stopped.stderr[-3000:]
-    run = tmp_path / "results/tiny/runs/gpt/size16/lr0.003/seed1"
-    assert stopped.stderr.splitlines() == [
-        f"ltcx: study stopped: gpt size16 lr=0.003 seed 1: SIGINT at step 3: saved "
-        f"{run}/checkpoints/gpt/version_0/last.ckpt; run the same `ltcx study` command to resume"]
-    assert not (run / "result.json").exists()
-    assert "xlstm size16 lr=0.003 seed 1" not in stopped.stdout  # nothing started after the stop
+    assert stopped.stdout.count("training 6 steps (new)") == 9
+    [line] = stopped.stderr.splitlines()
+    found = re.fullmatch(r"ltcx: study stopped: gpt size16 lr=(0\.00[13]) seed 1: SIGINT at step 3: saved (\S+)"
+                         r"/checkpoints/gpt/version_0/last\.ckpt; run the same `ltcx study` command to resume", line)
+    assert found, line
+    run = tmp_path / f"results/tiny/runs/gpt/size16/lr{found[1]}/seed1"
+    assert found[2] == str(run) and not (run / "result.json").exists()
+    assert "xlstm size16" not in stopped.stdout.split(f"gpt size16 lr={found[1]} seed 1: training")[1]
 
     resumed = study(spec, tmp_path)
-    # the two tuning runs, and the same two as seed 0's final runs (each trained, then tested, before the stop)
-    assert resumed.stdout.count("done before, skipped") == 4
-    assert "gpt size16 lr=0.003 seed 1: training 6 steps (resumed from last.ckpt)" in resumed.stdout
+    assert resumed.stdout.count("done before, skipped") == 12  # 8 tuning runs, seed 0's 4 (trained and tested)
+    assert f"gpt size16 lr={found[1]} seed 1: training 6 steps (resumed from last.ckpt)" in resumed.stdout
+    assert resumed.stdout.count("training 6 steps (new)") == 3
     assert "resumed at step 3 of 6" in (run / "run.log").read_text()
     result = json.loads((run / "result.json").read_text())
     assert [tokens for tokens, _ in result["curves"]["val/recall_acc"]] == [3 * 4 * 16, 6 * 4 * 16]
     finish_or_xfail(resumed)
     summary = json.loads((tmp_path / "results/tiny/summary.json").read_text())
-    assert [(e["arch"], e["seeds"]) for e in summary["results"]] == [("gpt", [0, 1]), ("xlstm", [0, 1])]
+    assert len(summary["runs"]) == 12 and len(summary["results"]) == 4
+    assert [(e["arch"], e["size_label"], e["seeds"]) for e in summary["results"]] == [
+        (a, s, [0, 1]) for s in ("size16", "size32") for a in ("gpt", "xlstm")]
+    assert {(p["arch"], p["size_label"]) for p in summary["learning_rates"]} == {
+        (a, s) for a in ("gpt", "xlstm") for s in ("size16", "size32")}
     assert summary["results"][1]["vs_baseline"]["paired_seeds"] == 2
-    assert set(summary["timing"]["models"]) == {"gpt size16", "xlstm size16"}  # the timing pass, after training
+    assert set(summary["timing"]["models"]) == {f"{a} {s}" for a in ("gpt", "xlstm") for s in ("size16", "size32")}
     assert summary["results"][1]["throughput_vs_baseline"] is not None
     page = Tables()
     page.feed((tmp_path / "results/tiny/report.html").read_text())
-    assert len(page.tables) == 3  # shapes, learning rates, results: one size has no ladder
-
-
-@pytest.mark.slow
-def test_a_study_of_two_architectures_sizes_rates_and_seeds_end_to_end(tmp_path):
-    """2 architectures x 2 sizes x 2 rates x 2 seeds: 8 tuning runs, 4 more seeds, 8 tests, the report."""
-    spec = study_spec(tmp_path, ["gpt", "xlstm"], [16, 32], [1e-3, 3e-3], [0, 1])
-    result = study(spec, tmp_path)
-    assert result.stdout.count("training 6 steps (new)") == 12
-    finish_or_xfail(result)
-    summary = json.loads((tmp_path / "results/tiny/summary.json").read_text())
-    assert len(summary["runs"]) == 12 and len(summary["results"]) == 4
-    assert {(p["arch"], p["size_label"]) for p in summary["learning_rates"]} == {
-        (a, s) for a in ("gpt", "xlstm") for s in ("size16", "size32")}
+    assert len(page.tables) == 3  # shapes, learning rates, results: a recall metric has no ladder
