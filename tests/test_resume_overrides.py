@@ -7,8 +7,12 @@ import torch
 
 from helpers import lean_fit_args, one_error_line
 from ltcx.cli import main
+from ltcx.cli.resume import checkpoint_backbone
+from ltcx.errors import LtcxError
 from ltcx.lm import LanguageModel, lr_at_step
+from ltcx.models.catalog import CATALOG
 from ltcx.persist import atomic_save, read_checkpoint
+from ltcx.study.budget import match_shape
 
 FIRST = ("--trainer.max_steps", "3", "--model.decay_steps", "10")  # warmup 2 (TINY_MODEL), cosine to step 10
 
@@ -156,3 +160,26 @@ def test_a_checkpoint_with_impossible_betas_is_one_line_naming_the_file(tmp_path
                        "--model.betas", "[0.9, 0.95]"))
     assert "ltcx: resuming with model.betas [0.9, 0.95] (the checkpoint has [2.0, 3.0])" in capsys.readouterr().err
     assert read_checkpoint(tmp_path / "checkpoints/gpt/version_1/last.ckpt")["global_step"] == 4
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_a_study_shape_typed_on_its_own_checkpoint_resumes_it(name):
+    """The study runner types every field of its shapes on ``fit`` and ``test`` with ``--ckpt_path``, a derived
+    field's null included (LTC's ``tau_min: null`` = block_size / 12, stored resolved): the same architecture, so no
+    error; a null that derives another value (another block_size) still is one."""
+    from jsonargparse import Namespace
+
+    init_args = dict(match_shape(name, "params", 2e5, 64, 128).init_args)
+    backbone_class = CATALOG[name].backbone_class()
+    stored = backbone_class(**init_args).config_dict()
+    checkpoint = {"ltcx": {"backbone_class": CATALOG[name].class_path, "backbone_config": stored}}
+    typed = {f"backbone.{key}" for key in init_args}
+    backbone = Namespace(class_path=CATALOG[name].class_path, init_args=Namespace(**init_args))
+    assert checkpoint_backbone(checkpoint, backbone, typed, "last.ckpt", None) is None
+    derived = [key for key, value in init_args.items() if value is None and stored[key] is not None]
+    assert name != "ltc" or derived == ["tau_min"]
+    for key in derived:  # a checkpoint whose value is not the one its other fields derive: a typed null changes it
+        other = {**stored, "block_size": 2 * stored["block_size"]}
+        with pytest.raises(LtcxError, match=f"--model.backbone.init_args.{key} null would change"):
+            checkpoint_backbone({"ltcx": {"backbone_class": CATALOG[name].class_path, "backbone_config": other}},
+                                backbone, {f"backbone.{key}"}, "last.ckpt", None)

@@ -94,7 +94,7 @@ def checkpoint_backbone(checkpoint: dict, backbone: Any, typed: set[str], path: 
             if notice and current is not None and not _same(current, value):
                 notice(f"resuming with the checkpoint's model.backbone.init_args.{key} {_show(value)}, not "
                        f"{_show(current)} from the config")
-        elif _same(current, value):
+        elif _same(current, value) or (current is None and _derives(stored_class, stored, key, value)):
             continue
         elif key not in resumable:
             raise LtcxError(
@@ -106,6 +106,20 @@ def checkpoint_backbone(checkpoint: dict, backbone: Any, typed: set[str], path: 
             notice(f"resuming with model.backbone.init_args.{key} {_show(current)} (the checkpoint has "
                    f"{_show(value)})")
     return {"class_path": stored_class, "init_args": taken} if taken else None
+
+
+def _derives(backbone_class: str, stored: dict, key: str, value: Any) -> bool:
+    """A typed null of a derived field (``tau_min: null`` = block_size / 12) that derives the checkpoint's ``value``
+    from the checkpoint's other fields: the same architecture, so no change (the study runner types every field of
+    its shapes, nulls included, on ``fit`` and ``test`` of a resumed run)."""
+    config_class = getattr(resolve_backbone(backbone_class), "config_class", None)
+    if config_class is None:
+        return False
+    try:
+        derived = getattr(config_class(**{**stored, key: None}), key)
+    except Exception:  # noqa: BLE001 - a null the config does not accept is not the checkpoint's value
+        return False
+    return _same(derived, value)
 
 
 def _same(a, b) -> bool:
