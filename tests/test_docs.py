@@ -88,7 +88,8 @@ def test_the_pytest_commands_name_markers_that_exist():
 
 def test_the_quickstart_run_takes_the_generate_share_and_evaluate_commands(tmp_path, monkeypatch, capsys):
     """The Quickstart's fit with a tiny model and 2 steps, then the README's generate, export and evaluate lines
-    verbatim, in the same folder, as a reader would run them."""
+    verbatim, in the same folder, as a reader would run them (the long-context default's plan cut to one short
+    run)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["ltcx"])
     quickstart = next(c for c in FITS if c[2] == "fit" and "configs/trainer/smoke.yaml" in c and len(c) == 7)
@@ -97,6 +98,11 @@ def test_the_quickstart_run_takes_the_generate_share_and_evaluate_commands(tmp_p
     main([*config, *tiny, "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
           "--data.batch_size", "2", "--data.val_batches", "1", "--trainer.enable_progress_bar", "false"])
     assert (tmp_path / "checkpoints/gpt/version_0/last.ckpt").is_file()
+    from ltcx.study import long_context as cpu_default  # --train cpu's 18 CPU-minutes cut to one run of 4 steps
+
+    plan = cpu_default.plan()
+    monkeypatch.setattr(cpu_default, "plan", lambda: [r for r in plan if r.label == "gpt-rope"][:1])
+    monkeypatch.setattr(cpu_default, "STEPS", 4)
     for verb in ("generate", "export", "evaluate"):
         for words in (c for c in COMMANDS if c[:2] == ["ltcx", verb]):
             capsys.readouterr()
