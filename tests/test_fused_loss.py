@@ -180,3 +180,12 @@ def test_a_backbone_without_forward_hidden_keeps_the_logits_path():
     batch = torch.randint(0, 11, (2, 6))
     assert not model._fuses_head()
     torch.testing.assert_close(model.loss(batch), _full_logits_loss(model, batch[:, :-1], batch[:, 1:]))
+
+
+def test_no_tokens_is_a_zero_loss_with_zero_gradients():
+    hidden = torch.randn(0, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(16, 8, dtype=torch.float64, requires_grad=True)
+    total, count = chunked_linear_cross_entropy(hidden, weight, torch.zeros(0, dtype=torch.long))
+    total.backward()
+    assert total.item() == 0 and count.item() == 0
+    assert torch.equal(weight.grad, torch.zeros_like(weight)) and hidden.grad.shape == (0, 8)

@@ -51,19 +51,33 @@ class _LinearCrossEntropy(torch.autograd.Function):
         acc = _accumulate_dtype(hidden.dtype)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        # written by the first chunk's product (zeros when there is no chunk)
+        grad_weight = (torch.empty if hidden.shape[0] else torch.zeros)(weight.shape, dtype=acc, device=weight.device)
         grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=acc, device=bias.device)
+        every_asked = bool((targets != IGNORE_INDEX).all())  # one check per call, not one pass per chunk
         for start in range(0, hidden.shape[0], chunk):
             h, t = hidden[start:start + chunk], targets[start:start + chunk]
             logits = _chunk_logits(h, weight, bias)
-            loss, lse, asked = _chunk_loss(logits, t)
-            total += loss
-            dlogits = torch.exp(logits.sub_(lse[:, None]))  # softmax, in the logits' memory
+            # log-sum-exp and softmax from one exp pass in the logits' memory: lse = max + log sum exp(z - max),
+            # softmax = exp(z - max) / sum (logsumexp, then exp(z - lse), took two passes and a copy)
+            asked = t != IGNORE_INDEX
+            safe = t.masked_fill(~asked, 0)
+            target_logit = logits.gather(1, safe[:, None]).squeeze(1)
+            top = logits.amax(dim=-1, keepdim=True)
+            dlogits = logits.sub_(top).exp_()
+            sums = dlogits.sum(dim=-1, keepdim=True)
+            lse = (top + sums.log()).squeeze(1)
+            total += ((lse - target_logit) * asked).sum()
+            dlogits.div_(sums)  # softmax
             rows = torch.arange(t.shape[0], device=t.device)
-            dlogits[rows, t.masked_fill(~asked, 0)] -= 1.0
-            dlogits.mul_(asked[:, None])
+            dlogits[rows, safe] -= 1.0
+            if not every_asked:
+                dlogits.mul_(asked[:, None])
             grad_hidden[start:start + chunk] = (dlogits.to(hidden.dtype) @ weight).to(hidden.dtype)
-            grad_weight.addmm_(dlogits.T, h.to(acc))
+            if start == 0:
+                torch.mm(dlogits.T, h.to(acc), out=grad_weight)  # no zero-fill of [V, C] before the first chunk
+            else:
+                grad_weight.addmm_(dlogits.T, h.to(acc))
             if grad_bias is not None:
                 grad_bias += dlogits.sum(0)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
