@@ -9,6 +9,7 @@
     python scripts/benchmark.py --data_loader sample --batch_size 24 --seq_len 512 --resume_tokens 10000000
     python scripts/benchmark.py --archs gpt ltc --compile          # also the torch.compile'd training step
     python scripts/benchmark.py --archs gpt gpt gta --decode_at 128   # gpt twice: the noise between two copies
+    python scripts/benchmark.py --archs xlstm --nx_xlstm /tmp/nxpkgs --batch_size 1 --seq_len 128 --decode_at 128
     python scripts/benchmark.py --startup      # CPU seconds of the commands that answer without training
 
 For each architecture (its model block of configs/<arch>.yaml, or with ``--width`` and ``--n_layer`` the
@@ -23,7 +24,9 @@ figure is the median of ``--repeats`` (at least 5) steps after one warm-up, so a
 hits all alike and the ratios hold. ``--nanogpt PATH`` adds karpathy/nanoGPT's ``GPT`` read from a local copy of its
 model.py (never vendored), built at the shape of the first ``gpt`` model (multi-head attention, nanoGPT's own loss
 from full logits) and timed in the same rounds; ``--compile`` adds each model's ``torch.compile``d loss path
-(``LanguageModel(compile=True)``) to the rounds, with its compile time.
+(``LanguageModel(compile=True)``) to the rounds, with its compile time. ``--nx_xlstm DIR`` adds NX-AI's
+``xLSTMLMModel`` (the ``xlstm`` package found in DIR, e.g. its wheel unpacked there; never vendored) built at the
+first ``xlstm`` model's shape, to the ``--decode_at`` rounds: its own ``step`` after the same prompt.
 
 ``--peak_memory`` measures each model's peak training memory instead: one training step in a fresh process per
 (model, loss path) (``--memory_loss fused full``: ``LanguageModel.loss`` or the full ``[B, T, V]`` logits and
@@ -143,6 +146,52 @@ def loss_step(model: LanguageModel, batch: torch.Tensor, autocast, path: str = "
         optimizer.zero_grad(set_to_none=True)
 
     return step
+
+
+class NXAIStepper(torch.nn.Module):
+    """NX-AI's ``xLSTMLMModel`` as ``(logits, state) = model(idx, state)``: its ``step``, token by token."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor, state=None):
+        logits = None
+        for t in range(idx.shape[1]):
+            logits, state = self.model.step(idx[:, t:t + 1], state=state)
+        return logits, state
+
+
+def nx_xlstm(folder: str, ours: torch.nn.Module, context: int, device: torch.device) -> torch.nn.Module:
+    """NX-AI's xLSTMLMModel (the ``xlstm`` package in ``folder``) at the shape of ltcx's ``ours``: the same blocks,
+    widths, heads, kernel and block sizes (its sLSTM on the ``vanilla`` backend, which runs on a CPU); the same
+    parameter count, or one line. ``context``: its context_length (it keeps a [context, context] mask)."""
+    sys.path.insert(0, str(Path(folder).resolve()))
+    try:
+        import xlstm as nx
+    except Exception as error:  # noqa: BLE001 - whatever the package raises, one line
+        fail(f"--nx_xlstm {folder}: xlstm cannot be imported ({type(error).__name__}: {error})")
+    c = ours.config
+    mlstm = nx.mLSTMLayerConfig(conv1d_kernel_size=c.conv_kernel_size, qkv_proj_blocksize=c.qkv_proj_blocksize,
+                                num_heads=c.num_heads, proj_factor=c.mlstm_proj_factor,
+                                round_proj_up_to_multiple_of=c.proj_round_to)
+    slstm = nx.sLSTMLayerConfig(backend="vanilla", num_heads=c.slstm_num_heads, conv1d_kernel_size=c.conv_kernel_size,
+                                bias_init="powerlaw_blockdependent")
+    feedforward = nx.FeedForwardConfig(proj_factor=c.slstm_ffn_factor, act_fn="gelu",
+                                       round_proj_up_to_multiple_of=c.proj_round_to)
+    config = nx.xLSTMLMModelConfig(
+        mlstm_block=nx.mLSTMBlockConfig(mlstm=mlstm),
+        slstm_block=nx.sLSTMBlockConfig(slstm=slstm, feedforward=feedforward), context_length=context,
+        num_blocks=c.num_layers, embedding_dim=c.embedding_dim, bias=c.bias,
+        slstm_at=[i for i, kind in enumerate(c.block_types) if kind == "s"], vocab_size=c.vocab_size,
+        tie_weights=c.tie_embeddings)
+    model = nx.xLSTMLMModel(config)
+    model.reset_parameters()
+    theirs, mine = sum(p.numel() for p in model.parameters()), sum(p.numel() for p in ours.parameters())
+    if theirs != mine:
+        fail(f"--nx_xlstm: NX-AI's model at this shape has {theirs:,} parameters against ltcx's {mine:,}; "
+             "this xlstm version builds another model")
+    return NXAIStepper(model).to(device)
 
 
 def nanogpt_trainee(module, shape: dict, args, device: torch.device, autocast) -> Trainee:
@@ -484,6 +533,9 @@ def main() -> None:
     parser.add_argument("--nanogpt", default=None, metavar="PATH",
                         help="also train karpathy/nanoGPT's GPT from this local copy of its model.py, at the first "
                              "gpt model's shape")
+    parser.add_argument("--nx_xlstm", default=None, metavar="DIR",
+                        help="with --decode_at: also time NX-AI's xLSTMLMModel step (the xlstm package in DIR) at the "
+                             "first xlstm model's shape")
     parser.add_argument("--generate_tokens", type=int, default=0, help="also time generating this many tokens")
     parser.add_argument("--decode_at", type=int, nargs="*", default=[],
                         help="also time one cached decode step (batch --decode_batch) after this many tokens")
@@ -527,6 +579,13 @@ def main() -> None:
     shape = gpt_shape(args)
     if nanogpt is not None and shape is None:
         fail("--nanogpt is built at the shape of a gpt model: name gpt among --archs")
+    xlstm_label = next((a for a in args.archs if a.partition(":")[0] == "xlstm"), None)
+    if args.nx_xlstm and (xlstm_label is None or not args.decode_at):
+        fail("--nx_xlstm times NX-AI's decode step at the shape of the xlstm model: name xlstm among --archs and "
+             "give --decode_at")
+    if args.nx_xlstm and not (Path(args.nx_xlstm) / "xlstm" / "__init__.py").is_file():
+        fail(f"--nx_xlstm {args.nx_xlstm}: no xlstm package in it; unpack NX-AI's xlstm wheel there "
+             "(pip download xlstm --no-deps; unzip)")
     if args.peak_memory:
         results = bench_peak_memory(args, shape)
         Path(args.out).write_text(json.dumps({"meta": {**meta, **vars(args)}, "results": results}, indent=2))
@@ -579,7 +638,13 @@ def main() -> None:
             result.update(bench_arch(trainee.label, models[trainee.label], args, device))
         results.append(result)
     if args.decode_at:
-        decode_times = decode_at(models, args, device)
+        decoders = dict(models)
+        if args.nx_xlstm:
+            decoders["nx-ai xlstm"] = nx_xlstm(args.nx_xlstm, models[xlstm_label], max(args.decode_at) + 1, device)
+        decode_times = decode_at(decoders, args, device)
+        if args.nx_xlstm:
+            params = sum(p.numel() for p in decoders["nx-ai xlstm"].parameters())
+            results.append({"arch": "nx-ai xlstm", "params": params, **decode_times["nx-ai xlstm"]})
         for result in results:
             result.update(decode_times.get(result["arch"], {}))
     meta["load_average_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None

@@ -111,3 +111,103 @@ def test_peak_memory_runs_each_model_and_loss_path_in_its_own_process(tmp_path):
     assert [(r["arch"], r["loss"]) for r in results] == [(GPT, "fused"), (GPT, "full")]
     for r in results:
         assert r["peak_rss_mb"] >= r["rss_before_mb"] > 0
+
+
+XLSTM = "xlstm:embedding_dim=32,num_layers=2,num_heads=2,slstm_num_heads=2,chunk_size=8,slstm_at=[1]"
+
+# NX-AI's xlstm package's interface (the config classes, xLSTMLMModel(config), reset_parameters, step(idx, state));
+# it records the config it was given and holds ltcx's model of that shape, so the parameter counts agree.
+NX_STANDIN = '''
+import json, pathlib
+from dataclasses import asdict, dataclass, field
+import torch
+
+@dataclass
+class mLSTMLayerConfig:
+    conv1d_kernel_size: int = 4
+    qkv_proj_blocksize: int = 4
+    num_heads: int = 4
+    proj_factor: float = 2.0
+    round_proj_up_to_multiple_of: int = 64
+
+@dataclass
+class sLSTMLayerConfig:
+    backend: str = "cuda"
+    num_heads: int = 4
+    conv1d_kernel_size: int = 4
+    bias_init: str = "powerlaw_blockdependent"
+
+@dataclass
+class FeedForwardConfig:
+    proj_factor: float = 1.3
+    act_fn: str = "gelu"
+    round_proj_up_to_multiple_of: int = 64
+
+@dataclass
+class mLSTMBlockConfig:
+    mlstm: mLSTMLayerConfig = None
+
+@dataclass
+class sLSTMBlockConfig:
+    slstm: sLSTMLayerConfig = None
+    feedforward: FeedForwardConfig = None
+
+@dataclass
+class xLSTMLMModelConfig:
+    mlstm_block: mLSTMBlockConfig = None
+    slstm_block: sLSTMBlockConfig = None
+    context_length: int = -1
+    num_blocks: int = 1
+    embedding_dim: int = 128
+    bias: bool = False
+    slstm_at: list = field(default_factory=list)
+    vocab_size: int = -1
+    tie_weights: bool = False
+
+class xLSTMLMModel(torch.nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        pathlib.Path(__file__).parents[1].joinpath("nx_config.json").write_text(json.dumps(asdict(config)))
+        from ltcx.models.xlstm import XLSTM
+        self.inner = XLSTM(embedding_dim=config.embedding_dim, num_layers=config.num_blocks,
+                           slstm_at=config.slstm_at, num_heads=config.mlstm_block.mlstm.num_heads,
+                           slstm_num_heads=config.slstm_block.slstm.num_heads, vocab_size=config.vocab_size)
+
+    def reset_parameters(self):
+        pass
+
+    def step(self, idx, state=None):
+        return self.inner(idx, state)
+'''
+
+
+def test_nx_ai_xlstm_is_timed_in_the_decode_rounds_at_the_xlstms_shape(tmp_path):
+    (tmp_path / "nx/xlstm").mkdir(parents=True)
+    (tmp_path / "nx/xlstm/__init__.py").write_text(NX_STANDIN)
+    out = tmp_path / "bench.json"
+    run = _run("--archs", XLSTM, "--nx_xlstm", str(tmp_path / "nx"), "--batch_size", "1", "--seq_len", "16",
+               "--decode_at", "8", "--repeats", "1", "--threads", "1", "--vocab_size", "96", "--out", str(out))
+    assert run.returncode == 0, run.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [r["arch"] for r in results] == [XLSTM, "nx-ai xlstm"]
+    assert results[1]["decode_ms_at_8"] > 0 and results[1]["params"] == results[0]["params"]
+    config = json.loads((tmp_path / "nx/nx_config.json").read_text())
+    assert (config["embedding_dim"], config["num_blocks"], config["slstm_at"], config["vocab_size"]) == (32, 2, [1], 96)
+    assert config["slstm_block"]["slstm"]["backend"] == "vanilla" and config["context_length"] == 9
+    assert config["mlstm_block"]["mlstm"]["num_heads"] == 2 and config["tie_weights"] is True
+
+
+@pytest.mark.parametrize("case", ["missing", "no_xlstm", "no_decode"])
+def test_nx_ai_problems_are_one_line_and_write_nothing(tmp_path, case):
+    archs, decode = ([GPT] if case == "no_xlstm" else [XLSTM]), ([] if case == "no_decode" else ["--decode_at", "8"])
+    if case != "missing":
+        (tmp_path / "nx/xlstm").mkdir(parents=True)
+        (tmp_path / "nx/xlstm/__init__.py").write_text(NX_STANDIN)
+    out = tmp_path / "bench.json"
+    run = _run("--archs", *archs, "--nx_xlstm", str(tmp_path / "nx"), *decode, "--out", str(out), timeout=120)
+    expected = {"missing": "no xlstm package in it", "no_xlstm": "name xlstm among --archs",
+                "no_decode": "give --decode_at"}
+    assert run.returncode == 2
+    assert run.stderr.strip().count("\n") == 0 and run.stderr.startswith("benchmark: error: "), run.stderr
+    assert expected[case] in run.stderr
+    assert not out.exists()
