@@ -36,13 +36,17 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return logits.to(_accumulate_dtype(logits.dtype))
 
 
-def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits [n, V], targets [n] -> (summed loss, log-sum-exp [n], asked [n] bool)."""
+def _asked(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [n, V], targets [n] -> (asked [n] bool, targets with 0 where not asked [n], their logits [n])."""
     asked = targets != IGNORE_INDEX
     safe = targets.masked_fill(~asked, 0)
-    lse = torch.logsumexp(logits, dim=-1)
-    target_logit = logits.gather(1, safe[:, None]).squeeze(1)
-    return ((lse - target_logit) * asked).sum(), lse, asked
+    return asked, safe, logits.gather(1, safe[:, None]).squeeze(1)
+
+
+def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logits [n, V], targets [n] -> the summed loss of the asked targets (no gradient wanted)."""
+    asked, _, target_logit = _asked(logits, targets)
+    return ((torch.logsumexp(logits, dim=-1) - target_logit) * asked).sum()
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -60,9 +64,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = _chunk_logits(h, weight, bias)
             # log-sum-exp and softmax from one exp pass in the logits' memory: lse = max + log sum exp(z - max),
             # softmax = exp(z - max) / sum (logsumexp, then exp(z - lse), took two passes and a copy)
-            asked = t != IGNORE_INDEX
-            safe = t.masked_fill(~asked, 0)
-            target_logit = logits.gather(1, safe[:, None]).squeeze(1)
+            asked, safe, target_logit = _asked(logits, t)  # read before the logits' memory is overwritten
             top = logits.amax(dim=-1, keepdim=True)
             dlogits = logits.sub_(top).exp_()
             sums = dlogits.sum(dim=-1, keepdim=True)
@@ -122,5 +124,5 @@ def chunked_linear_cross_entropy(
         total = torch.zeros((), dtype=_accumulate_dtype(hidden.dtype), device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             logits = _chunk_logits(hidden[start:start + chunk], weight, bias)
-            total += _chunk_loss(logits, targets[start:start + chunk])[0]
+            total += _chunk_loss(logits, targets[start:start + chunk])
         return total, count
