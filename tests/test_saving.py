@@ -252,3 +252,62 @@ def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, capsys
     assert line == (f"ltcx: error: cannot write '{out}' (disk full); nothing was written: free space or pass --out a "
                     "folder on another disk")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good.ckpt"]
+
+
+@pytest.mark.parametrize("writer", ["atomic_write_text", "study json", "study figure"])
+def test_two_processes_writing_one_file_at_once_both_finish_and_leave_a_whole_file(tmp_path, monkeypatch, writer):
+    """Two launchers finishing one study write its report at the same moment: each through a temp file of its own
+    process, so neither's rename finds its temp file taken by the other (a shared ``state.tmp.png`` did: CI)."""
+    import matplotlib.pyplot as plt
+
+    import ltcx.persist.files as files
+    from ltcx.study import report
+
+    target = tmp_path / ("state.png" if writer == "study figure" else "summary.json")
+
+    def write(content: str) -> None:
+        if writer == "atomic_write_text":
+            files.atomic_write_text(target, content)
+        elif writer == "study json":
+            report.write_json(target, content)
+        else:
+            figure = plt.figure()
+            figure.suptitle(content)
+            report._save(figure, target)
+
+    real_replace, real_getpid, done = os.replace, os.getpid, []
+
+    def replace(source, destination):  # just before this process's rename, another process writes the same file
+        if not done:
+            done.append(True)
+            monkeypatch.setattr(os, "getpid", lambda: real_getpid() + 1)
+            try:
+                write("other")
+            finally:
+                monkeypatch.setattr(os, "getpid", real_getpid)
+        real_replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", replace)
+    write("mine")
+    assert done and sorted(p.name for p in tmp_path.iterdir()) == [target.name]  # no temp file of either left
+    if writer == "study figure":
+        assert target.read_bytes().startswith(b"\x89PNG")
+    else:
+        assert "mine" in target.read_text()
+
+
+def test_a_file_write_onto_a_full_disk_is_one_line_and_keeps_the_previous_file(tmp_path, monkeypatch):
+    from ltcx.persist.files import atomic_write_text
+
+    target = tmp_path / "summary.md"
+    target.write_text("before")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(LtcxError) as raised:
+        atomic_write_text(target, "after", "free space or pass --out another folder")
+    assert str(raised.value) == (f"cannot write file '{target}' (disk full); the previous file there is intact: "
+                                 "free space or pass --out another folder")
+    assert target.read_text() == "before" and sorted(p.name for p in tmp_path.iterdir()) == ["summary.md"]

@@ -117,6 +117,7 @@ def evaluate_main(argv: list[str]) -> None:
     from ltcx.cli.generate import _device
     from ltcx.eval.position_loss import context_spans, plot_position_loss, position_loss, to_json
     from ltcx.lm import LanguageModel
+    from ltcx.persist.files import atomic_write, atomic_write_text
     from ltcx.persist.load import load_model_and_tokenizer
 
     device = _device(("cuda" if torch.cuda.is_available() else "cpu") if args.device is None else args.device)
@@ -180,8 +181,8 @@ def evaluate_main(argv: list[str]) -> None:
     except OSError as error:
         raise LtcxError(f"cannot make --out '{args.out}' ({error.strerror or error}): pass a writable folder") from None
     json_path, png_path = os.path.join(args.out, RESULTS_JSON), os.path.join(args.out, RESULTS_PNG)
-    _write_text(json_path, to_json(results, settings))
-    plot_position_loss(results, png_path, bucket_size)
+    atomic_write_text(json_path, to_json(results, settings))
+    atomic_write(png_path, lambda temp: plot_position_loss(results, temp, bucket_size))
     for result in results:
         spans = "  ".join(f"[{s['start']}, {s['end']}): {s['loss']:.4f}" for s in result["spans"])
         print(f"{result['label']} ({result['backbone']}, trained on {result['train_context']}): {spans}")
@@ -224,16 +225,3 @@ def _read_blocks(args, tokenizer: str, length: int, val_split: str | None):
               f"{tokenizer} tokens, not --num_sequences {args.num_sequences}: scored those", file=sys.stderr)
     return torch.stack(blocks)
 
-
-def _write_text(path: str, text: str) -> None:
-    """Write ``text`` whole or not at all (a temp file in the same folder, then ``os.replace``)."""
-    temp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(temp, "w") as f:
-            f.write(text)
-        os.replace(temp, path)
-    except OSError as error:
-        raise LtcxError(f"cannot write '{path}' ({error.strerror or error}): pass --out a writable folder") from None
-    finally:
-        if os.path.exists(temp):
-            os.remove(temp)

@@ -22,6 +22,7 @@ from ltcx.errors import ConfigError, LtcxError
 __all__ = ["long_context_main", "RESULTS"]
 
 RESULTS = ("long_context.json", "long_context.png", "needle_heatmaps.png")
+_FIX = "free space or pass --out a writable folder"
 
 
 def _numbers(flag: str, text: str, kind: type, check, rule: str) -> list:
@@ -85,15 +86,15 @@ def long_context_main(args) -> None:
               f"{accuracy}")
 
     from ltcx.eval.long_context import plot_accuracy_by_length, plot_needle_heatmaps
+    from ltcx.persist.files import atomic_write, atomic_write_text
 
     _writable(out)
     settings = dict(factors=factors, depths=depths, num_sequences=num_sequences, batch_size=batch_size,
                     piece_len=args.piece_len, seed=args.seed, device=str(device), train=args.train)
     json_path, length_png, heatmap_png = (out / name for name in RESULTS)
-    _atomic(json_path, lambda temp: temp.write_text(json.dumps({"settings": settings, "results": results},
-                                                                indent=2) + "\n"))
-    _atomic(length_png, lambda temp: plot_accuracy_by_length(results, str(temp)))
-    _atomic(heatmap_png, lambda temp: plot_needle_heatmaps(results, str(temp)))
+    atomic_write_text(json_path, json.dumps({"settings": settings, "results": results}, indent=2) + "\n", _FIX)
+    atomic_write(length_png, lambda temp: plot_accuracy_by_length(results, temp), _FIX)
+    atomic_write(heatmap_png, lambda temp: plot_needle_heatmaps(results, temp), _FIX)
     print(f"ltcx: wrote {json_path}, {length_png} and {heatmap_png}")
 
 
@@ -121,15 +122,3 @@ def _writable(out: Path) -> None:
     except OSError as error:
         raise LtcxError(f"cannot make --out '{out}' ({error.strerror or error}): pass a writable folder") from None
 
-
-def _atomic(path: Path, write) -> None:
-    """``write(temp)`` then ``os.replace``: the file is whole or not there."""
-    temp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        write(temp)
-        os.replace(temp, path)
-    except OSError as error:
-        raise LtcxError(f"cannot write '{path}' ({error.strerror or error}): pass --out a writable folder") from None
-    finally:
-        if temp.exists():
-            temp.unlink()

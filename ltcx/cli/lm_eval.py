@@ -103,18 +103,11 @@ def lm_eval_main(argv: list[str]) -> None:
     print(make_table(results))
     if results.get("groups"):
         print(make_table(results, "groups"))
-    path = os.path.join(args.out, RESULTS_JSON)
-    temp = f"{path}.tmp-{os.getpid()}"
-    try:
-        os.makedirs(args.out, exist_ok=True)
-        with open(temp, "w") as f:
-            json.dump(results, f, indent=2, default=handle_non_serializable)
-        os.replace(temp, path)
-    except OSError as error:  # checked before evaluating; the disk can still fill up
-        if os.path.exists(temp):
-            os.remove(temp)
-        reason = error.strerror or error
-        raise LtcxError(f"cannot write {path} ({reason}); the results are in the table above") from None
+    from ltcx.persist.files import atomic_write_text
+
+    path = os.path.join(args.out, RESULTS_JSON)  # --out was checked before evaluating; the disk can still fill up
+    atomic_write_text(path, json.dumps(results, indent=2, default=handle_non_serializable),
+                      "the results are in the table above; free space and rerun to write them")
     print(f"ltcx: wrote {path}", file=sys.stderr)
 
 

@@ -112,7 +112,7 @@ def plot_position_loss(results: Sequence[dict], path: str, bucket_size: int) -> 
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=120, format="png")
     plt.close(figure)
 
 

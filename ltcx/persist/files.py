@@ -20,8 +20,8 @@ import torch
 from ltcx.errors import LtcxError
 from ltcx.persist.digest import with_digest
 
-__all__ = ["atomic_save", "atomic_copy", "atomic_folder", "fsync_path", "remove_stale_temps", "current_umask",
-           "give_new_file_mode"]
+__all__ = ["atomic_save", "atomic_copy", "atomic_write", "atomic_write_text", "atomic_folder", "fsync_path",
+           "remove_stale_temps", "current_umask", "give_new_file_mode"]
 
 
 def current_umask() -> int:
@@ -73,20 +73,23 @@ def remove_stale_temps(folder: str | os.PathLike) -> None:
             pass
 
 
-def _write_error(path: str, error: OSError, written: bool = False) -> LtcxError:
-    """The one line for a checkpoint write that failed with ``error``."""
+_CHECKPOINT_FIX = "free space or point the checkpoint dirpath at another disk"
+
+
+def _write_error(path: str, error: OSError, written: bool = False, what: str = "checkpoint",
+                 fix: str = _CHECKPOINT_FIX) -> LtcxError:
+    """The one line for a write of ``what`` that failed with ``error``; ``fix`` tells the user what to do."""
     reason = "disk full" if error.errno == errno.ENOSPC else (error.strerror or type(error).__name__)
-    kept = "the previous checkpoint there is intact" if os.path.exists(path) else "nothing was written"
+    kept = f"the previous {what} there is intact" if os.path.exists(path) else "nothing was written"
     if written:  # only making the rename durable failed
-        kept = "the new checkpoint there may not survive a power loss"
-    return LtcxError(f"cannot write checkpoint '{path}' ({reason}); {kept}: free space or point the checkpoint dirpath "
-                     "at another disk")
+        kept = f"the new {what} there may not survive a power loss"
+    return LtcxError(f"cannot write {what} '{path}' ({reason}); {kept}: {fix}")
 
 
-def _replace_durably(write, path: str) -> None:
+def _replace_durably(write, path: str, what: str = "checkpoint", fix: str = _CHECKPOINT_FIX) -> None:
     """``write(temp)`` a temp file beside ``path``, fsync it and ``os.replace`` it over ``path``, then fsync the folder.
     On any failure the temp file is removed and ``path`` keeps its previous content (``_write_error`` for an
-    OSError)."""
+    OSError). The temp name holds the process id, so processes writing the same file at once never share one."""
     folder = os.path.dirname(path) or "."
     temp = _temp_name(path)
     replaced = False
@@ -96,6 +99,7 @@ def _replace_durably(write, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.remove(temp)  # this process's own leftover (a link would redirect the write)
         write(temp)
+        fsync_path(temp)
         give_new_file_mode(temp)  # whatever ``write`` used to create it: the permissions of any file the user writes
         os.replace(temp, path)
         replaced = True
@@ -109,7 +113,7 @@ def _replace_durably(write, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.remove(temp)
         if isinstance(error, OSError):
-            raise _write_error(path, error, written=replaced) from None
+            raise _write_error(path, error, replaced, what, fix) from None
         raise
 
 
@@ -127,21 +131,33 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
     def write(temp: str) -> None:
         with open(temp, "wb") as f:
             f.write(buffer.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
 
     _replace_durably(write, path)
 
 
 def atomic_copy(source: str, path: str) -> None:
     """Copy the file ``source`` to ``path`` as ``atomic_save`` writes: whole or not at all."""
+    _replace_durably(lambda temp: shutil.copyfile(source, temp), path)
+
+
+_OUT_FIX = "free space or pass --out a writable folder"
+
+
+def atomic_write(path: str | os.PathLike, write, fix: str = _OUT_FIX) -> None:
+    """``write(temp)`` fills a temp file (``<dir>/.<name>.tmp-<pid>``: give writers that infer a format from the
+    name, such as matplotlib, the format), which then replaces ``path`` as ``atomic_save`` does: whole or not at
+    all, also when several processes write the same file at once. An ``OSError`` is one line ending in ``fix``."""
+    _replace_durably(write, os.fspath(path), "file", fix)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, fix: str = _OUT_FIX) -> None:
+    """``text`` (UTF-8) to ``path`` as ``atomic_write`` writes."""
 
     def write(temp: str) -> None:
-        shutil.copyfile(source, temp)
-        with open(temp, "rb") as f:
-            os.fsync(f.fileno())
+        with open(temp, "w", encoding="utf-8") as f:
+            f.write(text)
 
-    _replace_durably(write, path)
+    atomic_write(path, write, fix)
 
 
 def fsync_path(path: str | os.PathLike) -> None:

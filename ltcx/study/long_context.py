@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ltcx.errors import LtcxError
+from ltcx.study.report import write_json
 
 __all__ = ["LENGTH", "STEPS", "DefaultRun", "plan", "train_cpu_default"]
 
@@ -105,6 +106,6 @@ def train_cpu_default(out: Path, say: Callable[[str], None] = print) -> list[tup
         if code != 0 or final is None:
             raise LtcxError(f"{run.name} failed (exit {code}): {last_line(root / 'run.log')} (see {root / 'run.log'}; "
                             "rerun to resume)")
-        done.write_text(json.dumps({"checkpoint": str(final.relative_to(root))}) + "\n")  # the folder may move
+        write_json(done, {"checkpoint": str(final.relative_to(root))})  # relative: the folder may move
         trained.append((run.label, final))
     return trained

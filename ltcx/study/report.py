@@ -16,22 +16,21 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ltcx.persist.files import atomic_write, atomic_write_text
 from ltcx.study.ladder import compute_multiplier, fit_power_law, frontier
 from ltcx.study.spec import StudySpec
 from ltcx.study.stats import mean_interval, paired_difference
 
 __all__ = ["summarize", "tables", "write_json", "write_report"]
 
+# Several launchers may finish a study at once: each file is written through a temp file of its own process.
+_FIX = "free space or pass --out a folder on a writable disk"
 FIGURES = ("curves.png", "final.png", "ladder.png", "state.png", "grid.png")
 
 
 def write_json(path: Path, value: Any) -> None:
     """``value`` as JSON, atomically: a file that marks something done is whole or absent."""
-    import os
-
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(value, indent=2))
-    os.replace(temporary, path)
+    atomic_write_text(path, json.dumps(value, indent=2), _FIX)
 
 
 def _interval(values: list[float]) -> dict | None:
@@ -347,7 +346,8 @@ def figures(summary: dict, folder: Path) -> list[Path]:
                                 alpha=0.2)
         ax.set(title=size, xlabel="training tokens", ylabel=f"val/{metric}")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # a size whose runs logged no curve has nothing to name
+            ax.legend(fontsize=7)
     figure.suptitle("Validation curves at the chosen rate (mean, 95% band over seeds)", fontsize=9)
     written.append(_save(figure, folder / "curves.png"))
 
@@ -428,10 +428,10 @@ def _save(figure, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     figure.tight_layout()
-    temporary = path.with_name(path.stem + ".tmp.png")
-    figure.savefig(temporary, dpi=110)
-    plt.close(figure)
-    temporary.replace(path)
+    try:
+        atomic_write(path, lambda temp: figure.savefig(temp, dpi=110, format="png"), _FIX)
+    finally:
+        plt.close(figure)
     return path
 
 
@@ -466,10 +466,7 @@ def html_report(summary: dict, images: list[Path]) -> str:
 def write_report(summary: dict, folder: Path) -> list[Path]:
     """summary.json, summary.md, the figures and report.html in ``folder``; the paths written."""
     write_json(folder / "summary.json", summary)
-    text = markdown(summary)
-    (folder / "summary.md.tmp").write_text(text)
-    (folder / "summary.md.tmp").replace(folder / "summary.md")
+    atomic_write_text(folder / "summary.md", markdown(summary), _FIX)
     images = figures(summary, folder)
-    (folder / "report.html.tmp").write_text(html_report(summary, images))
-    (folder / "report.html.tmp").replace(folder / "report.html")
+    atomic_write_text(folder / "report.html", html_report(summary, images), _FIX)
     return [folder / "summary.json", folder / "summary.md", *images, folder / "report.html"]
