@@ -221,6 +221,88 @@ def test_model_token_recurrence_equals_the_parallel_forms_float64(backend):
         _assert_states_close([t for blk in step_state for t in blk], [t for blk in state for t in blk], **F64)
 
 
+def test_mlstm_block_equals_its_equations_written_out():
+    """The mLSTM block (xLSTM paper, Fig. 10 / NX-AI's mLSTMLayer) from its parameters, every map written out
+    (block-diagonal q/k/v as dense block_diag matrices, the causal conv as a sum over taps, one mLSTM head at a time
+    by the formula's loops), float64: catches a swapped gate, a wrong input to a projection, a missing skip."""
+    from ltcx.ops.naive.mlstm import mlstm_parallel_naive
+
+    model = _tiny_model()
+    block = model.blocks[0]
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))
+    B, T, E, H = 2, 7, block.norm.normalized_shape[0], block.num_heads
+    x = torch.randn(B, T, E, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    with torch.no_grad():
+        got, _ = block(x)
+
+    def linear(layer, u):
+        return u @ layer.weight.t() + (0 if layer.bias is None else layer.bias)
+
+    def dense(headwise):  # [n, out, in] blocks -> the [out, in] block-diagonal matrix
+        return torch.block_diag(*headwise.weight)
+
+    want = torch.empty_like(x)
+    with torch.no_grad():
+        for b in range(B):
+            u = F.layer_norm(x[b], (E,), block.norm.weight, block.norm.bias, block.norm.eps)
+            up = linear(block.proj_up, u)
+            inner = up.shape[-1] // 2
+            x_m, z = up[:, :inner], up[:, inner:]
+            taps = block.conv.weight[:, 0]  # [I, K]: out_t = bias + sum_j taps[:, j] x_{t-K+1+j}
+            K = taps.shape[1]
+            conv = torch.stack([block.conv.bias + sum(taps[:, j] * x_m[t - K + 1 + j] for j in range(K)
+                                                      if t - K + 1 + j >= 0) for t in range(T)])
+            x_c = conv * torch.sigmoid(conv)
+            q, k, v = x_c @ dense(block.q_proj).t(), x_c @ dense(block.k_proj).t(), x_m @ dense(block.v_proj).t()
+            qkv = torch.cat([q, k, v], dim=-1)
+            i_pre, f_pre = linear(block.igate, qkv), linear(block.fgate, qkv)  # [T, H]
+            Dh = inner // H
+            heads = [mlstm_parallel_naive(q[:, s], k[:, s], v[:, s], i_pre[:, j], f_pre[:, j])
+                     for j, s in enumerate(slice(j * Dh, (j + 1) * Dh) for j in range(H))]
+            normed = torch.cat([F.layer_norm(h, (Dh,), eps=block.out_norm.eps) for h in heads], dim=-1)
+            normed = normed * block.out_norm.weight + (0 if block.out_norm.bias is None else block.out_norm.bias)
+            out = (normed + block.skip * x_c) * (z * torch.sigmoid(z))
+            want[b] = x[b] + linear(block.proj_down, out)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_slstm_block_equals_its_equations_written_out():
+    """The sLSTM block and its gated feed-forward (xLSTM paper, Fig. 9) from its parameters, written out head by
+    head: i, f from the convolved input, z, o from the normed input, the unstabilised recurrence of the paper
+    (slstm_reference), the per-head norm, then x + W_down(GELU(gate) * up). float64."""
+    model = _tiny_model()
+    block = model.blocks[1]
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))
+    B, T, E, H, Dh = 2, 7, block.norm.normalized_shape[0], block.num_heads, block.head_dim
+    x = torch.randn(B, T, E, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    with torch.no_grad():
+        got, _ = block(x)
+        xn = F.layer_norm(x, (E,), block.norm.weight, block.norm.bias, block.norm.eps)
+        taps, K = block.conv.weight[:, 0], block.conv.weight.shape[-1]  # out_t = bias + sum_j taps[:, j] x_{t-K+1+j}
+        padded = torch.cat([xn.new_zeros(B, K - 1, E), xn], dim=1)
+        conv = block.conv.bias + sum(taps[:, j] * padded[:, j:j + T] for j in range(K))
+        x_c = conv * torch.sigmoid(conv)
+        gates = torch.empty(B, T, 4, H, Dh, dtype=torch.float64)
+        for j in range(H):
+            heads = slice(j * Dh, (j + 1) * Dh)
+            i_f = x_c[..., heads] @ block.w_in[0, j]  # [B, T, 2 Dh]: i~, f~ from the convolved input
+            z_o = xn[..., heads] @ block.w_in[1, j]  # z~, o~ from the normed input
+            for g, part in enumerate((i_f[..., :Dh], i_f[..., Dh:], z_o[..., :Dh], z_o[..., Dh:])):
+                gates[:, :, g, j] = part + block.gate_bias[g, j]
+        h = slstm_reference(gates, block.R, block.forget_gate)  # [B, T, H, Dh]
+        normed = F.layer_norm(h, (Dh,), eps=block.out_norm.eps).flatten(-2) * block.out_norm.weight
+        y = x + normed + (0 if block.out_norm.bias is None else block.out_norm.bias)
+        up = F.linear(F.layer_norm(y, (E,), block.ffn_norm.weight, block.ffn_norm.bias, block.ffn_norm.eps),
+                      block.ffn_up.weight, block.ffn_up.bias)
+        u, gate = up.chunk(2, dim=-1)
+        want = y + F.linear(F.gelu(gate) * u, block.ffn_down.weight, block.ffn_down.bias)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 def test_decode_keeps_the_rearranged_recurrence_until_r_changes():
     """The sLSTM block keeps R rearranged ([H, Dh, 4 Dh]) between decode steps; a write into R rebuilds it, so the
     next step equals a model built with the new R."""
