@@ -311,3 +311,20 @@ def test_a_file_write_onto_a_full_disk_is_one_line_and_keeps_the_previous_file(t
     assert str(raised.value) == (f"cannot write file '{target}' (disk full); the previous file there is intact: "
                                  "free space or pass --out another folder")
     assert target.read_text() == "before" and sorted(p.name for p in tmp_path.iterdir()) == ["summary.md"]
+
+
+def test_an_export_removes_the_temp_folders_of_exports_to_it_that_were_killed(tmp_path, capsys):
+    """A killed `ltcx export` leaves its temp folder (``.<name>.tmp-<pid>``) beside the target; the next export to
+    that target removes it, and only it: not a running export's, not another target's."""
+    checkpoint = write_checkpoint(tmp_path / "good.ckpt")
+    out = tmp_path / "exports" / "model"
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = int(finished.stdout)  # a process that has exited
+    killed, running, other = (out.parent / f".model.tmp-{gone}", out.parent / f".model.tmp-{os.getppid()}",
+                              out.parent / f".other.tmp-{gone}")  # getppid: a process that runs
+    for folder in (killed, running, other):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"\0" * 10)
+    main(["export", "--ckpt_path", str(checkpoint), "--out", str(out)])
+    capsys.readouterr()
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted([running.name, other.name, "model"])

@@ -56,6 +56,17 @@ def _temp_name(path: str) -> str:
 _TEMP = re.compile(r"\..+\.tmp-(\d+)")
 
 
+def _process_gone(pid: int) -> bool:
+    """Whether no process ``pid`` runs (one of another user's counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        pass
+    return False
+
+
 def remove_stale_temps(folder: str | os.PathLike) -> None:
     """Remove the temp files in ``folder`` of processes that no longer run (killed mid-save)."""
     folder = os.fspath(folder)
@@ -64,13 +75,19 @@ def remove_stale_temps(folder: str | os.PathLike) -> None:
         found, temp = _TEMP.fullmatch(name), os.path.join(folder, name)
         if not found or (os.path.isdir(temp) and not os.path.islink(temp)):  # an export's temp folder: its own business
             continue
-        try:
-            os.kill(int(found.group(1)), 0)
-        except ProcessLookupError:
+        if _process_gone(int(found.group(1))):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(temp)
-        except PermissionError:  # alive, another user's
-            pass
+
+
+def _remove_stale_temp_folders(parent: str, name: str) -> None:
+    """Remove the temp folders ``<parent>/.<name>.tmp-<pid>`` that writes of ``name`` killed midway left behind
+    (their process no longer runs): only these names, only folders."""
+    pattern = re.compile(re.escape(f".{name}.tmp-") + r"(\d+)")
+    for entry in os.listdir(parent) if os.path.isdir(parent) else []:
+        found, temp = pattern.fullmatch(entry), os.path.join(parent, entry)
+        if found and os.path.isdir(temp) and not os.path.islink(temp) and _process_gone(int(found.group(1))):
+            shutil.rmtree(temp, ignore_errors=True)
 
 
 _CHECKPOINT_FIX = "free space or point the checkpoint dirpath at another disk"
@@ -175,7 +192,8 @@ def fsync_path(path: str | os.PathLike) -> None:
 def atomic_folder(out: str | os.PathLike, write) -> str:
     """``write(temp)`` fills a temp folder beside ``out`` (a new or empty folder); its files get the permissions of
     any file the user writes and are fsynced, then the folder is renamed to ``out``: it appears whole or not at all.
-    A full disk (any ``OSError``) is one line, and nothing is left, nor the parent folders made for it."""
+    A full disk (any ``OSError``) is one line, and nothing is left, nor the parent folders made for it; the temp
+    folders of earlier writes of ``out`` that were killed midway are removed first."""
     out = os.path.abspath(os.fspath(out))
     parent = os.path.dirname(out)
     temp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{os.getpid()}")
@@ -186,6 +204,7 @@ def atomic_folder(out: str | os.PathLike, write) -> str:
     replaced = False
     try:
         os.makedirs(parent, exist_ok=True)
+        _remove_stale_temp_folders(parent, os.path.basename(out))
         shutil.rmtree(temp, ignore_errors=True)
         os.mkdir(temp)
         write(temp)
