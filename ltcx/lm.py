@@ -14,7 +14,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -121,7 +121,9 @@ class LanguageModel(L.LightningModule):
         weight_decay: AdamW weight decay of the matrices (not norms, biases or exempt parameters).
         betas: AdamW betas.
         eps: AdamW epsilon.
-        compile: run the backbone through torch.compile (checkpoint keys stay those of the plain backbone).
+        compile: true: run the backbone through torch.compile (checkpoint keys stay those of the plain backbone);
+            "ops": compile only the ops the backbone names for it, its ``compile_ops()`` (Titans: the neural memory's
+            training calls), seconds of compiling where the whole backbone takes minutes on a CPU.
     """
 
     def __init__(
@@ -134,9 +136,12 @@ class LanguageModel(L.LightningModule):
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
-        compile: bool = False,
+        compile: bool | Literal["ops"] = False,
     ) -> None:
         super().__init__()
+        if compile == "ops" and not callable(getattr(backbone, "compile_ops", None)):
+            raise ConfigError(f"model.compile ('ops'): {type(backbone).__name__} names no ops to compile (only "
+                              "Titans does: its neural memory); use --model.compile true for the whole backbone")
         problem = self.setting_problem(dict(learning_rate=learning_rate, min_lr=min_lr, warmup_steps=warmup_steps,
                                        decay_steps=decay_steps, weight_decay=weight_decay, betas=betas, eps=eps))
         if problem:
@@ -211,7 +216,9 @@ class LanguageModel(L.LightningModule):
                 backbone.ltcx_loss_sum = ltcx_loss_sum
                 register_fsdp_forward_method(backbone, "ltcx_loss_sum")
                 self.__dict__["_sharded_loss_sum"] = backbone.ltcx_loss_sum
-        if self.hparams.compile and "_compiled_logits" not in self.__dict__:
+        if self.hparams.compile == "ops":
+            self.backbone.compile_ops()
+        elif self.hparams.compile and "_compiled_logits" not in self.__dict__:
             backbone = self.backbone
 
             def logits(idx: torch.Tensor) -> torch.Tensor:

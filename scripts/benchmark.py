@@ -8,6 +8,7 @@
     python scripts/benchmark.py --archs gpt xlstm --peak_memory --batch_size 24 --seq_len 512   # peak RSS per model
     python scripts/benchmark.py --data_loader sample --batch_size 24 --seq_len 512 --resume_tokens 10000000
     python scripts/benchmark.py --archs gpt ltc --compile          # also the torch.compile'd training step
+    python scripts/benchmark.py --archs titans_mag --compile ops   # ... with only Titans' memory compiled
     python scripts/benchmark.py --archs gpt gpt gta --decode_at 128   # gpt twice: the noise between two copies
     python scripts/benchmark.py --archs xlstm --nx_xlstm /tmp/nxpkgs --batch_size 1 --seq_len 128 --decode_at 128
     python scripts/benchmark.py --startup      # CPU seconds of the commands that answer without training
@@ -24,7 +25,8 @@ figure is the median of ``--repeats`` (at least 5) steps after one warm-up, so a
 hits all alike and the ratios hold. ``--nanogpt PATH`` adds karpathy/nanoGPT's ``GPT`` read from a local copy of its
 model.py (never vendored), built at the shape of the first ``gpt`` model (multi-head attention, nanoGPT's own loss
 from full logits) and timed in the same rounds; ``--compile`` adds each model's ``torch.compile``d loss path
-(``LanguageModel(compile=True)``) to the rounds, with its compile time. ``--nx_xlstm DIR`` adds NX-AI's
+(``LanguageModel(compile=True)``; ``--compile ops``: ``compile="ops"``, where a backbone names ops for it) to the
+rounds, with its compile time (wall: Inductor compiles in worker processes). ``--nx_xlstm DIR`` adds NX-AI's
 ``xLSTMLMModel`` (the ``xlstm`` package found in DIR, e.g. its wheel unpacked there; never vendored) built at the
 first ``xlstm`` model's shape, to the ``--decode_at`` rounds: its own ``step`` after the same prompt.
 
@@ -48,6 +50,7 @@ the interleaved rounds that make the ratios fair, and one table and JSON.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import json
 import os
@@ -300,7 +303,8 @@ def state_bytes(state) -> int:
 
 
 def build_arch(arch: str, args, device: torch.device) -> tuple[torch.nn.Module, list[Trainee]]:
-    """The backbone of ``arch`` and its training steps: eager, and compiled with ``--compile``."""
+    """The backbone of ``arch`` and its training steps: eager, and compiled with ``--compile`` (``--compile ops``:
+    only the ops the backbone names, ``compile: ops``; a backbone without them gets no compiled step)."""
     torch.manual_seed(0)
     model = build_backbone(arch, args, max(args.seq_len, args.generate_tokens)).to(device).train()
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
@@ -308,9 +312,10 @@ def build_arch(arch: str, args, device: torch.device) -> tuple[torch.nn.Module, 
     tokens, flops = args.batch_size * args.seq_len, model_flops_per_token(model, args.seq_len)
     trainees = [Trainee(arch, loss_step(LanguageModel(model), batch, autocast), model.parameter_count(), flops,
                         tokens)]
-    if args.compile:
-        compiled = LanguageModel(model, compile=True)
-        compiled.configure_model()  # compiles forward_hidden, as a fit with compile: true does
+    if args.compile is True or (args.compile == "ops" and callable(getattr(model, "compile_ops", None))):
+        # compile: ops marks the backbone's own modules, so it gets a copy (compile: true wraps a function around it)
+        compiled = LanguageModel(copy.deepcopy(model) if args.compile == "ops" else model, compile=args.compile)
+        compiled.configure_model()  # as a fit with compile: true (forward_hidden) or compile: ops does
         trainees.append(Trainee(arch + " (compiled)", loss_step(compiled, batch, autocast), model.parameter_count(),
                                 flops, tokens))
     return model, trainees
@@ -542,8 +547,9 @@ def main() -> None:
     parser.add_argument("--decode_batch", type=int, default=1, help="batch size of the --decode_at steps")
     parser.add_argument("--recurrent_baseline", action="store_true",
                         help="also time training through forward_recurrent (token by token), where a model has it")
-    parser.add_argument("--compile", action="store_true",
-                        help="also time each model's torch.compile'd loss path in the same rounds (ratio, compile s)")
+    parser.add_argument("--compile", nargs="?", const=True, default=False, choices=["ops"],
+                        help="also time each model's torch.compile'd loss path in the same rounds (ratio, compile s); "
+                             "--compile ops: only the ops a backbone names for it (Titans' memory)")
     parser.add_argument("--peak_memory", action="store_true",
                         help="measure each model's peak training memory (a fresh process per model and loss path)")
     parser.add_argument("--memory_loss", nargs="+", choices=["fused", "full"], default=["fused"],

@@ -293,6 +293,75 @@ def test_inductor_compiled_step_equals_eager_and_generation_runs(name, monkeypat
     check_compiled_backbone(CATALOG[name], "inductor", monkeypatch, generation=True)
 
 
+# -- compile: ops -------------------------------------------------------------------------------------------
+
+
+def compiles_ops(name: str) -> bool:
+    return callable(getattr(CATALOG[name].backbone_class(), "compile_ops", None))
+
+
+def check_compiled_ops(entry: Architecture, variant: str, backend: str, monkeypatch) -> None:
+    """--model.compile ops: the training step through the backbone's compiled ops equals the eager one, and the
+    compiled function is what the step ran."""
+    from ltcx.models import titans
+
+    torch._dynamo.reset()
+    real_compile, calls = torch.compile, []
+
+    def counting_compile(fn, **kwargs):
+        compiled = real_compile(fn, backend=backend, **kwargs)
+        return lambda *args: (calls.append(fn.__name__), compiled(*args))[1]
+
+    monkeypatch.setattr(torch, "compile", counting_compile)
+    titans._compiled_neural_memory.cache_clear()
+    try:
+        torch.manual_seed(0)
+        eager = LanguageModel(entry.build_tiny(VOCAB, variant))
+        compiled = LanguageModel(entry.build_tiny(VOCAB, variant), compile="ops")
+        compiled.load_state_dict(eager.state_dict())
+        compiled.configure_model()  # what --model.compile ops does
+        batch = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+        losses = [model.loss(batch) for model in (eager, compiled)]
+        assert calls, "the compiled ops did not run"
+        for loss in losses:
+            loss.backward()
+        torch.testing.assert_close(losses[1], losses[0], rtol=COMPILE_RTOL, atol=COMPILE_ATOL)
+        eager_grads = dict(eager.named_parameters())
+        for param_name, param in compiled.named_parameters():
+            torch.testing.assert_close(param.grad, eager_grads[param_name].grad, rtol=1e-4, atol=1e-5, msg=param_name)
+        with torch.no_grad():  # evaluation stays eager: a new length never waits for a compile
+            ran = len(calls)
+            compiled.loss(batch[:, :5])
+            assert len(calls) == ran
+    finally:
+        titans._compiled_neural_memory.cache_clear()
+
+
+@pytest.mark.parametrize("name,variant", [
+    pytest.param(name, variant, marks=() if variant == "tiny" else pytest.mark.slow)
+    for name, variant in SHAPES if compiles_ops(name)])
+def test_compiled_ops_step_equals_eager(name, variant, monkeypatch):
+    check_compiled_ops(CATALOG[name], variant, "aot_eager", monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="Inductor compiles C++ on a CPU and no C++ compiler is installed (apt-get install g++)")
+@pytest.mark.parametrize("name", [name for name in ALL if compiles_ops(name)])
+def test_inductor_compiled_ops_step_equals_eager(name, monkeypatch):
+    check_compiled_ops(CATALOG[name], "tiny", "inductor", monkeypatch)
+
+
+@pytest.mark.parametrize("name", [name for name in ALL if not compiles_ops(name)])
+def test_compile_ops_is_one_line_for_a_backbone_without_ops(name):
+    from ltcx.errors import ConfigError
+
+    with pytest.raises(ConfigError) as raised:
+        LanguageModel(CATALOG[name].build_tiny(VOCAB), compile="ops")
+    assert str(raised.value) == (f"model.compile ('ops'): {CATALOG[name].class_name} names no ops to compile (only "
+                                 "Titans does: its neural memory); use --model.compile true for the whole backbone")
+
+
 # -- the CLI ------------------------------------------------------------------------------------------------
 
 

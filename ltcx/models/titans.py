@@ -26,6 +26,7 @@ segment's keys/values, the segment-start memory weights and the x-stream query c
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -226,6 +227,7 @@ class NeuralMemory(nn.Module):
         self.gates = nn.Linear(input_width, 3 * config.mem_heads)  # pre-activations of alpha, eta, theta
         self.w1_init = nn.Parameter(torch.empty(config.mem_heads, config.mem_hidden, config.mem_head_dim))
         self.w2_init = nn.Parameter(torch.empty(config.mem_heads, config.mem_head_dim, config.mem_hidden))
+        self.compiled = False  # compile: ops (Titans.compile_ops): training calls through the compiled memory
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -286,6 +288,8 @@ class NeuralMemory(nn.Module):
                 self.w1_init.to(dtype), self.w2_init.to(dtype), batch
             )
             memory_fn = neural_memory_recurrent if length == 1 else neural_memory
+            if self.compiled and length > 1 and torch.is_grad_enabled():  # compile: ops (Titans.compile_ops)
+                memory_fn = _compiled_neural_memory()
             y, state = memory_fn(
                 q, k, v, log_retain, log_momentum, step, state, position, config.memory_chunk_size,
                 config.normalize_step,
@@ -601,6 +605,15 @@ class Titans(ConfiguredModule):
                  "mal": [memory if i % 2 == 0 else window for i in range(c.n_layer)]}
         return sum(kinds[c.variant])
 
+    def compile_ops(self) -> None:
+        """``compile: ops``: every memory's training calls (a gradient wanted, more than one token) run through one
+        ``torch.compile``d ``neural_memory``, a graph per input shape with its chunk loop unrolled: seconds of
+        compiling on a CPU where the whole backbone takes minutes. Evaluation, prefill and decoding stay eager, so a
+        new length there never waits for a compile."""
+        for module in self.modules():
+            if isinstance(module, NeuralMemory):
+                module.compiled = True
+
     def no_weight_decay_param_names(self) -> set[str]:
         """The memory's initial weights (decaying M_0 to 0 would kill the inner gradient: with W2 = 0 both the
         write and the read's MLP branch vanish) and the persistent slots (learned tokens, like embeddings)."""
@@ -629,3 +642,9 @@ class Titans(ConfiguredModule):
     def reorder_cache(self, state: TitansState, index: Tensor) -> TitansState:
         """Reorder, repeat or drop batch rows of a state (beam search): row b becomes old row index[b]."""
         return reorder_state(state, index)
+
+
+@functools.cache
+def _compiled_neural_memory():
+    """``neural_memory`` through ``torch.compile`` (static shapes), made once per process for every memory."""
+    return torch.compile(neural_memory, dynamic=False)
