@@ -165,10 +165,11 @@ class NXAIStepper(torch.nn.Module):
         return logits, state
 
 
-def nx_xlstm(folder: str, ours: torch.nn.Module, context: int, device: torch.device) -> torch.nn.Module:
+def nx_xlstm(folder: str, ours: torch.nn.Module, context: int, device: torch.device) -> tuple[torch.nn.Module, int]:
     """NX-AI's xLSTMLMModel (the ``xlstm`` package in ``folder``) at the shape of ltcx's ``ours``: the same blocks,
     widths, heads, kernel and block sizes (its sLSTM on the ``vanilla`` backend, which runs on a CPU); the same
-    parameter count, or one line. ``context``: its context_length (it keeps a [context, context] mask)."""
+    parameter count, or one line. ``context``: its context_length (it keeps a [context, context] mask). Returns the
+    stepper and that count."""
     sys.path.insert(0, str(Path(folder).resolve()))
     try:
         import xlstm as nx
@@ -194,7 +195,7 @@ def nx_xlstm(folder: str, ours: torch.nn.Module, context: int, device: torch.dev
     if theirs != mine:
         fail(f"--nx_xlstm: NX-AI's model at this shape has {theirs:,} parameters against ltcx's {mine:,}; "
              "this xlstm version builds another model")
-    return NXAIStepper(model).to(device)
+    return NXAIStepper(model).to(device), theirs
 
 
 def nanogpt_trainee(module, shape: dict, args, device: torch.device, autocast) -> Trainee:
@@ -646,11 +647,11 @@ def main() -> None:
     if args.decode_at:
         decoders = dict(models)
         if args.nx_xlstm:
-            decoders["nx-ai xlstm"] = nx_xlstm(args.nx_xlstm, models[xlstm_label], max(args.decode_at) + 1, device)
+            decoders["nx-ai xlstm"], nx_params = nx_xlstm(args.nx_xlstm, models[xlstm_label], max(args.decode_at) + 1,
+                                                          device)
         decode_times = decode_at(decoders, args, device)
         if args.nx_xlstm:
-            params = sum(p.numel() for p in decoders["nx-ai xlstm"].parameters())
-            results.append({"arch": "nx-ai xlstm", "params": params, **decode_times["nx-ai xlstm"]})
+            results.append({"arch": "nx-ai xlstm", "params": nx_params, **decode_times["nx-ai xlstm"]})
         for result in results:
             result.update(decode_times.get(result["arch"], {}))
     meta["load_average_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None

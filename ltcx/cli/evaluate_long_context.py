@@ -22,7 +22,6 @@ from ltcx.errors import ConfigError, LtcxError
 __all__ = ["long_context_main", "RESULTS"]
 
 RESULTS = ("long_context.json", "long_context.png", "needle_heatmaps.png")
-_FIX = "free space or pass --out a writable folder"
 
 
 def _numbers(flag: str, text: str, kind: type, check, rule: str) -> list:
@@ -92,9 +91,9 @@ def long_context_main(args) -> None:
     settings = dict(factors=factors, depths=depths, num_sequences=num_sequences, batch_size=batch_size,
                     piece_len=args.piece_len, seed=args.seed, device=str(device), train=args.train)
     json_path, length_png, heatmap_png = (out / name for name in RESULTS)
-    atomic_write_text(json_path, json.dumps({"settings": settings, "results": results}, indent=2) + "\n", _FIX)
-    atomic_write(length_png, lambda temp: plot_accuracy_by_length(results, temp), _FIX)
-    atomic_write(heatmap_png, lambda temp: plot_needle_heatmaps(results, temp), _FIX)
+    atomic_write_text(json_path, json.dumps({"settings": settings, "results": results}, indent=2) + "\n")
+    atomic_write(length_png, lambda temp: plot_accuracy_by_length(results, temp))
+    atomic_write(heatmap_png, lambda temp: plot_needle_heatmaps(results, temp))
     print(f"ltcx: wrote {json_path}, {length_png} and {heatmap_png}")
 
 

@@ -23,14 +23,13 @@ from ltcx.study.stats import mean_interval, paired_difference
 
 __all__ = ["summarize", "tables", "write_json", "write_report"]
 
-# Several launchers may finish a study at once: each file is written through a temp file of its own process.
-_FIX = "free space or pass --out a folder on a writable disk"
 FIGURES = ("curves.png", "final.png", "ladder.png", "state.png", "grid.png")
 
 
 def write_json(path: Path, value: Any) -> None:
-    """``value`` as JSON, atomically: a file that marks something done is whole or absent."""
-    atomic_write_text(path, json.dumps(value, indent=2), _FIX)
+    """``value`` as JSON, atomically: a file that marks something done is whole or absent (through a temp file of
+    this process: several launchers may finish one study at once)."""
+    atomic_write_text(path, json.dumps(value, indent=2))
 
 
 def _interval(values: list[float]) -> dict | None:
@@ -429,7 +428,7 @@ def _save(figure, path: Path) -> Path:
 
     figure.tight_layout()
     try:
-        atomic_write(path, lambda temp: figure.savefig(temp, dpi=110, format="png"), _FIX)
+        atomic_write(path, lambda temp: figure.savefig(temp, dpi=110, format="png"))
     finally:
         plt.close(figure)
     return path
@@ -466,7 +465,7 @@ def html_report(summary: dict, images: list[Path]) -> str:
 def write_report(summary: dict, folder: Path) -> list[Path]:
     """summary.json, summary.md, the figures and report.html in ``folder``; the paths written."""
     write_json(folder / "summary.json", summary)
-    atomic_write_text(folder / "summary.md", markdown(summary), _FIX)
+    atomic_write_text(folder / "summary.md", markdown(summary))
     images = figures(summary, folder)
-    atomic_write_text(folder / "report.html", html_report(summary, images), _FIX)
+    atomic_write_text(folder / "report.html", html_report(summary, images))
     return [folder / "summary.json", folder / "summary.md", *images, folder / "report.html"]
