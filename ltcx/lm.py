@@ -96,6 +96,12 @@ def head_loss_sum(backbone: nn.Module, hidden: torch.Tensor,
     return chunked_linear_cross_entropy(hidden.flatten(0, -2), head.weight, targets.flatten(), head.bias)
 
 
+def fused_adamw(device: torch.device) -> bool:
+    """Whether AdamW runs as torch's fused kernel on ``device``: one pass over every parameter instead of the
+    foreach path's several (on a CPU at 16M parameters, a sixth of its time; the same update to rounding)."""
+    return device.type in ("cpu", "cuda")
+
+
 def weight_decay_groups(backbone: nn.Module) -> tuple[list[str], list[str]]:
     """Names of parameters with and without weight decay: matrices decay, vectors (norms, biases) do not,
     and a backbone may exempt more through ``no_weight_decay_param_names()``."""
@@ -384,7 +390,7 @@ class LanguageModel(L.LightningModule):
             lr=self.hparams.learning_rate,
             betas=tuple(self.hparams.betas),
             eps=self.hparams.eps,
-            fused=self.device.type == "cuda",
+            fused=fused_adamw(self.device),
         )
         self.decay_steps = self._schedule_end()
         max_lr, min_lr, warmup = self.hparams.learning_rate, self.hparams.min_lr, self.hparams.warmup_steps

@@ -50,8 +50,10 @@ the interleaved rounds that make the ratios fair, and one table and JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib.util
+import io
 import json
 import os
 import platform
@@ -59,7 +61,6 @@ import resource
 import statistics
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -68,7 +69,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ltcx.generation import generate  # noqa: E402
-from ltcx.lm import LanguageModel  # noqa: E402
+from ltcx.lm import LanguageModel, fused_adamw  # noqa: E402
 from ltcx.models.catalog import CATALOG, build_configured  # noqa: E402
 from ltcx.models.state import map_state_tensors  # noqa: E402
 from ltcx.throughput import (  # noqa: E402
@@ -133,10 +134,22 @@ class Trainee:
             label, step, params, flops_per_token, tokens)
 
 
+def autocast_of(args, device: torch.device):
+    """The context a step runs in: bf16 autocast with ``--dtype bf16``, else nothing."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else contextlib.nullcontext()
+
+
+def trainable(backbone: torch.nn.Module, **options) -> LanguageModel:
+    """``backbone`` as ltcx trains it. Its schedule is given an end, which ``configure_optimizers`` asks for; the
+    learning rate does not change a step's time."""
+    return LanguageModel(backbone, decay_steps=1, **options)
+
+
 def loss_step(model: LanguageModel, batch: torch.Tensor, autocast, path: str = "fused"):
     """One step of ``model`` on batch [B, T + 1]: ``LanguageModel.loss`` (fused head; ``path`` "full": the full
-    logits and ``F.cross_entropy``), backward, AdamW."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    logits and ``F.cross_entropy``), backward, and the AdamW of ``model.configure_optimizers`` (its two parameter
+    groups, torch's fused kernel where the device has one)."""
+    optimizer = model.configure_optimizers()["optimizer"]
 
     def step() -> None:
         with autocast:
@@ -199,14 +212,16 @@ def nx_xlstm(folder: str, ours: torch.nn.Module, context: int, device: torch.dev
 
 
 def nanogpt_trainee(module, shape: dict, args, device: torch.device, autocast) -> Trainee:
-    """nanoGPT's GPT at ``shape`` (a GPT's n_layer, n_head, n_embd, bias): its forward(idx, targets) loss."""
+    """nanoGPT's GPT at ``shape`` (a GPT's n_layer, n_head, n_embd, bias): its forward(idx, targets) loss and the
+    AdamW of its own ``configure_optimizers`` (fused on CUDA only, as its code chooses)."""
     torch.manual_seed(0)
     config = module.GPTConfig(block_size=args.seq_len, vocab_size=args.vocab_size, n_layer=shape["n_layer"],
                               n_head=shape["n_head"], n_embd=shape["n_embd"], dropout=0.0, bias=shape["bias"])
     model = module.GPT(config).to(device).train()
     batch = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
     inputs, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()  # its loss views the targets flat
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints its parameter groups
+        optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device.type)
 
     def step() -> None:
         with autocast:
@@ -243,12 +258,12 @@ def memory_child(args) -> None:
     device = torch.device(args.device)
     if args.memory_child == "nanogpt":
         trainee = nanogpt_trainee(load_nanogpt(args.nanogpt), json.loads(args.nanogpt_shape), args, device,
-                                  nullcontext())
+                                  contextlib.nullcontext())
         step = trainee.step
     else:
-        model = LanguageModel(build_backbone(args.memory_child, args, args.seq_len)).to(device).train()
+        model = trainable(build_backbone(args.memory_child, args, args.seq_len)).to(device).train()
         batch = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
-        step = loss_step(model, batch, nullcontext(), args.memory_child_loss)
+        step = loss_step(model, batch, contextlib.nullcontext(), args.memory_child_loss)
     before = _resident_mb()
     step()
     print(json.dumps({"rss_before_mb": before, "peak_rss_mb": peak_memory_mb(torch.device("cpu"))}))
@@ -308,14 +323,14 @@ def build_arch(arch: str, args, device: torch.device) -> tuple[torch.nn.Module, 
     only the ops the backbone names, ``compile: ops``; a backbone without them gets no compiled step)."""
     torch.manual_seed(0)
     model = build_backbone(arch, args, max(args.seq_len, args.generate_tokens)).to(device).train()
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
+    autocast = autocast_of(args, device)
     batch = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
     tokens, flops = args.batch_size * args.seq_len, model_flops_per_token(model, args.seq_len)
-    trainees = [Trainee(arch, loss_step(LanguageModel(model), batch, autocast), model.parameter_count(), flops,
+    trainees = [Trainee(arch, loss_step(trainable(model), batch, autocast), model.parameter_count(), flops,
                         tokens)]
     if args.compile is True or (args.compile == "ops" and callable(getattr(model, "compile_ops", None))):
         # compile: ops marks the backbone's own modules, so it gets a copy (compile: true wraps a function around it)
-        compiled = LanguageModel(copy.deepcopy(model) if args.compile == "ops" else model, compile=args.compile)
+        compiled = trainable(copy.deepcopy(model) if args.compile == "ops" else model, compile=args.compile)
         compiled.configure_model()  # as a fit with compile: true (forward_hidden) or compile: ops does
         trainees.append(Trainee(arch + " (compiled)", loss_step(compiled, batch, autocast), model.parameter_count(),
                                 flops, tokens))
@@ -324,7 +339,7 @@ def build_arch(arch: str, args, device: torch.device) -> tuple[torch.nn.Module, 
 
 def bench_arch(arch: str, model: torch.nn.Module, args, device: torch.device) -> dict:
     """Prefill, decode, state size (and generation, the token loop's training) of one built model."""
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
+    autocast = autocast_of(args, device)
     idx = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
     result = {}
     model.eval()
@@ -352,7 +367,7 @@ def bench_arch(arch: str, model: torch.nn.Module, args, device: torch.device) ->
             result["generate_uncached_s"] = uncached_s
     if args.recurrent_baseline and hasattr(model, "forward_recurrent"):
         model.train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused_adamw(device))
 
         def recurrent_step() -> None:
             with autocast:
@@ -619,7 +634,7 @@ def main() -> None:
             trainee.label = trainee.label.replace(arch, label, 1)
         trainees += built
     if nanogpt is not None:
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
+        autocast = autocast_of(args, device)
         trainees.append(nanogpt_trainee(nanogpt, shape, args, device, autocast))
     compile_s = {}
     for trainee in trainees:

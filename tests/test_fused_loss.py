@@ -54,6 +54,23 @@ def test_float32_within_rounding():
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
 
 
+def test_two_losses_in_a_row_each_get_their_own_gradients_and_a_second_backward_is_refused():
+    """The chunks share one logits buffer and the backward scales the forward's gradients in place: a second
+    forward starts from nothing of the first, and a second backward through one graph (which would scale twice)
+    is one line instead of a wrong gradient."""
+    problem = _problem(torch.float64)
+    want = _loss_and_grads(linear_cross_entropy_reference, *problem)
+    for _ in range(2):
+        got = _loss_and_grads(chunked_linear_cross_entropy, *problem, chunk=8)
+        for g, w in zip(got[2], want[2]):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    hidden, weight, bias, targets = problem
+    total, _ = chunked_linear_cross_entropy(hidden, weight, targets, bias, chunk=8)
+    total.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward per forward"):
+        total.backward()
+
+
 def test_ignored_chunks_contribute_nothing():
     """Whole chunks of IGNORE_INDEX give no loss and no gradient; the asked rows match the reference."""
     hidden, weight, bias, targets = _problem(torch.float64, n=20, ignore=range(0, 12))

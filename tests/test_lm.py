@@ -1,5 +1,6 @@
-"""LanguageModel: learning-rate schedule, weight-decay groups, checkpoint round trip."""
+"""LanguageModel: learning-rate schedule, weight-decay groups, the optimizer, checkpoint round trip."""
 
+import copy
 import math
 
 import pytest
@@ -52,6 +53,29 @@ def test_optimizer_groups_and_schedule():
         optimizer.step()
         scheduler.step()
     assert lrs[0] == pytest.approx(5e-4) and lrs[1] == pytest.approx(1e-3) and lrs[11] == pytest.approx(1e-4)
+
+
+def test_the_optimizer_is_torchs_fused_adamw_on_a_cpu_and_makes_the_plain_update():
+    """Fused on a CPU (one kernel for every parameter, not the foreach path's passes); the update it makes is the
+    single-tensor AdamW's, to float64 rounding, decayed and undecayed groups alike."""
+    torch.manual_seed(0)
+    model = tiny_lm(learning_rate=1e-2, warmup_steps=0, decay_steps=10, weight_decay=0.1).double()
+    reference = copy.deepcopy(model)
+    fused = model.configure_optimizers()["optimizer"]
+    assert all(group["fused"] for group in fused.param_groups)
+    plain = reference.configure_optimizers()["optimizer"]
+    for group in plain.param_groups:
+        group["fused"], group["foreach"] = False, False
+    batch = torch.randint(0, 64, (2, 9))
+    for lm, optimizer in ((model, fused), (reference, plain)):
+        for _ in range(3):
+            lm.loss(batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        # 1e-12 of steps of 1e-2: the key bias's gradient is rounding noise (softmax ignores a shift of the keys),
+        # which Adam's normalisation scales up to the step size; every other parameter agrees to 2e-16
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=name)
 
 
 def test_loss_is_next_token_cross_entropy():

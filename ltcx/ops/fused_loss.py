@@ -30,10 +30,27 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """h [n, C] -> float32 (float64) logits [n, V], the product rounded to the operands' dtype first."""
-    logits = h @ weight.T if bias is None else torch.addmm(bias, h, weight.T)
-    return logits.to(_accumulate_dtype(logits.dtype))
+class _ChunkLogits:
+    """The logits of one chunk after another, in buffers made once per call: the chunks reuse them, where a fresh
+    ``[chunk, V]`` tensor per chunk costs a CPU a fresh mmap (glibc maps allocations this large) and a page fault
+    per 4 KiB of it, about 7% of a GPT's step at width 256 (``docs/benchmarks.md``)."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, chunk: int) -> None:
+        rows = min(chunk, hidden.shape[0])
+        self.product = hidden.new_empty((rows, weight.shape[0]))
+        accumulate = _accumulate_dtype(hidden.dtype)
+        self.logits = self.product if accumulate == hidden.dtype else self.product.new_empty(
+            self.product.shape, dtype=accumulate)
+
+    def __call__(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """h [n, C] -> float32 (float64) logits [n, V], the product rounded to the operands' dtype first; the
+        buffer's first n rows, overwritten by the next call."""
+        product = self.product[:h.shape[0]]
+        if bias is None:
+            torch.mm(h, weight.T, out=product)
+        else:
+            torch.addmm(bias, h, weight.T, out=product)
+        return product if self.logits is self.product else self.logits[:h.shape[0]].copy_(product)
 
 
 def _asked(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -59,9 +76,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = (torch.empty if hidden.shape[0] else torch.zeros)(weight.shape, dtype=acc, device=weight.device)
         grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=acc, device=bias.device)
         every_asked = bool((targets != IGNORE_INDEX).all())  # one check per call, not one pass per chunk
+        chunk_logits = _ChunkLogits(hidden, weight, chunk)
         for start in range(0, hidden.shape[0], chunk):
             h, t = hidden[start:start + chunk], targets[start:start + chunk]
-            logits = _chunk_logits(h, weight, bias)
+            logits = chunk_logits(h, weight, bias)
             # log-sum-exp and softmax from one exp pass in the logits' memory: lse = max + log sum exp(z - max),
             # softmax = exp(z - max) / sum (logsumexp, then exp(z - lse), took two passes and a copy)
             asked, safe, target_logit = _asked(logits, t)  # read before the logits' memory is overwritten
@@ -84,17 +102,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_bias += dlogits.sum(0)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.backed = False
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
+        # The gradients were made in the forward; scaled here in their own memory (a fresh [V, C] tensor per step
+        # costs a CPU its page faults), so a second backward through the same graph would scale them twice.
+        if ctx.backed:
+            raise RuntimeError("the fused head's loss takes one backward per forward (retain_graph is not supported); "
+                               "compute the loss again for another backward")
+        ctx.backed = True
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         weight_dtype, bias_dtype = ctx.dtypes
         scale = grad_total.to(grad_weight.dtype)
-        grad_hidden = grad_hidden * scale.to(grad_hidden.dtype)
-        grad_weight = (grad_weight * scale).to(weight_dtype)
+        grad_hidden = grad_hidden.mul_(scale.to(grad_hidden.dtype))
+        grad_weight = grad_weight.mul_(scale).to(weight_dtype)
         if grad_bias is not None:
-            grad_bias = (grad_bias * scale).to(bias_dtype)
+            grad_bias = grad_bias.mul_(scale).to(bias_dtype)
         return grad_hidden, grad_weight, grad_bias, None, None
 
 
@@ -122,7 +147,8 @@ def chunked_linear_cross_entropy(
         if needs_grad:
             return _LinearCrossEntropy.apply(hidden, weight, bias, targets, chunk), count
         total = torch.zeros((), dtype=_accumulate_dtype(hidden.dtype), device=hidden.device)
+        chunk_logits = _ChunkLogits(hidden, weight, chunk)
         for start in range(0, hidden.shape[0], chunk):
-            logits = _chunk_logits(hidden[start:start + chunk], weight, bias)
+            logits = chunk_logits(hidden[start:start + chunk], weight, bias)
             total += _chunk_loss(logits, targets[start:start + chunk])
         return total, count
