@@ -69,7 +69,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ltcx.generation import generate  # noqa: E402
-from ltcx.lm import LanguageModel, fused_adamw  # noqa: E402
+from ltcx.lm import LanguageModel  # noqa: E402
 from ltcx.models.catalog import CATALOG, build_configured  # noqa: E402
 from ltcx.models.state import map_state_tensors  # noqa: E402
 from ltcx.throughput import (  # noqa: E402
@@ -367,7 +367,7 @@ def bench_arch(arch: str, model: torch.nn.Module, args, device: torch.device) ->
             result["generate_uncached_s"] = uncached_s
     if args.recurrent_baseline and hasattr(model, "forward_recurrent"):
         model.train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused_adamw(device))
+        optimizer = trainable(model).configure_optimizers()["optimizer"]  # as loss_step's
 
         def recurrent_step() -> None:
             with autocast:
