@@ -86,10 +86,10 @@ def test_the_rule_at_the_yamls_width_and_depth_is_the_yaml(name):
     assert init_fields(config_class(**rule, vocab_size=VOCAB)) == init_fields(config_class(**yaml_args))
 
 
-@pytest.mark.parametrize("width", [64, 128, 256, 404, 512])
+@pytest.mark.parametrize("width", [64, 128, 256, 260, 404, 512])
 def test_the_xlstm_chunk_follows_its_mlstm_head_width(width):
     """128 tokens where the mLSTM heads (the config's inner width / heads, computed by the model) are wider than 128,
-    else 64: the rule's own copy of the inner width's rounding must agree with XLSTMConfig's."""
+    else 64: the rule's head width before rounding must fall on the same side of 128 as XLSTMConfig's."""
     entry = CATALOG["xlstm"]
     rule = entry.scaled(width, 8, SEQ_LEN)
     config = entry.backbone_class().config_class(**rule, vocab_size=VOCAB)

@@ -13,9 +13,8 @@ The rules (head dim ``D`` = 64, the YAMLs'; a caller may ask for another, as the
   segment of 128 tokens (the sequence's length when shorter, the segment rounded up to the memory's chunks of 16).
 * xLSTM: 4 mLSTM and 4 sLSTM heads, one sLSTM block in 8 (7:1), the last of each 8; widths multiples of 4.
 * The context (``block_size``) is the sequence length; the xLSTM's chunk is 128 tokens where its mLSTM heads are
-  wider than 128 (configs/xlstm.yaml's 208), else 64, or the sequence when shorter: the chunkwise op forward and
-  backward at B 8, T 512, 4 heads took 0.77x, 0.96x, 1.47x, 2.02x, 1.61x with chunks of 64 against 128 at heads of
-  64, 128, 160, 208, 256 (docs/benchmarks.md).
+  wider than 128 (configs/xlstm.yaml's 208), else 64, or the sequence when shorter: the faster of the two at that
+  head width (docs/benchmarks.md, "training against the GPT and nanoGPT").
 * The fine knob lands a budget within 2%: the MLP's hidden width for parameters and FLOPs (the GPT family's
   ``mlp_hidden``, home 4 x width; Titans', home 2 x width, the YAMLs' 2.1-3.2 x having been set to match the
   GPT), Titans' memory MLP (``mem_hidden``, home 2 D) for the state; in steps of 8, from a quarter of its home value
@@ -35,7 +34,6 @@ __all__ = ["HEAD_DIM", "Knob", "ScalingRule", "gpt", "gqa_heads", "gqa_widths", 
 
 HEAD_DIM = 64  # every YAML's attention head
 MAX_WIDTH = 8192
-MLSTM_FACTOR, MLSTM_ROUND = 2, 64  # XLSTMConfig's mlstm_proj_factor and proj_round_to defaults
 
 
 @dataclass(frozen=True)
@@ -117,13 +115,15 @@ def xlstm(width: int, n_layer: int, seq_len: int, head_dim: int | None = None) -
     """configs/xlstm.yaml's: 4 heads (``width / head_dim`` when a head dim is given); round(n_layer / 8) sLSTM blocks
     (at least one from 2 layers), each the last of its share of the layers: 7:1 at 8 layers, 1:1 at 2."""
     heads = 4 if head_dim is None else max(1, width // head_dim)
-    mlstm_head = MLSTM_ROUND * -(-MLSTM_FACTOR * width // MLSTM_ROUND) // heads  # XLSTMConfig.mlstm_inner / heads
+    # the mLSTM's heads, 2 x width / heads (mlstm_proj_factor 2); XLSTMConfig rounds the inner width up to a multiple
+    # of 64, which moves no head across 128 (128 x heads is such a multiple)
+    mlstm_head = 2 * width / heads
     slstm = max(1, round(n_layer / 8)) if n_layer > 1 else 0
     if slstm == 0 or n_layer % slstm == 0:
         pattern = dict(signature=[n_layer // slstm - 1, 1] if slstm else [1, 0])
     else:
         pattern = dict(slstm_at=[round((i + 1) * n_layer / slstm) - 1 for i in range(slstm)])
-    chunk = 128 if mlstm_head > 128 else 64  # the faster of the two at that head width (module docstring)
+    chunk = 128 if mlstm_head > 128 else 64
     return dict(embedding_dim=width, num_layers=n_layer, **pattern, num_heads=heads, slstm_num_heads=heads,
                 chunk_size=min(chunk, seq_len), mlstm_backend="chunkwise", forget_gate="sigmoid", tie_embeddings=True)
 
