@@ -181,21 +181,23 @@ def _memory_chunk(
         theta = step
     coeff = piece.decay * theta.unsqueeze(-2)  # C [BH, n, n], lower-triangular
 
-    # y_t = M(q_t; W_t) without forming W_t: W1_t q_t and W2_t GELU(W1_t q_t) expanded by the closed form.
-    hidden = torch.baddbmm(torch.bmm(piece.a_q, w1_t), piece.d_q, s1_t)
-    hidden = F.gelu(torch.baddbmm(hidden, coeff * piece.qk, delta1, alpha=-1.0))
-    y = torch.baddbmm(torch.baddbmm(q, piece.a * hidden, w2_t), piece.d * hidden, s2_t)
-    y = torch.baddbmm(y, coeff * torch.bmm(hidden, h.transpose(-1, -2)), delta2, alpha=-1.0)
+    # y_t = M(q_t; W_t) without forming W_t: W1_t q_t and W2_t GELU(W1_t q_t) expanded by the closed form. Each
+    # further term accumulates in place (baddbmm_) into a product nothing saved for the backward reads, where an
+    # out-of-place baddbmm would first copy it.
+    hidden = torch.bmm(piece.a_q, w1_t).baddbmm_(piece.d_q, s1_t).baddbmm_(coeff * piece.qk, delta1, alpha=-1.0)
+    hidden = F.gelu(hidden)
+    y = torch.baddbmm(q, piece.a * hidden, w2_t).baddbmm_(piece.d * hidden, s2_t)
+    y = y.baddbmm_(coeff * torch.bmm(hidden, h.transpose(-1, -2)), delta2, alpha=-1.0)
 
-    # State after the chunk's last token: rank-n corrections of the carried weights and momentum (A_n W + D_n S
-    # accumulated in place into the new tensor: nothing saved for the backward reads it).
+    # State after the chunk's last token: rank-n corrections of the carried weights and momentum, accumulated in
+    # place into A_n W + D_n S and E_n S.
     a_n, d_n, e_n = piece.ends.unbind(1)  # [BH, 1, 1] each
     last_coeff = coeff[..., -1, :].unsqueeze(-1)  # C[n, i]
     last_momentum = (theta * piece.momentum_last).unsqueeze(-1)  # theta_i E_n / E_i
-    new_w1 = torch.baddbmm((s1_t * d_n).addcmul_(a_n, w1_t), (k * last_coeff).transpose(-1, -2), delta1, alpha=-1.0)
-    new_w2 = torch.baddbmm((s2_t * d_n).addcmul_(a_n, w2_t), (h * last_coeff).transpose(-1, -2), delta2, alpha=-1.0)
-    new_s1 = torch.baddbmm(s1_t * e_n, (k * last_momentum).transpose(-1, -2), delta1, alpha=-1.0)
-    new_s2 = torch.baddbmm(s2_t * e_n, (h * last_momentum).transpose(-1, -2), delta2, alpha=-1.0)
+    new_w1 = (s1_t * d_n).addcmul_(a_n, w1_t).baddbmm_((k * last_coeff).transpose(-1, -2), delta1, alpha=-1.0)
+    new_w2 = (s2_t * d_n).addcmul_(a_n, w2_t).baddbmm_((h * last_coeff).transpose(-1, -2), delta2, alpha=-1.0)
+    new_s1 = (s1_t * e_n).baddbmm_((k * last_momentum).transpose(-1, -2), delta1, alpha=-1.0)
+    new_s2 = (s2_t * e_n).baddbmm_((h * last_momentum).transpose(-1, -2), delta2, alpha=-1.0)
     return y, (new_w1, new_s1, new_w2, new_s2)
 
 
@@ -220,7 +222,8 @@ def neural_memory(
         return q.new_zeros(q.shape), state
     sizes = chunk_sizes(position, length, chunk_size)
     q, k, v, log_retain, log_momentum, step = (x.flatten(0, 1) for x in (q, k, v, log_retain, log_momentum, step))
-    weights = tuple(x.transpose(-1, -2).flatten(0, 1) for x in (w1, s1, w2, s2))
+    # contiguous: the in-place products of _memory_chunk would loop over the batch on a transposed layout
+    weights = tuple(x.transpose(-1, -2).flatten(0, 1).contiguous() for x in (w1, s1, w2, s2))
     if w1_start is w1 and w2_start is w2:  # at a chunk boundary (or M_0): the same tensors, no second copy
         w1s_t, w2s_t = weights[0], weights[2]
     else:
