@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import REL_TOL, assert_rel
+from ltcx.ops import titans as titans_ops
 from ltcx.ops.naive.titans import _read, gradients_at_init, paper_recurrence, reference_memory
 from ltcx.ops.titans import (
     MemoryState,
@@ -167,6 +168,52 @@ def test_pieces_with_state_and_position_equal_one_call(chunk_size):
         ys.append(y)
     assert_rel(torch.cat(ys, 2), y_whole, what="decode y")
     _assert_states_rel(state, state_whole, what="decode state")
+
+
+@pytest.mark.parametrize("start", ["current", "earlier"], ids=["at-boundary", "mid-chunk"])
+@pytest.mark.parametrize("normalize_step", [True, False], ids=["kappa", "raw-step"])
+def test_hand_written_chunk_backward_equals_autograd(normalize_step, start):
+    """``_MemoryChunk.backward`` (the chain rule written out) equals autograd through the same forward
+    (``_memory_chunk_autograd``) in float64, for the gradient of every input (the chunk's tokens, ||k||^2, the step,
+    all eight state-free piece fields, the start weights, the weights and the momentum) against random cotangents of
+    all five outputs; the start weights either the current ones (one tensor passed twice) or an earlier point, and
+    the momentum nonzero."""
+    g = torch.Generator().manual_seed(3)
+    bh, n = B * H, 7
+    x = _inputs(length=n)
+    q, k, v = (x[name].flatten(0, 1) for name in ("q", "k", "v"))
+    log_retain, log_momentum, step = (t.flatten(0, 1) for t in _gates(
+        x["retain_pre"], x["momentum_pre"], x["rate_pre"], n, normalize_step))
+    (piece,) = titans_ops._pieces(q, k, log_retain, log_momentum, [n])
+
+    def weights(*shape):
+        return torch.randn(bh, *shape, generator=g, dtype=torch.float64) / math.sqrt(shape[0])
+
+    w1_t, s1_t, w2_t, s2_t = weights(DK, DM), 0.1 * weights(DK, DM), weights(DM, DK), 0.1 * weights(DM, DK)
+    starts = (w1_t, w2_t) if start == "current" else (weights(DK, DM), weights(DM, DK))
+    inputs = [t.detach().clone().requires_grad_() for t in (q, k, 2.0 * (k - v), k.square().sum(-1), step, *piece)]
+    state = [t.requires_grad_() for t in (w1_t, s1_t, w2_t, s2_t)]
+    start_leaves = state[0:3:2] if start == "current" else [t.requires_grad_() for t in starts]
+    args = (*inputs, *start_leaves, *state, normalize_step)
+    leaves = inputs + state + ([] if start == "current" else start_leaves)
+
+    def gradients(chunk):
+        outputs = chunk(*args)
+        cotangents = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i), dtype=o.dtype)
+                      for i, o in enumerate(outputs)]
+        return outputs, torch.autograd.grad(outputs, leaves, cotangents, allow_unused=True)
+
+    outputs_ref, grads_ref = gradients(titans_ops._memory_chunk_autograd)
+    outputs, grads = gradients(titans_ops._MemoryChunk.apply)
+    for i, (out, out_ref) in enumerate(zip(outputs, outputs_ref)):
+        torch.testing.assert_close(out, out_ref, rtol=0, atol=0, msg=f"output {i}")
+    names = ["q", "k", "kv2", "k2", "step", *titans_ops._Piece._fields, "W1", "S1", "W2", "S2", "W1 start", "W2 start"]
+    for name, gr, gr_ref in zip(names, grads, grads_ref):
+        if name == "k2" and not normalize_step:  # ||k||^2 enters only the curvature
+            assert gr is None and gr_ref is None
+            continue
+        assert gr_ref.abs().max() > 0, name
+        assert_rel(gr, gr_ref, what=f"d/d{name}")
 
 
 # ----------------------------------------------------------------------------- 3. analytic inner gradient and κ

@@ -33,6 +33,7 @@ token are a linear combination of the base weights, the carried momentum and the
 (A, E cumulative products of 1 - alpha and eta; D_t = sum_j (A_t / A_j) E_j). ``neural_memory`` uses it
 to compute a whole chunk with matmuls and never materialises per-token weights; the Python loop runs over
 chunks only (T / b steps).
+Its backward is written out by hand (``_MemoryChunk``), held to autograd of the same forward in float64.
 """
 
 from __future__ import annotations
@@ -161,22 +162,30 @@ def _pieces(q: Tensor, k: Tensor, log_retain: Tensor, log_momentum: Tensor, size
     return pieces
 
 
-def _memory_chunk(
+def _chunk_forward(
     q: Tensor, k: Tensor, kv2: Tensor, k2: Tensor, step: Tensor, piece: _Piece, w1s_t: Tensor, w2s_t: Tensor,
     weights: tuple[Tensor, Tensor, Tensor, Tensor], normalize: bool,
-) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
-    """n tokens of one chunk (all gradients at the chunk start) in closed form -> (y [BH, n, dk], weights after it).
+) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor], dict[str, Tensor]]:
+    """n tokens of one chunk (all gradients at the chunk start) in closed form -> (y [BH, n, dk], weights after it,
+    the intermediates ``_MemoryChunk.backward`` reads).
 
     Batch and heads are one leading dim [BH], so every product is one ``bmm``/``baddbmm``. The weights are carried
     transposed, weights = (W1^T, S1^T [BH, dk, dm], W2^T, S2^T [BH, dm, dk]), so that every product reads them as
     its right operand; w1s_t = W1^T and w2s_t = W2^T at the chunk start; kv2 = 2 (k - v), k2 = ||k||^2.
     """
     w1_t, s1_t, w2_t, s2_t = weights
-    h, gelu_grad = _gelu_with_derivative(torch.bmm(k, w1s_t))
+    z = torch.bmm(k, w1s_t)
+    h, gelu_grad = _gelu_with_derivative(z)
     delta2 = torch.baddbmm(kv2, h, w2s_t, alpha=2.0)  # 2 (M(k) - v)
-    delta1 = torch.bmm(delta2, w2s_t.transpose(-1, -2)) * gelu_grad
+    back = torch.bmm(delta2, w2s_t.transpose(-1, -2))  # W2^T delta2
+    delta1 = back * gelu_grad
+    saved = dict(z=z, h=h, gelu_grad=gelu_grad, delta2=delta2, back=back, delta1=delta1)
     if normalize:  # theta / kappa, kappa as step_curvature with ||k||^2 computed once for all chunks
-        theta = step / (h.square().sum(-1) + k2 * delta1.square().sum(-1) / (delta2.square().sum(-1) + 1e-6))
+        error2 = delta2.square().sum(-1) + 1e-6
+        hidden2, delta1_2 = h.square().sum(-1), delta1.square().sum(-1)
+        kappa = hidden2 + k2 * delta1_2 / error2
+        theta = step / kappa
+        saved.update(error2=error2, delta1_2=delta1_2, kappa=kappa)
     else:
         theta = step
     coeff = piece.decay * theta.unsqueeze(-2)  # C [BH, n, n], lower-triangular
@@ -184,10 +193,13 @@ def _memory_chunk(
     # y_t = M(q_t; W_t) without forming W_t: W1_t q_t and W2_t GELU(W1_t q_t) expanded by the closed form. Each
     # further term accumulates in place (baddbmm_) into a product nothing saved for the backward reads, where an
     # out-of-place baddbmm would first copy it.
-    hidden = torch.bmm(piece.a_q, w1_t).baddbmm_(piece.d_q, s1_t).baddbmm_(coeff * piece.qk, delta1, alpha=-1.0)
-    hidden = F.gelu(hidden)
+    write = coeff * piece.qk
+    pre = torch.bmm(piece.a_q, w1_t).baddbmm_(piece.d_q, s1_t).baddbmm_(write, delta1, alpha=-1.0)
+    hidden = F.gelu(pre)
+    hh = torch.bmm(hidden, h.transpose(-1, -2))
+    read = coeff * hh
     y = torch.baddbmm(q, piece.a * hidden, w2_t).baddbmm_(piece.d * hidden, s2_t)
-    y = y.baddbmm_(coeff * torch.bmm(hidden, h.transpose(-1, -2)), delta2, alpha=-1.0)
+    y = y.baddbmm_(read, delta2, alpha=-1.0)
 
     # State after the chunk's last token: rank-n corrections of the carried weights and momentum, accumulated in
     # place into A_n W + D_n S and E_n S.
@@ -198,7 +210,137 @@ def _memory_chunk(
     new_w2 = (s2_t * d_n).addcmul_(a_n, w2_t).baddbmm_((h * last_coeff).transpose(-1, -2), delta2, alpha=-1.0)
     new_s1 = (s1_t * e_n).baddbmm_((k * last_momentum).transpose(-1, -2), delta1, alpha=-1.0)
     new_s2 = (s2_t * e_n).baddbmm_((h * last_momentum).transpose(-1, -2), delta2, alpha=-1.0)
-    return y, (new_w1, new_s1, new_w2, new_s2)
+    saved.update(theta=theta, coeff=coeff, write=write, pre=pre, hidden=hidden, hh=hh, read=read,
+                 last_coeff=last_coeff, last_momentum=last_momentum)
+    return y, (new_w1, new_s1, new_w2, new_s2), saved
+
+
+def _memory_chunk_autograd(*args) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``_chunk_forward`` differentiated by autograd, the same argument order as ``_MemoryChunk.apply``: the oracle
+    of the hand-written backward (and what ``torch.compile`` traces)."""
+    q, k, kv2, k2, step, *fields, w1s_t, w2s_t, w1_t, s1_t, w2_t, s2_t, normalize = args
+    y, weights, _ = _chunk_forward(q, k, kv2, k2, step, _Piece(*fields), w1s_t, w2s_t, (w1_t, s1_t, w2_t, s2_t),
+                                   normalize)
+    return (y, *weights)
+
+
+_SAVED = ("z", "h", "gelu_grad", "delta2", "back", "delta1", "theta", "coeff", "write", "pre", "hidden", "hh", "read",
+          "last_coeff", "last_momentum")
+_SAVED_NORMALIZED = ("error2", "delta1_2", "kappa")
+
+
+class _MemoryChunk(torch.autograd.Function):
+    """``_chunk_forward`` with its backward written out (the chain rule through every line above, each product's
+    gradient one ``bmm``): autograd's graph of the chunk runs some 90 nodes, most of them small elementwise
+    kernels and broadcast reductions. Inputs: q, k, kv2, k2, step, the eight ``_Piece`` fields, w1s_t, w2s_t,
+    W1^T, S1^T, W2^T, S2^T, normalize; outputs y and the four carried weights after the chunk."""
+
+    @staticmethod
+    def forward(ctx, q, k, kv2, k2, step, *rest):
+        *fields, w1s_t, w2s_t, w1_t, s1_t, w2_t, s2_t, normalize = rest
+        piece = _Piece(*fields)
+        y, weights, saved = _chunk_forward(q, k, kv2, k2, step, piece, w1s_t, w2s_t, (w1_t, s1_t, w2_t, s2_t),
+                                           normalize)
+        names = _SAVED + (_SAVED_NORMALIZED if normalize else ())
+        ctx.normalize = normalize
+        ctx.save_for_backward(k, k2, step, *fields, w1s_t, w2s_t, w1_t, s1_t, w2_t, s2_t, *(saved[n] for n in names))
+        return (y, *weights)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_y, g_w1, g_s1, g_w2, g_s2):
+        k, k2, step, *rest = ctx.saved_tensors
+        piece, rest = _Piece(*rest[:8]), rest[8:]
+        w1s_t, w2s_t, w1_t, s1_t, w2_t, s2_t = rest[:6]
+        names = _SAVED + (_SAVED_NORMALIZED if ctx.normalize else ())
+        x = dict(zip(names, rest[6:]))
+        delta1, delta2, h, hidden, coeff = x["delta1"], x["delta2"], x["h"], x["hidden"], x["coeff"]
+        a_n, d_n, e_n = piece.ends.unbind(1)
+        mt = lambda t: t.transpose(-1, -2)  # noqa: E731
+
+        def dot(u: Tensor, v: Tensor) -> Tensor:  # <u, v> per batch row, [BH, 1, 1]
+            return (u * v).sum((-1, -2), keepdim=True)
+
+        # the carried state: new_w = d_n S + a_n W - X^T delta, new_s = e_n S - Y^T delta
+        g_ends = torch.stack([dot(g_w1, w1_t) + dot(g_w2, w2_t), dot(g_w1, s1_t) + dot(g_w2, s2_t),
+                              dot(g_s1, s1_t) + dot(g_s2, s2_t)], dim=1)
+        gw1_t, gw2_t = g_w1 * a_n, g_w2 * a_n
+        gs1_t, gs2_t = (g_w1 * d_n).add_(g_s1 * e_n), (g_w2 * d_n).add_(g_s2 * e_n)
+        last_coeff, last_momentum = x["last_coeff"], x["last_momentum"]  # [BH, n, 1]
+        g_xk, g_yk = -torch.bmm(delta1, mt(g_w1)), -torch.bmm(delta1, mt(g_s1))  # d/d(k c), d/d(k m) [BH, n, dk]
+        g_xh, g_yh = -torch.bmm(delta2, mt(g_w2)), -torch.bmm(delta2, mt(g_s2))  # d/d(h c), d/d(h m) [BH, n, dm]
+        g_delta1 = torch.bmm(k * last_coeff, g_w1).add_(torch.bmm(k * last_momentum, g_s1)).neg_()
+        g_delta2 = torch.bmm(h * last_coeff, g_w2).add_(torch.bmm(h * last_momentum, g_s2)).neg_()
+        g_k = g_xk * last_coeff + g_yk * last_momentum
+        g_h = g_xh * last_coeff + g_yh * last_momentum
+        g_last_coeff = (g_xk * k).sum(-1) + (g_xh * h).sum(-1)  # [BH, n]
+        g_last_momentum = (g_yk * k).sum(-1) + (g_yh * h).sum(-1)
+
+        # the read y = q + (A hidden) W2^T + (D hidden) S2^T - (C * hidden h^T) delta2
+        g_ah, g_dh = torch.bmm(g_y, mt(w2_t)), torch.bmm(g_y, mt(s2_t))
+        gw2_t.baddbmm_(mt(piece.a * hidden), g_y)
+        gs2_t.baddbmm_(mt(piece.d * hidden), g_y)
+        g_read = -torch.bmm(g_y, mt(delta2))  # [BH, n, n]
+        g_delta2.baddbmm_(mt(x["read"]), g_y, alpha=-1.0)
+        g_hh = g_read * coeff
+        g_coeff = g_read * x["hh"]
+        g_hidden = (g_ah * piece.a).add_(g_dh * piece.d).baddbmm_(g_hh, h)
+        g_h.baddbmm_(mt(g_hh), hidden)
+        g_a, g_d = (g_ah * hidden).sum(-1, keepdim=True), (g_dh * hidden).sum(-1, keepdim=True)
+        _, pre_grad = _gelu_with_derivative(x["pre"])
+        g_pre = g_hidden * pre_grad
+        g_a_q, g_d_q = torch.bmm(g_pre, mt(w1_t)), torch.bmm(g_pre, mt(s1_t))
+        gw1_t.baddbmm_(mt(piece.a_q), g_pre)
+        gs1_t.baddbmm_(mt(piece.d_q), g_pre)
+        g_write = -torch.bmm(g_pre, mt(delta1))
+        g_delta1.baddbmm_(mt(x["write"]), g_pre, alpha=-1.0)
+        g_coeff.addcmul_(g_write, piece.qk)
+        g_qk = g_write * coeff
+        g_coeff[..., -1, :] += g_last_coeff
+
+        # coeff = decay * theta_i; last_momentum = theta * E_n / E_i
+        theta = x["theta"]
+        g_decay = g_coeff * theta.unsqueeze(-2)
+        g_theta = (g_coeff * piece.decay).sum(-2) + g_last_momentum * piece.momentum_last
+        g_momentum_last = g_last_momentum * theta
+        if ctx.normalize:  # theta = step / kappa, kappa = ||h||^2 + k2 ||delta1||^2 / error2
+            kappa, error2, delta1_2 = x["kappa"], x["error2"], x["delta1_2"]
+            g_step = g_theta / kappa
+            g_kappa = -g_theta * theta / kappa
+            g_k2 = g_kappa * delta1_2 / error2
+            g_h.add_(h * (2.0 * g_kappa).unsqueeze(-1))
+            g_delta1.add_(delta1 * (2.0 * g_kappa * k2 / error2).unsqueeze(-1))
+            g_delta2.add_(delta2 * (-2.0 * g_kappa * k2 * delta1_2 / error2.square()).unsqueeze(-1))
+        else:
+            g_step, g_k2 = g_theta, None
+
+        # the gradient at the chunk start: delta1 = (delta2 W2) * GELU'(z), delta2 = kv2 + 2 h W2^T, h = GELU(z)
+        g_back = g_delta1 * x["gelu_grad"]
+        z = x["z"]
+        gelu_second = torch.exp(z.square() * -0.5).mul_(1.0 / math.sqrt(2.0 * math.pi)).mul_(2.0 - z.square())
+        g_z = g_delta1 * x["back"] * gelu_second  # through GELU'(z)
+        g_delta2.baddbmm_(g_back, w2s_t)
+        gw2s_t = torch.bmm(mt(g_back), delta2)
+        g_kv2 = g_delta2
+        g_h.baddbmm_(g_delta2, mt(w2s_t), alpha=2.0)
+        gw2s_t.baddbmm_(mt(h), g_delta2, alpha=2.0)
+        g_z.addcmul_(g_h, x["gelu_grad"])
+        g_k.baddbmm_(g_z, mt(w1s_t))
+        gw1s_t = torch.bmm(mt(k), g_z)
+        g_fields = (g_decay, g_qk, g_a_q, g_d_q, g_a, g_d, g_momentum_last, g_ends)
+        return (g_y, g_k, g_kv2, g_k2, g_step, *g_fields, gw1s_t, gw2s_t, gw1_t, gs1_t, gw2_t, gs2_t, None)
+
+
+def _memory_chunk(
+    q: Tensor, k: Tensor, kv2: Tensor, k2: Tensor, step: Tensor, piece: _Piece, w1s_t: Tensor, w2s_t: Tensor,
+    weights: tuple[Tensor, Tensor, Tensor, Tensor], normalize: bool,
+) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """One chunk (``_chunk_forward``) with the hand-written backward: (y [BH, n, dk], weights after it). Under
+    ``torch.compile`` autograd's form instead: Dynamo cannot trace the Function where the start weights are the
+    current ones (one tensor passed twice), and Inductor fuses the differentiated forward itself."""
+    chunk = _memory_chunk_autograd if torch.compiler.is_compiling() else _MemoryChunk.apply
+    y, *weights = chunk(q, k, kv2, k2, step, *piece, w1s_t, w2s_t, *weights, normalize)
+    return y, tuple(weights)
 
 
 def neural_memory(
