@@ -1,8 +1,9 @@
 """flops_per_token of every backbone against torch's FlopCounterMode on tiny models.
 
-FlopCounterMode counts matrix products (mm, bmm, addmm); on a CPU it does not count the fused SDPA kernel
-at all, so the tests register a formula for it that counts what the backbones' formulas count: scores and
-values of the (query, key) pairs a query may see (causal or masked), 2 FLOPs per multiply-add.
+FlopCounterMode counts matrix products (mm, bmm, addmm, baddbmm); it knows no in-place product, and on a CPU it
+does not count the fused SDPA kernel at all, so the tests register formulas for both: ``baddbmm_`` (Titans' memory
+chunk accumulates its products in place) as ``baddbmm``, and for SDPA what the backbones' formulas count: scores
+and values of the (query, key) pairs a query may see (causal or masked), 2 FLOPs per multiply-add.
 
 ``test_every_catalogue_shape_counts_its_flops`` checks every catalogue entry and variant: the counted forward,
 less the work each formula leaves out on purpose (named there, each checked exactly by the tests after it), x 3
@@ -11,7 +12,7 @@ equals ``flops_per_token`` to 1e-9 (the sums' float rounding).
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from ltcx.models.catalog import CATALOG
 from ltcx.models.gpt import GPT
@@ -35,14 +36,20 @@ def _visible_pairs_sdpa(query, key, value, dropout_p=0.0, is_causal=False, *args
     return 2 * pairs * dim + 2 * pairs * value.shape[-1]
 
 
+def _as_baddbmm(*args, out_val=None, **kwargs) -> int:
+    return flop_registry[torch.ops.aten.baddbmm](*args, out_val=out_val, **kwargs)
+
+
 _visible_pairs_sdpa._get_raw = True  # FlopCounterMode hands it the tensors, not their shapes
-CPU_SDPA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _visible_pairs_sdpa}
+_as_baddbmm._get_raw = True  # the registry's formula reads the shapes itself
+COUNTED_TOO = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _visible_pairs_sdpa,
+               torch.ops.aten.baddbmm_: _as_baddbmm}
 
 
 def counted_forward_flops_per_token(model, batch: int, length: int) -> float:
     idx = torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
     # with grad: its module tracker hooks outputs
-    with FlopCounterMode(display=False, custom_mapping=CPU_SDPA) as counter:
+    with FlopCounterMode(display=False, custom_mapping=COUNTED_TOO) as counter:
         model(idx)
     return counter.get_total_flops() / (batch * length)
 
