@@ -176,8 +176,8 @@ def test_hand_written_chunk_backward_equals_autograd(normalize_step, start):
     """``_MemoryChunk.backward`` (the chain rule written out) equals autograd through the same forward
     (``_memory_chunk_autograd``) in float64, for the gradient of every input (the chunk's tokens, ||k||^2, the step,
     all eight state-free piece fields, the start weights, the weights and the momentum) against random cotangents of
-    all five outputs; the start weights either the current ones (one tensor passed twice) or an earlier point, and
-    the momentum nonzero."""
+    all five outputs; the start weights either the current ones (passed as None: their gradients are the current
+    weights') or an earlier point, and the momentum nonzero."""
     g = torch.Generator().manual_seed(3)
     bh, n = B * H, 7
     x = _inputs(length=n)
@@ -190,10 +190,10 @@ def test_hand_written_chunk_backward_equals_autograd(normalize_step, start):
         return torch.randn(bh, *shape, generator=g, dtype=torch.float64) / math.sqrt(shape[0])
 
     w1_t, s1_t, w2_t, s2_t = weights(DK, DM), 0.1 * weights(DK, DM), weights(DM, DK), 0.1 * weights(DM, DK)
-    starts = (w1_t, w2_t) if start == "current" else (weights(DK, DM), weights(DM, DK))
     inputs = [t.detach().clone().requires_grad_() for t in (q, k, 2.0 * (k - v), k.square().sum(-1), step, *piece)]
     state = [t.requires_grad_() for t in (w1_t, s1_t, w2_t, s2_t)]
-    start_leaves = state[0:3:2] if start == "current" else [t.requires_grad_() for t in starts]
+    start_leaves = [None, None] if start == "current" else [weights(DK, DM).requires_grad_(),
+                                                            weights(DM, DK).requires_grad_()]
     args = (*inputs, *start_leaves, *state, normalize_step)
     leaves = inputs + state + ([] if start == "current" else start_leaves)
 

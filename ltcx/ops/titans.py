@@ -163,17 +163,20 @@ def _pieces(q: Tensor, k: Tensor, log_retain: Tensor, log_momentum: Tensor, size
 
 
 def _chunk_forward(
-    q: Tensor, k: Tensor, kv2: Tensor, k2: Tensor, step: Tensor, piece: _Piece, w1s_t: Tensor, w2s_t: Tensor,
-    weights: tuple[Tensor, Tensor, Tensor, Tensor], normalize: bool,
+    q: Tensor, k: Tensor, kv2: Tensor, k2: Tensor, step: Tensor, piece: _Piece, w1s_t: Tensor | None,
+    w2s_t: Tensor | None, weights: tuple[Tensor, Tensor, Tensor, Tensor], normalize: bool,
 ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor], dict[str, Tensor]]:
     """n tokens of one chunk (all gradients at the chunk start) in closed form -> (y [BH, n, dk], weights after it,
     the intermediates ``_MemoryChunk.backward`` reads).
 
     Batch and heads are one leading dim [BH], so every product is one ``bmm``/``baddbmm``. The weights are carried
     transposed, weights = (W1^T, S1^T [BH, dk, dm], W2^T, S2^T [BH, dm, dk]), so that every product reads them as
-    its right operand; w1s_t = W1^T and w2s_t = W2^T at the chunk start; kv2 = 2 (k - v), k2 = ||k||^2.
+    its right operand; w1s_t = W1^T and w2s_t = W2^T at the chunk start, None where the start is the current
+    weights (a chunk boundary); kv2 = 2 (k - v), k2 = ||k||^2.
     """
     w1_t, s1_t, w2_t, s2_t = weights
+    if w1s_t is None:
+        w1s_t, w2s_t = w1_t, w2_t
     z = torch.bmm(k, w1s_t)
     h, gelu_grad = _gelu_with_derivative(z)
     delta2 = torch.baddbmm(kv2, h, w2s_t, alpha=2.0)  # 2 (M(k) - v)
@@ -242,8 +245,9 @@ class _MemoryChunk(torch.autograd.Function):
         y, weights, saved = _chunk_forward(q, k, kv2, k2, step, piece, w1s_t, w2s_t, (w1_t, s1_t, w2_t, s2_t),
                                            normalize)
         names = _SAVED + (_SAVED_NORMALIZED if normalize else ())
-        ctx.normalize = normalize
-        ctx.save_for_backward(k, k2, step, *fields, w1s_t, w2s_t, w1_t, s1_t, w2_t, s2_t, *(saved[n] for n in names))
+        ctx.normalize, ctx.start_is_current = normalize, w1s_t is None
+        starts = (w1_t, w2_t) if w1s_t is None else (w1s_t, w2s_t)
+        ctx.save_for_backward(k, k2, step, *fields, *starts, w1_t, s1_t, w2_t, s2_t, *(saved[n] for n in names))
         return (y, *weights)
 
     @staticmethod
@@ -319,14 +323,17 @@ class _MemoryChunk(torch.autograd.Function):
         z = x["z"]
         gelu_second = torch.exp(z.square() * -0.5).mul_(1.0 / math.sqrt(2.0 * math.pi)).mul_(2.0 - z.square())
         g_z = g_delta1 * x["back"] * gelu_second  # through GELU'(z)
+        # where the start is the current weights, its gradients accumulate into theirs (no separate tensor to add)
         g_delta2.baddbmm_(g_back, w2s_t)
-        gw2s_t = torch.bmm(mt(g_back), delta2)
+        gw2s_t = gw2_t.baddbmm_(mt(g_back), delta2) if ctx.start_is_current else torch.bmm(mt(g_back), delta2)
         g_kv2 = g_delta2
         g_h.baddbmm_(g_delta2, mt(w2s_t), alpha=2.0)
         gw2s_t.baddbmm_(mt(h), g_delta2, alpha=2.0)
         g_z.addcmul_(g_h, x["gelu_grad"])
         g_k.baddbmm_(g_z, mt(w1s_t))
-        gw1s_t = torch.bmm(mt(k), g_z)
+        gw1s_t = gw1_t.baddbmm_(mt(k), g_z) if ctx.start_is_current else torch.bmm(mt(k), g_z)
+        if ctx.start_is_current:
+            gw1s_t = gw2s_t = None
         g_fields = (g_decay, g_qk, g_a_q, g_d_q, g_a, g_d, g_momentum_last, g_ends)
         return (g_y, g_k, g_kv2, g_k2, g_step, *g_fields, gw1s_t, gw2s_t, gw1_t, gs1_t, gw2_t, gs2_t, None)
 
@@ -336,9 +343,10 @@ def _memory_chunk(
     weights: tuple[Tensor, Tensor, Tensor, Tensor], normalize: bool,
 ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
     """One chunk (``_chunk_forward``) with the hand-written backward: (y [BH, n, dk], weights after it). Under
-    ``torch.compile`` autograd's form instead: Dynamo cannot trace the Function where the start weights are the
-    current ones (one tensor passed twice), and Inductor fuses the differentiated forward itself."""
+    ``torch.compile`` autograd's form instead: Inductor fuses the differentiated forward itself."""
     chunk = _memory_chunk_autograd if torch.compiler.is_compiling() else _MemoryChunk.apply
+    if w1s_t is weights[0] and w2s_t is weights[2]:  # the start is the current weights: passed once, as None
+        w1s_t = w2s_t = None
     y, *weights = chunk(q, k, kv2, k2, step, *piece, w1s_t, w2s_t, *weights, normalize)
     return y, tuple(weights)
 
