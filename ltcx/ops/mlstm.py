@@ -70,9 +70,12 @@ def mlstm_init_state(
 
 
 def _normalise(num: Tensor, den: Tensor, m: Tensor, eps: float) -> Tensor:
-    """h = num / (max(|den|, exp(-m)) + eps); num [..., D], den and m [...]."""
+    """h = num / (max(|den|, exp(-m)) + eps); num [..., D], den and m [...].
+
+    As num times the reciprocal: the division happens on [...], and the backward's passes over num's size are two
+    products, where a division's backward makes four (g / d, and g num / d^2 with its negation)."""
     floor = torch.exp(torch.clamp(-m, max=_MAX_NEG_M))
-    return num / (torch.maximum(den.abs(), floor) + eps).unsqueeze(-1)
+    return num * torch.reciprocal(torch.maximum(den.abs(), floor) + eps).unsqueeze(-1)
 
 
 def _prepare(q, k, v, i_pre, f_pre, state, forget_gate):
@@ -182,7 +185,8 @@ def mlstm_chunkwise(
     outs = []
     if N > 0:
         def chunks(x: Tensor) -> Tensor:  # [B, H, T, ...] -> [B, H, N, L, ...]
-            return x[:, :, : N * L].reshape(B, H, N, L, *x.shape[3:])
+            # no slice where the chunks cover T: a slice's backward zero-fills a tensor of x's size and copies into it
+            return (x if N * L == T else x[:, :, : N * L]).reshape(B, H, N, L, *x.shape[3:])
 
         qc, kc, vc, ic, fc = map(chunks, (q, k, v, log_i, log_f))
         b = fc.cumsum(-1)  # [B, H, N, L]
@@ -194,16 +198,18 @@ def mlstm_chunkwise(
         n_loc = kw.sum(-2)  # [B, H, N, D]
 
         starts_C, starts_n, starts_m = [], [], []
-        for c in range(N):  # loop over chunks only
+        # the chunks' pieces from unbind, not indexing in the loop: the backward of an unbind is one stack, where each
+        # index's backward would zero-fill a tensor of all N chunks (the [B, H, N, D, D] states among them)
+        for C_c, n_c, m_c, b_c in zip(C_loc.unbind(2), n_loc.unbind(2), m_loc.unbind(2), b_last.unbind(2)):
             starts_C.append(C)
             starts_n.append(n)
             starts_m.append(m)
-            log_prev = b_last[:, :, c] + m
-            m_new = torch.maximum(log_prev, m_loc[:, :, c])
+            log_prev = b_c + m
+            m_new = torch.maximum(log_prev, m_c)
             a = torch.exp(log_prev - m_new)
-            g = torch.exp(m_loc[:, :, c] - m_new)
-            C = a[..., None, None] * C + g[..., None, None] * C_loc[:, :, c]
-            n = a.unsqueeze(-1) * n + g.unsqueeze(-1) * n_loc[:, :, c]
+            g = torch.exp(m_c - m_new)
+            C = a[..., None, None] * C + g[..., None, None] * C_c
+            n = a.unsqueeze(-1) * n + g.unsqueeze(-1) * n_c
             m = m_new
         C0 = torch.stack(starts_C, dim=2)
         n0 = torch.stack(starts_n, dim=2)
