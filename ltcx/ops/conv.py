@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 
 def causal_depthwise_conv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, buffer: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """out_t = bias + sum_j weight[:, 0, j] * x_{t-K+1+j}, per channel, over time only.
 
     x [B, T, C]; weight [C, 1, K]; bias [C] or None; buffer [B, K-1, C]: the K-1 inputs before x (None =
@@ -19,15 +20,63 @@ def causal_depthwise_conv(
     if buffer is None:
         buffer = x.new_zeros(batch, kernel - 1, channels)
     padded = torch.cat([buffer.to(x.dtype), x], dim=1)  # [B, K-1+T, C]
-    length = x.shape[1]
-    # K shifted multiply-adds rather than F.conv1d(groups=C): the same sum, but its backward is plain
-    # element-wise work, where the grouped convolution's CPU backward is ~100x slower at these widths.
     # contiguous: a tap read as a strided row of the [C, 1, K] weight makes every multiply (and its backward)
     # take the slow strided path, ~4x the time
     taps = weight[:, 0].t().contiguous()  # [K, C]
-    out = padded[:, :length] * taps[0]
-    for j in range(1, kernel):
-        out = torch.addcmul(out, padded[:, j:j + length], taps[j])
-    if bias is not None:
-        out = out + bias
+    # under torch.compile the autograd form: Inductor fuses the taps itself
+    shifted_sum = _shifted_sum if torch.compiler.is_compiling() else _ShiftedSum.apply
+    out = shifted_sum(padded, taps, bias, x.shape[1])
     return out, padded[:, padded.shape[1] - (kernel - 1):]
+
+
+def _shifted_sum(padded: Tensor, taps: Tensor, bias: Tensor | None, length: int) -> Tensor:
+    """sum_j taps[j] * padded[:, j:j + length] (+ bias): padded [B, K-1+T, C], taps [K, C], bias [C] or None ->
+    [B, T, C]. K shifted multiply-adds rather than F.conv1d(groups=C): the same sum, but its backward is plain
+    element-wise work, where the grouped convolution's CPU backward is ~100x slower at these widths. Differentiated
+    by autograd, this is the oracle of ``_ShiftedSum``'s backward."""
+    out = padded[:, :length] * taps[0]
+    for j in range(1, taps.shape[0]):
+        out = torch.addcmul(out, padded[:, j:j + length], taps[j])
+    return out if bias is None else out + bias
+
+
+class _ShiftedSum(torch.autograd.Function):
+    """``_shifted_sum`` with its backward written out. Through autograd every tap's slice of ``padded`` has its own
+    backward, a zero-filled tensor of padded's size with the slice copied in, and the engine adds the K of them;
+    here the K products accumulate in place into one buffer. The op's forward and backward: 2.3x faster at the 29M
+    xLSTM's and Titans' widths, 1.9x at 4 x 256 x 512, 1.3x at the recall grid's 32 x 32 x 128 (1 thread)."""
+
+    @staticmethod
+    def forward(ctx, padded: Tensor, taps: Tensor, bias: Tensor | None, length: int) -> Tensor:
+        out = padded[:, :length] * taps[0]
+        for j in range(1, taps.shape[0]):
+            out.addcmul_(padded[:, j:j + length], taps[j])
+        if bias is not None:
+            out = out.add_(bias) if torch.promote_types(out.dtype, bias.dtype) == out.dtype else out + bias
+        ctx.save_for_backward(padded, taps)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        padded, taps = ctx.saved_tensors
+        kernel, length = taps.shape[0], grad.shape[1]
+        grad_padded = grad_taps = grad_bias = None
+        if ctx.needs_input_grad[0]:  # padded[:, j + t] feeds out_t through taps[j]: one buffer, K in-place adds
+            grad_padded = padded.new_empty(padded.shape)
+            grad_padded[:, :kernel - 1].zero_()
+            last = grad_padded[:, kernel - 1:]
+            if torch.promote_types(grad.dtype, taps.dtype) == last.dtype:
+                torch.mul(grad, taps[kernel - 1], out=last)
+            else:  # e.g. bf16 inputs, float32 taps: the product in float32, then rounded once
+                last.copy_(grad * taps[kernel - 1])
+            for j in range(kernel - 1):
+                grad_padded[:, j:j + length].addcmul_(grad, taps[j])
+        if ctx.needs_input_grad[1]:  # per channel, sum over batch and time of grad * the tap's slice
+            product = torch.empty_like(grad)
+            grad_taps = torch.stack([torch.mul(grad, padded[:, j:j + length], out=product).sum((0, 1))
+                                     for j in range(kernel)]).to(taps.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_bias = grad.sum((0, 1)).to(ctx.bias_dtype)
+        return grad_padded, grad_taps, grad_bias, None
