@@ -223,17 +223,34 @@ class CausalConv1d(nn.Module):
 
 
 class HeadwiseLinear(nn.Module):
-    """Block-diagonal linear map ``[..., dim] -> [..., dim]`` with blocks of ``block_size`` (no bias)."""
+    """Block-diagonal linear map ``[..., dim] -> [..., dim]`` with blocks of ``block_size`` (no bias).
+
+    Computed as one batched product over groups of ``group`` neighbouring blocks, each group's blocks laid out as
+    one block-diagonal matrix of about 32 x 32 (the zeros between them exact, so each output is the same sum): a
+    product per 4 x 4 block ran hundreds of products with an inner dimension of 4, 2.3-3.1x slower forward and
+    backward at the 29M config's and the scaled shapes' widths (1 thread). ``group`` is the largest divisor of the
+    block count up to 32 / block_size (1 for blocks of 32 and wider: the plain per-block product).
+    """
+
+    GROUP_WIDTH = 32
 
     def __init__(self, dim: int, block_size: int) -> None:
         super().__init__()
         self.num_blocks, self.block_size = dim // block_size, block_size
         self.weight = nn.Parameter(torch.empty(self.num_blocks, block_size, block_size))  # [n, out, in]
         nn.init.normal_(self.weight, std=math.sqrt(2.0 / (5.0 * block_size)))
+        most = max(1, self.GROUP_WIDTH // block_size)
+        self.group = max(d for d in range(1, most + 1) if self.num_blocks % d == 0)
 
     def forward(self, x: Tensor) -> Tensor:
-        xb = x.unflatten(-1, (self.num_blocks, self.block_size))
-        return torch.einsum("...ni,noi->...no", xb, self.weight).flatten(-2)
+        per, size = self.group, self.block_size
+        groups = self.num_blocks // per
+        # [G, p, out, p', in], block (p, p) of each group the weight of block G p + p, the rest zero
+        dense = self.weight.new_zeros(groups, per, size, per, size)
+        dense.diagonal(dim1=1, dim2=3).copy_(self.weight.view(groups, per, size, size).permute(0, 2, 3, 1))
+        matrices = dense.view(groups, per * size, per * size)  # [G, out, in]
+        grouped = x.reshape(-1, groups, per * size).transpose(0, 1)  # [G, N, in]
+        return torch.bmm(grouped, matrices.transpose(1, 2)).transpose(0, 1).reshape(x.shape)
 
 
 class MultiHeadNorm(nn.Module):
@@ -492,8 +509,9 @@ class XLSTM(ConfiguredModule):
         """FLOPs of the forward pass per token when training on sequences of ``seq_len`` tokens.
 
         Matrix products as the training forms execute them (element-wise gate, norm and conv work is not
-        counted), 2 per multiply-add; E width, I inner width, H heads of head dim d = I / H, b the q/k/v block
-        size, V vocabulary, T seq_len:
+        counted, nor the zeros between the q/k/v maps' blocks in ``HeadwiseLinear``'s grouped product), 2 per
+        multiply-add; E width, I inner width, H heads of head dim d = I / H, b the q/k/v block size, V vocabulary,
+        T seq_len:
 
         * mLSTM block: up-projection 2 E 2I, block-diagonal q/k/v 3 * 2 I b, gates 2 * 2 (3I) H, down 2 I E,
           and the cell per head: chunkwise with chunks of L, each full chunk costs its state contribution
