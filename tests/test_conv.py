@@ -5,6 +5,7 @@ import torch
 
 from ltcx.ops import conv
 from ltcx.ops.conv import causal_depthwise_conv
+from ltcx.ops.naive.conv import causal_conv_reference
 
 
 def _inputs(kernel: int, dtype=torch.float64, weight_dtype=None, seed=0):
@@ -15,14 +16,6 @@ def _inputs(kernel: int, dtype=torch.float64, weight_dtype=None, seed=0):
     weight = torch.randn(channels, 1, kernel, generator=g, dtype=torch.float64).to(weight_dtype or dtype)
     bias = torch.randn(channels, generator=g, dtype=torch.float64).to(weight_dtype or dtype)
     return x, buffer, weight, bias
-
-
-def _reference(x, weight, bias, buffer):
-    """The convolution written out: out_t = bias + sum_j w[c, j] x_{t-K+1+j}, x before the sequence from the buffer."""
-    kernel = weight.shape[-1]
-    full = torch.cat([torch.zeros_like(x[:, : kernel - 1]) if buffer is None else buffer.to(x.dtype), x], dim=1)
-    out = torch.stack([sum(full[:, t + j] * weight[:, 0, j] for j in range(kernel)) for t in range(x.shape[1])], 1)
-    return out if bias is None else out + bias
 
 
 @pytest.mark.parametrize("kernel", [1, 2, 4])
@@ -38,7 +31,7 @@ def test_hand_written_backward_equals_autograd_float64(kernel, with_buffer, with
     cotangent = torch.randn(x.shape, generator=torch.Generator().manual_seed(9), dtype=x.dtype)
 
     out, new_buffer = causal_depthwise_conv(x, weight, bias, buffer)
-    torch.testing.assert_close(out, _reference(x, weight, bias, buffer), rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(out, causal_conv_reference(x, weight, bias, buffer), rtol=1e-13, atol=1e-13)
     assert torch.equal(new_buffer, torch.cat([buffer if with_buffer else torch.zeros_like(x[:, :kernel - 1]), x],
                                              1)[:, x.shape[1]:])
     grads = torch.autograd.grad(out, leaves, cotangent)

@@ -7,6 +7,7 @@ module you need, e.g. ``from ltcx.ops.naive.ltc import ltc_attention_reference``
 
 - ``attention.py``: ``naive_attention`` (causal GQA), ``rope_matrix`` and ``reference_rope`` (RoPE),
   ``reference_attention`` (persistent slots, RoPE, any mask) for ``ltcx/ops/attention.py``
+- ``conv.py``: ``causal_conv_reference`` for ``ltcx/ops/conv.py``
 - ``fused_loss.py``: ``linear_cross_entropy_reference`` for ``ltcx/ops/fused_loss.py``
 - ``ltc.py``: ``ltc_attention_reference`` for ``ltcx/ops/ltc.py``
 - ``mlstm.py``: ``mlstm_parallel_naive`` for ``ltcx/ops/mlstm.py``
