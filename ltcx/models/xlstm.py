@@ -242,14 +242,19 @@ class HeadwiseLinear(nn.Module):
         most = max(1, self.GROUP_WIDTH // block_size)
         self.group = max(d for d in range(1, most + 1) if self.num_blocks % d == 0)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _grouped_matrices(self) -> Tensor:
+        """[G, out, in]: group g's blocks on the diagonal of one matrix, zeros elsewhere."""
         per, size = self.group, self.block_size
         groups = self.num_blocks // per
-        # [G, p, out, p', in], block (p, p) of each group the weight of block G p + p, the rest zero
-        dense = self.weight.new_zeros(groups, per, size, per, size)
+        dense = self.weight.new_zeros(groups, per, size, per, size)  # [G, p, out, p', in], nonzero where p = p'
         dense.diagonal(dim1=1, dim2=3).copy_(self.weight.view(groups, per, size, size).permute(0, 2, 3, 1))
-        matrices = dense.view(groups, per * size, per * size)  # [G, out, in]
-        grouped = x.reshape(-1, groups, per * size).transpose(0, 1)  # [G, N, in]
+        return dense.view(groups, per * size, per * size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # kept between decode steps (rebuilt when the weight changes), as the sLSTM keeps its rearranged R
+        matrices = derived_in_inference(self, "grouped", (self.weight,), self._grouped_matrices)
+        groups = matrices.shape[0]
+        grouped = x.reshape(-1, groups, matrices.shape[-1]).transpose(0, 1)  # [G, N, in]
         return torch.bmm(grouped, matrices.transpose(1, 2)).transpose(0, 1).reshape(x.shape)
 
 

@@ -35,8 +35,8 @@ def _shifted_sum(padded: Tensor, taps: Tensor, bias: Tensor | None, length: int)
     element-wise work, where the grouped convolution's CPU backward is ~100x slower at these widths. Differentiated
     by autograd, this is the oracle of ``_ShiftedSum``'s backward."""
     out = padded[:, :length] * taps[0]
-    for j in range(1, taps.shape[0]):
-        out = torch.addcmul(out, padded[:, j:j + length], taps[j])
+    for j in range(1, taps.shape[0]):  # in place into the fresh sum: its old value is no product's input
+        out.addcmul_(padded[:, j:j + length], taps[j])
     return out if bias is None else out + bias
 
 
@@ -48,11 +48,7 @@ class _ShiftedSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, padded: Tensor, taps: Tensor, bias: Tensor | None, length: int) -> Tensor:
-        out = padded[:, :length] * taps[0]
-        for j in range(1, taps.shape[0]):
-            out.addcmul_(padded[:, j:j + length], taps[j])
-        if bias is not None:
-            out = out.add_(bias) if torch.promote_types(out.dtype, bias.dtype) == out.dtype else out + bias
+        out = _shifted_sum(padded, taps, bias, length)
         ctx.save_for_backward(padded, taps)
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out
@@ -66,11 +62,7 @@ class _ShiftedSum(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # padded[:, j + t] feeds out_t through taps[j]: one buffer, K in-place adds
             grad_padded = padded.new_empty(padded.shape)
             grad_padded[:, :kernel - 1].zero_()
-            last = grad_padded[:, kernel - 1:]
-            if torch.promote_types(grad.dtype, taps.dtype) == last.dtype:
-                torch.mul(grad, taps[kernel - 1], out=last)
-            else:  # e.g. bf16 inputs, float32 taps: the product in float32, then rounded once
-                last.copy_(grad * taps[kernel - 1])
+            torch.mul(grad, taps[kernel - 1], out=grad_padded[:, kernel - 1:])  # rounded once to padded's dtype
             for j in range(kernel - 1):
                 grad_padded[:, j:j + length].addcmul_(grad, taps[j])
         if ctx.needs_input_grad[1]:  # per channel, sum over batch and time of grad * the tap's slice

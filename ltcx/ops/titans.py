@@ -332,10 +332,9 @@ class _MemoryChunk(torch.autograd.Function):
         g_z.addcmul_(g_h, x["gelu_grad"])
         g_k.baddbmm_(g_z, mt(w1s_t))
         gw1s_t = gw1_t.baddbmm_(mt(k), g_z) if ctx.start_is_current else torch.bmm(mt(k), g_z)
-        if ctx.start_is_current:
-            gw1s_t = gw2s_t = None
+        g_starts = (None, None) if ctx.start_is_current else (gw1s_t, gw2s_t)
         g_fields = (g_decay, g_qk, g_a_q, g_d_q, g_a, g_d, g_momentum_last, g_ends)
-        return (g_y, g_k, g_kv2, g_k2, g_step, *g_fields, gw1s_t, gw2s_t, gw1_t, gs1_t, gw2_t, gs2_t, None)
+        return (g_y, g_k, g_kv2, g_k2, g_step, *g_fields, *g_starts, gw1_t, gs1_t, gw2_t, gs2_t, None)
 
 
 def _memory_chunk(
@@ -345,7 +344,9 @@ def _memory_chunk(
     """One chunk (``_chunk_forward``) with the hand-written backward: (y [BH, n, dk], weights after it). Under
     ``torch.compile`` autograd's form instead: Inductor fuses the differentiated forward itself."""
     chunk = _memory_chunk_autograd if torch.compiler.is_compiling() else _MemoryChunk.apply
-    if w1s_t is weights[0] and w2s_t is weights[2]:  # the start is the current weights: passed once, as None
+    # the start is the current weights (a boundary): passed once, as None; the caller keeps the tensors, since a
+    # call that ends mid-chunk returns the start it began with
+    if w1s_t is weights[0] and w2s_t is weights[2]:
         w1s_t = w2s_t = None
     y, *weights = chunk(q, k, kv2, k2, step, *piece, w1s_t, w2s_t, *weights, normalize)
     return y, tuple(weights)
