@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from ltcx.errors import LtcxError
+from ltcx.models.inference_cache import keeping_derived
 
 
 def filter_logits(
@@ -103,24 +104,25 @@ def stream_tokens(
     check_generation_args(backbone, prompt.shape[1], max_new_tokens, temperature, top_k, top_p)
     if max_new_tokens == 0:
         return
-    logits, state = backbone(prompt, None)
-    finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
-    for step in range(max_new_tokens):
-        last = logits[:, -1]  # [B, V]
-        # Damaged weights: multinomial would raise a traceback, and greedy would print garbage.
-        if not bool(torch.isfinite(last).all()):
-            raise LtcxError(
-                f"the model's logits are not finite at generated token {step + 1}: its weights are damaged or "
-                "diverged; sample from an earlier checkpoint"
-            )
-        token = sample_next(last, temperature, top_k, top_p, vocab_limit, generator)
-        if stop_token is not None:
-            token = token.masked_fill(finished, stop_token)
-            finished |= token == stop_token
-        yield token
-        if step + 1 == max_new_tokens or (stop_token is not None and bool(finished.all())):
-            return
-        logits, state = backbone(token[:, None], state)
+    with keeping_derived(backbone):  # derived weights built once for all steps, dropped when the generation ends
+        logits, state = backbone(prompt, None)
+        finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+        for step in range(max_new_tokens):
+            last = logits[:, -1]  # [B, V]
+            # Damaged weights: multinomial would raise a traceback, and greedy would print garbage.
+            if not bool(torch.isfinite(last).all()):
+                raise LtcxError(
+                    f"the model's logits are not finite at generated token {step + 1}: its weights are damaged or "
+                    "diverged; sample from an earlier checkpoint"
+                )
+            token = sample_next(last, temperature, top_k, top_p, vocab_limit, generator)
+            if stop_token is not None:
+                token = token.masked_fill(finished, stop_token)
+                finished |= token == stop_token
+            yield token
+            if step + 1 == max_new_tokens or (stop_token is not None and bool(finished.all())):
+                return
+            logits, state = backbone(token[:, None], state)
 
 
 def generate(backbone: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:

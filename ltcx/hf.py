@@ -24,6 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ltcx.errors import LtcxError
 from ltcx.models import catalog
+from ltcx.models.inference_cache import keeping_derived
 from ltcx.models.registry import class_path, resolve_backbone
 
 __all__ = ["LtcxCache", "LtcxConfig", "LtcxForCausalLM", "MODEL_TYPE", "hf_model"]
@@ -213,6 +214,11 @@ class LtcxForCausalLM(PreTrainedModel, GenerationMixin):
             new_cache = cache if cache is not None else LtcxCache(reorder=self.backbone.reorder_cache)
             new_cache.state, new_cache.length = state, length
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=new_cache)
+
+    def generate(self, *args: Any, **kwargs: Any):
+        """transformers' ``generate``, the backbone's derived weights built once for all its steps."""
+        with keeping_derived(self.backbone):
+            return super().generate(*args, **kwargs)
 
     def _reorder_cache(self, cache: LtcxCache, beam_idx: torch.LongTensor) -> LtcxCache:
         cache.reorder_cache(beam_idx)

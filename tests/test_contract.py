@@ -3,9 +3,9 @@
 architecture, or a new variant of one, gets every check here by being catalogued.
 
     pieces == whole (with the state, several split points, single-token steps), cached decode == full forward,
-    reorder_cache, causality, batch independence, gradients reach every parameter, config_dict rebuilds,
-    bf16 generation, torch.compile of the training logits, and a CLI fit -> resume -> validate/test/predict ->
-    generate round trip of the entry's YAML.
+    inference after an optimizer step sees the step, reorder_cache, causality, batch independence, gradients
+    reach every parameter, config_dict rebuilds, bf16 generation, torch.compile of the training logits, and a CLI
+    fit -> resume -> validate/test/predict -> generate round trip of the entry's YAML.
 
 Equation tests (float64 references of each architecture's maths) stay in the per-architecture modules.
 
@@ -89,6 +89,28 @@ def check_cached_decode_equals_full_forward(entry: Architecture, variant: str = 
             logits, _ = model(sequence)
             sequence = torch.cat([sequence, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(cached, sequence)
+
+
+def check_inference_sees_each_optimizer_step(entry: Architecture, variant: str = "tiny") -> None:
+    """A no-grad forward (a validation) after steps of torch's fused AdamW (ltcx's optimizer), which writes the
+    weights without bumping their version counters, equals the forward with gradients on (every weight derived
+    afresh): no derived weight kept from an earlier inference call serves it the weights of an earlier step. A
+    generation between the steps keeps nothing past its end either."""
+    model = tiny(entry, torch.float32, variant=variant)
+    idx = tokens(B, T, seed=6)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    for _ in range(2):
+        with torch.no_grad():
+            model(idx)
+            generate(model, idx[:, :3], 2, temperature=0.0)
+        logits, _ = model(idx)
+        logits.float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        inferred, _ = model(idx)
+    derived_afresh, _ = model(idx)
+    torch.testing.assert_close(inferred, derived_afresh, rtol=0, atol=0)
 
 
 def check_reorder_cache(entry: Architecture, variant: str = "tiny") -> None:
@@ -189,7 +211,8 @@ def check_bf16_generation(entry: Architecture, variant: str = "tiny", *, mode: s
 
 
 CORE_CHECKS = [
-    check_pieces_equal_whole, check_cached_decode_equals_full_forward, check_reorder_cache, check_causality,
+    check_pieces_equal_whole, check_cached_decode_equals_full_forward, check_inference_sees_each_optimizer_step,
+    check_reorder_cache, check_causality,
     check_batch_independence, check_gradients_reach_every_parameter, check_config_dict_rebuilds,
     functools.partial(check_bf16_generation, mode="bf16 weights"),
     functools.partial(check_bf16_generation, mode="autocast"),

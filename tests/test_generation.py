@@ -225,3 +225,34 @@ def test_model_generate_greedy_equals_argmax_of_the_full_forward_each_step(model
         logits, _ = lm(ids)  # the whole sequence, no state
         ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(cached, ids)
+
+
+def test_a_generation_keeps_derived_weights_only_while_it_runs():
+    """``stream_tokens`` keeps derived weights (here GTA's D = J + B) for its steps and drops them when it ends:
+    run out, stopped early by its caller (the generator closed), or nested in an outer scope (dropped with the
+    outer one)."""
+    from ltcx.models import catalog
+    from ltcx.models.inference_cache import keeping_derived
+
+    torch.manual_seed(0)
+    model = catalog.build_tiny("gta", vocab_size=32).eval()
+    prompt = torch.randint(0, 32, (1, 3))
+
+    def kept() -> list[str]:
+        return [key for module in model.modules() for key in module.__dict__ if key.startswith("_derived_")]
+
+    steps = stream_tokens(model, prompt, 5, temperature=0.0)
+    next(steps)
+    assert kept()  # during the generation
+    steps.close()
+    assert not kept()
+    generate(model, prompt, 3, temperature=0.0)
+    assert not kept()
+    with torch.no_grad(), keeping_derived(model):
+        generate(model, prompt, 3, temperature=0.0)
+        assert kept()  # the outer scope still open
+    assert not kept()
+    with pytest.raises(RuntimeError), torch.no_grad(), keeping_derived(model):
+        model(prompt)
+        raise RuntimeError
+    assert not kept()

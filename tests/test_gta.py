@@ -15,7 +15,7 @@ from helpers import run_in_pieces
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.gpt import GPT, GQAAttention
 from ltcx.models.gta import GTAGPT, GTAAttention, GTAConfig
-from ltcx.models.inference_cache import DERIVED_NOT_KEPT
+from ltcx.models.inference_cache import DERIVED_NOT_KEPT, keeping_derived
 
 pytestmark = pytest.mark.quick  # `pytest -m quick`: the equations, a first check
 
@@ -253,24 +253,29 @@ def test_decoder_and_gate_get_a_gradient_in_every_entry():
     assert attn.decoder.grad.abs().gt(0).all()
 
 
-def test_inference_keeps_the_decoder_matrix_until_the_decoder_changes():
-    """A decode step does not rebuild D = J + B; an in-place update (an optimizer step) or a load rebuilds it,
-    so the cached steps stay equal to the full forward. Under autograd D is part of the graph every call."""
+def test_a_generation_keeps_the_decoder_matrix_until_the_decoder_changes():
+    """Within a generation (``keeping_derived``) a decode step does not rebuild D = J + B; an in-place write or a
+    load rebuilds it, so the cached steps stay equal to the full forward. Outside one, and under autograd, D is
+    built every call; leaving the scope drops the kept D."""
     model = small_model()
     attn = model.blocks[0].attn
     idx = tokens(2, 12)
     with torch.no_grad():
-        kept = attn.decoder_matrix()
-        assert attn.decoder_matrix() is kept
-        attn.decoder.mul_(1.5)  # in place, as an optimizer step writes
-        assert attn.decoder_matrix() is not kept
-        torch.testing.assert_close(attn.decoder_matrix(), attn.identity + attn.decoder, rtol=0, atol=0)
+        assert attn.decoder_matrix() is not attn.decoder_matrix()  # no generation: nothing kept
+        with keeping_derived(model):
+            kept = attn.decoder_matrix()
+            assert attn.decoder_matrix() is kept
+            attn.decoder.mul_(1.5)  # in place, seen through the version counter
+            assert attn.decoder_matrix() is not kept
+            torch.testing.assert_close(attn.decoder_matrix(), attn.identity + attn.decoder, rtol=0, atol=0)
+        assert not [key for key in attn.__dict__ if key.startswith("_derived_")]
     model.load_state_dict(small_model(seed=3).state_dict())
-    with torch.no_grad():
+    with torch.no_grad(), keeping_derived(model):
         full, _ = model(idx)
         steps, _ = run_in_pieces(model, idx, [1] * 12)
     torch.testing.assert_close(steps, full, rtol=0, atol=1e-10)
-    assert attn.decoder_matrix().requires_grad and attn.decoder_matrix() is not attn.decoder_matrix()
+    with keeping_derived(model):
+        assert attn.decoder_matrix().requires_grad and attn.decoder_matrix() is not attn.decoder_matrix()
     assert not any("derived" in name for name in model.state_dict())
 
 
@@ -279,7 +284,7 @@ def test_a_module_sharded_by_fsdp2_rebuilds_the_decoder_matrix_every_call():
     does), so a kept D would go stale unseen; in a module ``shard_backbone`` marked, D is rebuilt every call."""
     model = small_model()
     attn = model.blocks[0].attn
-    with torch.no_grad():
+    with torch.no_grad(), keeping_derived(model):
         kept = attn.decoder_matrix()
         with torch.autograd._unsafe_preserve_version_counter(attn.decoder):
             attn.decoder.mul_(1.5)

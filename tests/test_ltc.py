@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from helpers import relative_error, run_in_pieces
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.gpt import GPT
+from ltcx.models.inference_cache import keeping_derived
 from ltcx.models.ltc import LTCGPT, LTCAttention, LTCCache, LTCConfig
 from ltcx.ops import ltc as ltc_ops
 from ltcx.ops.naive.ltc import ltc_attention_reference
@@ -315,13 +316,16 @@ def test_decode_step_scales_equal_scale_modes_bit_for_bit(dtype, modes):
         torch.testing.assert_close(k_step, expected_k, rtol=0, atol=0)
 
 
-def test_inference_reuses_the_folded_projections_until_a_parameter_changes():
-    """Decoding folds the basis into the q/k weights once; an in-place update (an optimizer step) or new
-    weights refold them, so cached decoding keeps equal to the full forward."""
+def test_a_generation_reuses_the_folded_projections_until_a_parameter_changes():
+    """Within a generation (``keeping_derived``) decoding folds the basis into the q/k weights once; an in-place
+    write or new weights refold them, so cached decoding keeps equal to the full forward. Outside one they are
+    folded every call."""
     model = small_model(num_decay_modes=5)
     attn = model.blocks[0].attn
     idx = torch.randint(0, SMALL["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
+        assert attn.rotated_projections() is not attn.rotated_projections()
+    with torch.no_grad(), keeping_derived(model):
         model(idx[:, :4])
         folded = attn.rotated_projections()
         assert attn.rotated_projections() is folded  # reused, not recomputed
@@ -332,7 +336,7 @@ def test_inference_reuses_the_folded_projections_until_a_parameter_changes():
         pieces, _ = run_in_pieces(model, idx, [5] + [1] * 7)
     torch.testing.assert_close(pieces, full, rtol=0, atol=1e-10)
     model.load_state_dict(small_model(seed=3, num_decay_modes=5).state_dict())
-    with torch.no_grad():
+    with torch.no_grad(), keeping_derived(model):
         full, _ = model(idx)
         pieces, _ = run_in_pieces(model, idx, [5] + [1] * 7)
     torch.testing.assert_close(pieces, full, rtol=0, atol=1e-10)

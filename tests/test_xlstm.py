@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from helpers import mlstm_inputs
 from ltcx.errors import ConfigError
 from ltcx.models import xlstm as xlstm_module
+from ltcx.models.inference_cache import keeping_derived
 from ltcx.models.xlstm import XLSTM, CausalConv1d, HeadwiseLinear, XLSTMConfig
 from ltcx.ops.mlstm import (
     mlstm_chunkwise,
@@ -303,13 +304,14 @@ def test_slstm_block_equals_its_equations_written_out():
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
-def test_decode_keeps_the_rearranged_recurrence_until_r_changes():
-    """The sLSTM block keeps R rearranged ([H, Dh, 4 Dh]) between decode steps; a write into R rebuilds it, so the
-    next step equals a model built with the new R."""
+def test_a_generation_keeps_the_rearranged_recurrence_until_r_changes():
+    """Within a generation (``keeping_derived``) the sLSTM block keeps R rearranged ([H, Dh, 4 Dh]) between decode
+    steps; a write into R rebuilds it, so the next step equals a model built with the new R; leaving the scope
+    drops it."""
     model = _tiny_model()
     block = model.blocks[1]
     idx = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
+    with torch.no_grad(), keeping_derived(model):
         _, state = model(idx[:, :5])
         model(idx[:, 5:], state)
         kept = block.__dict__["_derived_recurrent"][1]
@@ -321,7 +323,8 @@ def test_decode_keeps_the_rearranged_recurrence_until_r_changes():
         fresh.load_state_dict(model.state_dict())
         _, fresh_state = fresh(idx[:, :5])
         expected, _ = fresh(idx[:, 5:], fresh_state)
-    assert block.__dict__["_derived_recurrent"][1] is not kept
+        assert block.__dict__["_derived_recurrent"][1] is not kept
+    assert "_derived_recurrent" not in block.__dict__
     _, prefix_state = model(idx[:, :5])  # the prefix under the new R too (gradients on: nothing kept)
     with torch.no_grad():
         torch.testing.assert_close(model(idx[:, 5:], prefix_state)[0], expected, **F64)
