@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import re
 import shutil
 import sys
 
@@ -391,7 +392,8 @@ def test_compile_ops_is_one_line_for_a_backbone_without_ops(name):
 @pytest.mark.parametrize("name", ALL)
 def test_cli_fit_resume_and_generate(name, tmp_path, monkeypatch, capsys):
     """The entry's YAML at its tiny shape through the CLI (what run.py calls), in process: fit 2 steps with a
-    sample, resume to 3, validate / test / predict the checkpoint, generate from it."""
+    sample (its validation's loss the one validating its checkpoint gives), resume to 3, validate / test / predict
+    the checkpoint, generate from it."""
     from ltcx.cli import main
 
     monkeypatch.chdir(tmp_path)
@@ -413,6 +415,12 @@ def test_cli_fit_resume_and_generate(name, tmp_path, monkeypatch, capsys):
     assert torch.load(checkpoint, weights_only=True)["global_step"] == 3
     for subcommand in ("validate", "test", "predict"):
         main([subcommand, *args[1:], "--ckpt_path", str(checkpoint)])
+    # the first fit's validation at step 2 is its checkpoint's validated afresh (no weight derived at another step)
+    [logged] = [e.value for e in read_events(tmp_path / f"lightning_logs/{name}/version_0").Scalars("val/loss")]
+    capsys.readouterr()
+    main(["validate", *args[1:], "--ckpt_path", str(tmp_path / f"checkpoints/{name}/version_0/last.ckpt")])
+    validated = float(re.search(r"val/loss\W+([-+.e\d]+)", capsys.readouterr().out).group(1))
+    assert validated == pytest.approx(logged, rel=1e-6)
     assert_generates(checkpoint, capsys)
 
 
