@@ -71,6 +71,7 @@ sys.path.insert(0, str(ROOT))
 from ltcx.generation import generate  # noqa: E402
 from ltcx.lm import LanguageModel  # noqa: E402
 from ltcx.models.catalog import CATALOG, build_configured  # noqa: E402
+from ltcx.models.inference_cache import keeping_derived  # noqa: E402
 from ltcx.models.state import map_state_tensors  # noqa: E402
 from ltcx.throughput import (  # noqa: E402
     default_peak_flops,
@@ -343,7 +344,7 @@ def bench_arch(arch: str, model: torch.nn.Module, args, device: torch.device) ->
     idx = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
     result = {}
     model.eval()
-    with torch.no_grad(), autocast:
+    with torch.no_grad(), autocast, keeping_derived(model):  # as in a generation: derived weights built once
         prompt = idx[:, : args.seq_len]
         result["prefill_ms"] = 1e3 * timed(lambda: model(prompt), device, args.repeats)
         _, state = model(prompt[:, :-1])
@@ -388,7 +389,9 @@ def decode_at(models: dict, args, device: torch.device) -> dict:
     model in turn, round after round (the median of each; the first model rotates), so a load that drifts on a
     shared machine hits all alike."""
     times = {arch: {} for arch in models}
-    with torch.no_grad():
+    with torch.no_grad(), contextlib.ExitStack() as generations:
+        for model in models.values():  # as in a generation: derived weights built once
+            generations.enter_context(keeping_derived(model))
         for position in args.decode_at:
             key = f"decode_ms_at_{position}"
             states = {}  # arch -> (token, state)

@@ -171,9 +171,10 @@ def decode_step(model, batch: int, position: int, device, autocast, measure):
     ``batch`` after ``position`` tokens; the state is freed on return."""
     import torch
 
+    from ltcx.models.inference_cache import keeping_derived
     from ltcx.throughput import prefilled_state
 
-    with torch.no_grad(), autocast:
+    with torch.no_grad(), autocast, keeping_derived(model):  # as in a generation: derived weights built once
         token, state = prefilled_state(model, batch, position, device)
         return measure(lambda: model(token, state))
 
