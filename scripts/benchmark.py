@@ -11,6 +11,7 @@
     python scripts/benchmark.py --archs titans_mag --compile ops   # ... with only Titans' memory compiled
     python scripts/benchmark.py --archs gpt gpt gta --decode_at 128   # gpt twice: the noise between two copies
     python scripts/benchmark.py --archs xlstm --nx_xlstm /tmp/nxpkgs --batch_size 1 --seq_len 128 --decode_at 128
+    python scripts/benchmark.py --archs xlstm titans_mag --profile   # op calls and top ops of a training step
     python scripts/benchmark.py --startup      # CPU seconds of the commands that answer without training
 
 For each architecture (its model block of configs/<arch>.yaml, or with ``--width`` and ``--n_layer`` the
@@ -38,6 +39,9 @@ first ``xlstm`` model's shape, to the ``--decode_at`` rounds: its own ``step`` a
 paragraphs tagged with the copy number, so that deduplication keeps them) is read as streaming text and, prepared
 once by ``ltcx prepare``, as token shards; it reports loader tokens/s (one process, no dataloader workers) and, with
 ``--resume_tokens N``, the time to the first batch after resuming at N trained tokens in each mode.
+
+``--profile [TOP]`` profiles each model's training step instead (``torch.profiler``, one step after two warm-ups):
+its op calls and its TOP ops by self time, with their calls and share.
 
 ``--startup`` measures the commands instead: the CPU time (user + system, which other jobs on the machine do not
 change, unlike the wall time) of ``ltcx --help``, each command's ``--help``, and one-line errors, each a fresh
@@ -250,6 +254,24 @@ def interleaved_medians(trainees: list[Trainee], device: torch.device, repeats: 
             sync(device)
             samples[trainee.label].append(time.perf_counter() - start)
     return {label: statistics.median(values) for label, values in samples.items()}
+
+
+def profile_step(trainee: Trainee, top: int) -> dict:
+    """``torch.profiler`` over one training step of ``trainee`` after two warm-ups: every op call (views
+    included) and the ``top`` ops with the most self time, each with its calls and its share of the step's self
+    time (the shares move with the load; the counts do not)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    trainee.step()
+    trainee.step()
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        trainee.step()
+    ops = [e for e in profiler.key_averages() if not e.key.startswith(("Optimizer.", "Optimizer#"))]
+    total = sum(e.self_cpu_time_total for e in ops) or 1.0
+    ranked = sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return {"op_calls": sum(e.count for e in ops),
+            "top_ops": [{"op": e.key.removeprefix("aten::"), "calls": e.count,
+                         "self_share": e.self_cpu_time_total / total} for e in ranked]}
 
 
 def memory_child(args) -> None:
@@ -576,6 +598,9 @@ def main() -> None:
     parser.add_argument("--memory_child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--memory_child_loss", default="fused", help=argparse.SUPPRESS)
     parser.add_argument("--nanogpt_shape", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--profile", type=int, nargs="?", const=4, default=0, metavar="TOP",
+                        help="profile one training step of each model instead: its op calls and its TOP (4) ops by "
+                             "self time")
     parser.add_argument("--peak_flops", type=float, default=None,
                         help="FLOP/s of the device for MFU (default: a known GPU's dense bf16 peak, or on a CPU the "
                              "measured float32 matmul rate)")
@@ -639,6 +664,16 @@ def main() -> None:
     if nanogpt is not None:
         autocast = autocast_of(args, device)
         trainees.append(nanogpt_trainee(nanogpt, shape, args, device, autocast))
+    if args.profile:
+        results = [{"arch": t.label, **profile_step(t, args.profile)} for t in trainees]
+        print(f"commit {meta['commit']}, `{meta['command']}`, {meta['machine']}")
+        print("arch | op calls | top ops: calls, share of self time")
+        for r in results:
+            tops = ", ".join(f"{o['op']} {o['calls']}x {100 * o['self_share']:.0f}%" for o in r["top_ops"])
+            print(f"{r['arch']} | {r['op_calls']:,} | {tops}")
+        Path(args.out).write_text(json.dumps({"meta": {**meta, **vars(args)}, "results": results}, indent=2))
+        print(f"wrote {args.out}")
+        return
     compile_s = {}
     for trainee in trainees:
         if trainee.label.endswith(" (compiled)"):

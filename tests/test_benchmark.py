@@ -73,6 +73,18 @@ def test_benchmark_reports_training_decode_and_cache_columns(tmp_path):
     assert data["meta"]["commit"] and data["meta"]["machine"] and "load average" in run.stdout
 
 
+def test_profile_reports_each_models_op_calls_and_top_ops(tmp_path):
+    out = tmp_path / "profile.json"
+    run = _run("--archs", GPT, "--batch_size", "2", "--seq_len", "16", "--threads", "1", "--profile", "3",
+               "--out", str(out))
+    assert run.returncode == 0, run.stderr
+    [result] = json.loads(out.read_text())["results"]
+    assert result["arch"] == GPT and result["op_calls"] > 0 and len(result["top_ops"]) == 3
+    shares = [op["self_share"] for op in result["top_ops"]]
+    assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1
+    assert "mm" in {op["op"] for op in result["top_ops"]} and "op calls" in run.stdout
+
+
 def test_nanogpt_is_timed_in_the_same_rounds_at_the_gpts_shape(tmp_path):
     model_py = tmp_path / "model.py"
     model_py.write_text(NANOGPT_STANDIN)
