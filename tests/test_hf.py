@@ -64,7 +64,12 @@ def test_every_architecture_loads_generates_and_round_trips_in_transformers(tmp_
 
     # greedy generate: ltcx generate's tokens (its sampling loop) and text (the command)
     prompt = tokenizer("The cat", return_tensors="pt").input_ids
+    scoped = []  # each step runs inside keeping_derived (derived weights built once), and nothing is kept after
+    hook = model.backbone.register_forward_pre_hook(lambda m, _: scoped.append("_ltcx_keeping_derived" in m.__dict__))
     hf_ids = model.generate(prompt, max_new_tokens=8, do_sample=False)[0, prompt.shape[1]:].tolist()
+    hook.remove()
+    assert scoped and all(scoped)
+    assert not [key for m in model.modules() for key in m.__dict__ if key.startswith(("_derived_", "_ltcx_keeping"))]
     ours = ltcx_generate(backbone, prompt, 8, temperature=0, stop_token=EOT, vocab_limit=TOKENIZER_VOCAB)
     assert hf_ids == ours[0, prompt.shape[1]:].tolist()
     capsys.readouterr()
