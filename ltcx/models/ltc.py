@@ -162,10 +162,9 @@ class LTCAttention(GQAAttention):
     def rotated_projections(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """(W_q', b_q', W_kv', b_kv'): the projections whose q and k outputs come out in the modal basis.
 
-        Folding costs (H + G) D^2 C multiply-adds and a QR. With gradients on it is done every call (the
-        fold is part of the graph); in inference it is done once and reused until a parameter changes
-        (a new tensor or an in-place write, seen through its version counter; a write through ``.data``
-        is not seen), so a decode step costs what a GQA step costs.
+        Folding costs (H + G) D^2 C multiply-adds and a QR. It is done every call (with gradients on the
+        fold is part of the graph), except between the decode steps of one generation (``keeping_derived``),
+        where it is done once, so a decode step costs what a GQA step costs.
         """
         params = (self.q_proj.weight, self.q_proj.bias, self.kv_proj.weight, self.kv_proj.bias, self.modal_matrix)
         return derived_in_inference(self, "rotated_projections", params, self._fold_projections)
