@@ -21,7 +21,6 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from ltcx.errors import LtcxError
-from ltcx.models.inference_cache import DERIVED_NOT_KEPT
 
 __all__ = ["FSDP2Strategy", "shard_backbone", "shard_units", "is_sharded", "unsharded_class", "unsharded_copy"]
 
@@ -79,10 +78,6 @@ def shard_backbone(
     if several:  # each rank's shards from rank 0's weights, moved to the mesh's device as each rank's are
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(backbone, rank0_weights, options=options)
-    for module in backbone.modules():
-        # FSDP2 writes each gather into the same unsharded tensors without bumping their version counters, so a
-        # weight derived from them cannot tell a new step's values from the last (ltcx/models/inference_cache.py).
-        module.__dict__[DERIVED_NOT_KEPT] = True
 
 
 def unsharded_copy(backbone: nn.Module, device: torch.device | str = "cpu") -> nn.Module | None:

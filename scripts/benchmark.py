@@ -548,6 +548,21 @@ def gpt_shape(args) -> dict | None:
     return None
 
 
+def print_stamp(meta: dict) -> None:
+    """The line a table in docs/ is stamped with: commit, command, machine and the load before and after."""
+    line = f"commit {meta['commit']}, `{meta['command']}`, {meta['machine']}"
+    if meta["load_average"] and meta.get("load_average_after"):
+        line += (f", load average {meta['load_average'][0]:.2f} before, {meta['load_average_after'][0]:.2f} "
+                 "after")
+    print(line)
+
+
+def write_results(out: str, meta: dict, results: list[dict]) -> None:
+    """The JSON every mode writes: its stamp and arguments (``meta``) and its rows."""
+    Path(out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    print(f"wrote {out}")
+
+
 def stamp(argv: list[str]) -> dict:
     """Commit, command, machine and load: what a table of these figures is stamped with."""
     import subprocess
@@ -621,8 +636,7 @@ def main() -> None:
         return
     if args.data_loader or args.startup:
         results = bench_data(args) if args.data_loader else bench_startup(args)
-        Path(args.out).write_text(json.dumps({"meta": vars(args), "results": results}, indent=2))
-        print(f"wrote {args.out}")
+        write_results(args.out, vars(args), results)
         return
     meta = stamp(sys.argv[1:])
     nanogpt = load_nanogpt(args.nanogpt) if args.nanogpt else None  # a bad path: one line before any model
@@ -638,8 +652,7 @@ def main() -> None:
              "(pip download xlstm --no-deps; unzip)")
     if args.peak_memory:
         results = bench_peak_memory(args, shape)
-        Path(args.out).write_text(json.dumps({"meta": {**meta, **vars(args)}, "results": results}, indent=2))
-        print(f"wrote {args.out}")
+        write_results(args.out, {**meta, **vars(args)}, results)
         return
     # Products of tiny decay factors (Titans' memory, xLSTM's gates) reach float32 denormals, which are
     # very slow on CPUs; flushing them to zero changes no figure that matters and times the real work.
@@ -666,13 +679,13 @@ def main() -> None:
         trainees.append(nanogpt_trainee(nanogpt, shape, args, device, autocast))
     if args.profile:
         results = [{"arch": t.label, **profile_step(t, args.profile)} for t in trainees]
-        print(f"commit {meta['commit']}, `{meta['command']}`, {meta['machine']}")
+        meta["load_average_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+        print_stamp(meta)
         print("arch | op calls | top ops: calls, share of self time")
         for r in results:
             tops = ", ".join(f"{o['op']} {o['calls']}x {100 * o['self_share']:.0f}%" for o in r["top_ops"])
             print(f"{r['arch']} | {r['op_calls']:,} | {tops}")
-        Path(args.out).write_text(json.dumps({"meta": {**meta, **vars(args)}, "results": results}, indent=2))
-        print(f"wrote {args.out}")
+        write_results(args.out, {**meta, **vars(args)}, results)
         return
     compile_s = {}
     for trainee in trainees:
@@ -719,9 +732,7 @@ def main() -> None:
         columns += ["recurrent_train_tokens_per_s"]
     print(f"device={device} dtype={args.dtype} batch={args.batch_size} seq_len={args.seq_len} "
           f"torch={torch.__version__}")
-    print(f"commit {meta['commit']}, `{meta['command']}`, {meta['machine']}, load average "
-          f"{meta['load_average'][0]:.2f} before, {meta['load_average_after'][0]:.2f} after"
-          if meta["load_average"] else f"commit {meta['commit']}, `{meta['command']}`, {meta['machine']}")
+    print_stamp(meta)
     if matmul_flops is not None:
         print(f"measured float32 matmul rate: {matmul_flops / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
     print("MFU peak: "
@@ -733,8 +744,7 @@ def main() -> None:
                  "torch": torch.__version__, "processor": platform.processor() or platform.machine(),
                  "threads": torch.get_num_threads(), "peak_flops": peak_flops, "peak_source": source,
                  "matmul_fp32_flops": matmul_flops})
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    print(f"wrote {args.out}")
+    write_results(args.out, meta, results)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ import torch
 from helpers import one_error_line, write_checkpoint
 from ltcx.errors import LtcxError
 from ltcx.generation import filter_logits, generate, stream_tokens
+from ltcx.models import catalog
 from ltcx.models.gpt import GPT
+from ltcx.models.inference_cache import keeping_derived
 
 pytestmark = pytest.mark.quick  # `pytest -m quick`: the equations, a first check
 
@@ -231,9 +233,6 @@ def test_a_generation_keeps_derived_weights_only_while_it_runs():
     """``stream_tokens`` keeps derived weights (here GTA's D = J + B) for its steps and drops them when it ends:
     run out, stopped early by its caller (the generator closed), or nested in an outer scope (dropped with the
     outer one)."""
-    from ltcx.models import catalog
-    from ltcx.models.inference_cache import keeping_derived
-
     torch.manual_seed(0)
     model = catalog.build_tiny("gta", vocab_size=32).eval()
     prompt = torch.randint(0, 32, (1, 3))

@@ -6,8 +6,10 @@ generation) a derived value is kept on its module and reused until one of its pa
 written in place (seen through the version counter); leaving the scope drops every kept value. Outside the scope
 (training, validation, any forward) it is rebuilt every call: the version counter cannot be trusted between calls,
 because torch's fused AdamW (ltcx's optimizer on CPU and CUDA) and FSDP2's gathers write new values in place
-without bumping it, and a value kept across them served a validation the weights of an earlier step. With
-gradients on, or while compiling, it is rebuilt every call in the scope too: it is part of the graph.
+without bumping it, and a value kept across them served a validation the weights of an earlier step. Nothing
+writes weights during a generation (a sharded fit generates its samples from an unsharded copy), so within the
+scope the counter only has to catch a deliberate in-place edit. With gradients on, or while compiling, it is
+rebuilt every call in the scope too: it is part of the graph.
 """
 
 from __future__ import annotations
@@ -21,9 +23,6 @@ import torch.nn as nn
 
 T = TypeVar("T")
 
-# Set in a module's __dict__ by ltcx.sharding.shard_backbone: FSDP2 gathers new values into the same unsharded
-# tensors without bumping their version counters, so even within a generation a kept value is not trusted there.
-DERIVED_NOT_KEPT = "_ltcx_derived_not_kept"
 # Set in a module's __dict__ by keeping_derived: the number of open scopes over it.
 _KEEPING = "_ltcx_keeping_derived"
 _SLOT = "_derived_"
@@ -58,8 +57,7 @@ def derived_in_inference(
     The value lives in the module's ``__dict__`` (never in its state_dict or its parameters).
     """
     state = module.__dict__
-    if (not state.get(_KEEPING) or state.get(DERIVED_NOT_KEPT) or torch.is_grad_enabled()
-            or torch.compiler.is_compiling()):
+    if not state.get(_KEEPING) or torch.is_grad_enabled() or torch.compiler.is_compiling():
         return build()
     key = tuple((id(p), p.data_ptr(), p._version, p.dtype, p.device) for p in params if p is not None)
     slot = _SLOT + name
