@@ -170,14 +170,16 @@ def test_pieces_with_state_and_position_equal_one_call(chunk_size):
     _assert_states_rel(state, state_whole, what="decode state")
 
 
+@pytest.mark.parametrize("momentum_grad", [True, False], ids=["momentum-learned", "momentum-constant"])
 @pytest.mark.parametrize("start", ["current", "earlier"], ids=["at-boundary", "mid-chunk"])
 @pytest.mark.parametrize("normalize_step", [True, False], ids=["kappa", "raw-step"])
-def test_hand_written_chunk_backward_equals_autograd(normalize_step, start):
+def test_hand_written_chunk_backward_equals_autograd(normalize_step, start, momentum_grad):
     """``_MemoryChunk.backward`` (the chain rule written out) equals autograd through the same forward
     (``_memory_chunk_autograd``) in float64, for the gradient of every input (the chunk's tokens, ||k||^2, the step,
     all eight state-free piece fields, the start weights, the weights and the momentum) against random cotangents of
     all five outputs; the start weights either the current ones (passed as None: their gradients are the current
-    weights') or an earlier point, and the momentum nonzero."""
+    weights') or an earlier point, and the momentum nonzero, with or without a gradient (M_0's zero momentum has
+    none, and the backward then skips the momentum's gradients)."""
     g = torch.Generator().manual_seed(3)
     bh, n = B * H, 7
     x = _inputs(length=n)
@@ -191,11 +193,11 @@ def test_hand_written_chunk_backward_equals_autograd(normalize_step, start):
 
     w1_t, s1_t, w2_t, s2_t = weights(DK, DM), 0.1 * weights(DK, DM), weights(DM, DK), 0.1 * weights(DM, DK)
     inputs = [t.detach().clone().requires_grad_() for t in (q, k, 2.0 * (k - v), k.square().sum(-1), step, *piece)]
-    state = [t.requires_grad_() for t in (w1_t, s1_t, w2_t, s2_t)]
+    state = [t.requires_grad_(momentum_grad or t is w1_t or t is w2_t) for t in (w1_t, s1_t, w2_t, s2_t)]
     start_leaves = [None, None] if start == "current" else [weights(DK, DM).requires_grad_(),
                                                             weights(DM, DK).requires_grad_()]
     args = (*inputs, *start_leaves, *state, normalize_step)
-    leaves = inputs + state + ([] if start == "current" else start_leaves)
+    leaves = inputs + [t for t in state if t.requires_grad] + ([] if start == "current" else start_leaves)
 
     def gradients(chunk):
         outputs = chunk(*args)
@@ -207,7 +209,8 @@ def test_hand_written_chunk_backward_equals_autograd(normalize_step, start):
     outputs, grads = gradients(titans_ops._MemoryChunk.apply)
     for i, (out, out_ref) in enumerate(zip(outputs, outputs_ref)):
         torch.testing.assert_close(out, out_ref, rtol=0, atol=0, msg=f"output {i}")
-    names = ["q", "k", "kv2", "k2", "step", *titans_ops._Piece._fields, "W1", "S1", "W2", "S2", "W1 start", "W2 start"]
+    names = ["q", "k", "kv2", "k2", "step", *titans_ops._Piece._fields,
+             *(["W1", "S1", "W2", "S2"] if momentum_grad else ["W1", "W2"]), "W1 start", "W2 start"]
     for name, gr, gr_ref in zip(names, grads, grads_ref):
         if name == "k2" and not normalize_step:  # ||k||^2 enters only the curvature
             assert gr is None and gr_ref is None

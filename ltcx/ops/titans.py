@@ -70,11 +70,10 @@ def initial_memory_state(w1_init: Tensor, w2_init: Tensor, batch_size: int) -> M
     return MemoryState(w1, w2, w1, w2, w1.new_zeros(w1.shape), w2.new_zeros(w2.shape))
 
 
-def _gelu_with_derivative(z: Tensor) -> tuple[Tensor, Tensor]:
-    """GELU(z) = z Phi(z) and its derivative Phi(z) + z phi(z)."""
-    cdf = torch.special.ndtr(z)
-    pdf = torch.exp(z.square() * -0.5) * (1.0 / math.sqrt(2.0 * math.pi))
-    return z * cdf, torch.addcmul(cdf, z, pdf)
+def _times_gelu_derivative(x: Tensor, z: Tensor) -> Tensor:
+    """x * GELU'(z) = x (Phi(z) + z phi(z)) in one kernel (aten's ``gelu_backward``), where writing GELU' out took
+    seven passes over z's size; GELU' itself is never materialised."""
+    return torch.ops.aten.gelu_backward(x, z)
 
 
 def memory_apply(w1: Tensor, w2: Tensor, x: Tensor) -> Tensor:
@@ -88,9 +87,10 @@ def memory_loss_gradients(w1: Tensor, w2: Tensor, k: Tensor, v: Tensor) -> tuple
     k, v [B, H, n, dk] -> (h [B, H, n, dm], delta1 [B, H, n, dm], delta2 [B, H, n, dk]) with
     grad_W1 = delta1 k^T and grad_W2 = delta2 h^T for each token.
     """
-    h, gelu_grad = _gelu_with_derivative(k @ w1.transpose(-1, -2))
+    z = k @ w1.transpose(-1, -2)
+    h = F.gelu(z)
     delta2 = 2.0 * (k + h @ w2.transpose(-1, -2) - v)
-    delta1 = (delta2 @ w2) * gelu_grad
+    delta1 = _times_gelu_derivative(delta2 @ w2, z)
     return h, delta1, delta2
 
 
@@ -178,11 +178,11 @@ def _chunk_forward(
     if w1s_t is None:
         w1s_t, w2s_t = w1_t, w2_t
     z = torch.bmm(k, w1s_t)
-    h, gelu_grad = _gelu_with_derivative(z)
+    h = F.gelu(z)
     delta2 = torch.baddbmm(kv2, h, w2s_t, alpha=2.0)  # 2 (M(k) - v)
     back = torch.bmm(delta2, w2s_t.transpose(-1, -2))  # W2^T delta2
-    delta1 = back * gelu_grad
-    saved = dict(z=z, h=h, gelu_grad=gelu_grad, delta2=delta2, back=back, delta1=delta1)
+    delta1 = _times_gelu_derivative(back, z)
+    saved = dict(z=z, h=h, delta2=delta2, back=back, delta1=delta1)
     if normalize:  # theta / kappa, kappa as step_curvature with ||k||^2 computed once for all chunks
         error2 = delta2.square().sum(-1) + 1e-6
         hidden2, delta1_2 = h.square().sum(-1), delta1.square().sum(-1)
@@ -227,7 +227,7 @@ def _memory_chunk_autograd(*args) -> tuple[Tensor, Tensor, Tensor, Tensor, Tenso
     return (y, *weights)
 
 
-_SAVED = ("z", "h", "gelu_grad", "delta2", "back", "delta1", "theta", "coeff", "write", "pre", "hidden", "hh", "read",
+_SAVED = ("z", "h", "delta2", "back", "delta1", "theta", "coeff", "write", "pre", "hidden", "hh", "read",
           "last_coeff", "last_momentum")
 _SAVED_NORMALIZED = ("error2", "delta1_2", "kappa")
 
@@ -269,7 +269,11 @@ class _MemoryChunk(torch.autograd.Function):
         g_ends = torch.stack([dot(g_w1, w1_t) + dot(g_w2, w2_t), dot(g_w1, s1_t) + dot(g_w2, s2_t),
                               dot(g_s1, s1_t) + dot(g_s2, s2_t)], dim=1)
         gw1_t, gw2_t = g_w1 * a_n, g_w2 * a_n
-        gs1_t, gs2_t = (g_w1 * d_n).add_(g_s1 * e_n), (g_w2 * d_n).add_(g_s2 * e_n)
+        needs_s1, _, needs_s2, _ = ctx.needs_input_grad[-4:]  # S1^T, W2^T, S2^T, normalize
+        if needs_s1 or needs_s2:  # not for the zero momentum that M_0 starts with (the first chunk's)
+            gs1_t, gs2_t = (g_w1 * d_n).addcmul_(g_s1, e_n), (g_w2 * d_n).addcmul_(g_s2, e_n)
+        else:
+            gs1_t = gs2_t = None
         last_coeff, last_momentum = x["last_coeff"], x["last_momentum"]  # [BH, n, 1]
         g_xk, g_yk = -torch.bmm(delta1, mt(g_w1)), -torch.bmm(delta1, mt(g_s1))  # d/d(k c), d/d(k m) [BH, n, dk]
         g_xh, g_yh = -torch.bmm(delta2, mt(g_w2)), -torch.bmm(delta2, mt(g_s2))  # d/d(h c), d/d(h m) [BH, n, dm]
@@ -283,7 +287,8 @@ class _MemoryChunk(torch.autograd.Function):
         # the read y = q + (A hidden) W2^T + (D hidden) S2^T - (C * hidden h^T) delta2
         g_ah, g_dh = torch.bmm(g_y, mt(w2_t)), torch.bmm(g_y, mt(s2_t))
         gw2_t.baddbmm_(mt(piece.a * hidden), g_y)
-        gs2_t.baddbmm_(mt(piece.d * hidden), g_y)
+        if gs2_t is not None:
+            gs2_t.baddbmm_(mt(piece.d * hidden), g_y)
         g_read = -torch.bmm(g_y, mt(delta2))  # [BH, n, n]
         g_delta2.baddbmm_(mt(x["read"]), g_y, alpha=-1.0)
         g_hh = g_read * coeff
@@ -291,11 +296,11 @@ class _MemoryChunk(torch.autograd.Function):
         g_hidden = (g_ah * piece.a).add_(g_dh * piece.d).baddbmm_(g_hh, h)
         g_h.baddbmm_(mt(g_hh), hidden)
         g_a, g_d = (g_ah * hidden).sum(-1, keepdim=True), (g_dh * hidden).sum(-1, keepdim=True)
-        _, pre_grad = _gelu_with_derivative(x["pre"])
-        g_pre = g_hidden * pre_grad
+        g_pre = _times_gelu_derivative(g_hidden, x["pre"])
         g_a_q, g_d_q = torch.bmm(g_pre, mt(w1_t)), torch.bmm(g_pre, mt(s1_t))
         gw1_t.baddbmm_(mt(piece.a_q), g_pre)
-        gs1_t.baddbmm_(mt(piece.d_q), g_pre)
+        if gs1_t is not None:
+            gs1_t.baddbmm_(mt(piece.d_q), g_pre)
         g_write = -torch.bmm(g_pre, mt(delta1))
         g_delta1.baddbmm_(mt(x["write"]), g_pre, alpha=-1.0)
         g_coeff.addcmul_(g_write, piece.qk)
@@ -319,8 +324,8 @@ class _MemoryChunk(torch.autograd.Function):
             g_step, g_k2 = g_theta, None
 
         # the gradient at the chunk start: delta1 = (delta2 W2) * GELU'(z), delta2 = kv2 + 2 h W2^T, h = GELU(z)
-        g_back = g_delta1 * x["gelu_grad"]
         z = x["z"]
+        g_back = _times_gelu_derivative(g_delta1, z)
         gelu_second = torch.exp(z.square() * -0.5).mul_(1.0 / math.sqrt(2.0 * math.pi)).mul_(2.0 - z.square())
         g_z = g_delta1 * x["back"] * gelu_second  # through GELU'(z)
         # where the start is the current weights, its gradients accumulate into theirs (no separate tensor to add)
@@ -329,7 +334,7 @@ class _MemoryChunk(torch.autograd.Function):
         g_kv2 = g_delta2
         g_h.baddbmm_(g_delta2, mt(w2s_t), alpha=2.0)
         gw2s_t.baddbmm_(mt(h), g_delta2, alpha=2.0)
-        g_z.addcmul_(g_h, x["gelu_grad"])
+        g_z.add_(_times_gelu_derivative(g_h, z))
         g_k.baddbmm_(g_z, mt(w1s_t))
         gw1s_t = gw1_t.baddbmm_(mt(k), g_z) if ctx.start_is_current else torch.bmm(mt(k), g_z)
         g_starts = (None, None) if ctx.start_is_current else (gw1s_t, gw2s_t)
