@@ -298,6 +298,31 @@ def test_the_dry_run_says_where_each_run_would_run(tmp_path, capsys):
     assert not (tmp_path / "results").exists()
 
 
+def test_cpu_runs_with_cpus_per_run_fill_the_cores_and_a_typed_kind_replaces_the_specs_launcher(tmp_path, capsys,
+                                                                                                 monkeypatch):
+    """devices with cpus_per_run and no GPUs: cores // cpus_per_run slots of cpus_per_run threads each (the
+    quick-recall preset's launcher); --workers still wins. A typed --launcher of another kind drops the spec's
+    launcher keys, which were for its own kind."""
+    from ltcx.cli import main
+
+    monkeypatch.setattr(launch, "visible_gpus", lambda: [])
+    monkeypatch.setattr("ltcx.cli.threads.usable_cores", lambda: 3)
+    spec = write_spec(tmp_path, launcher={"kind": "devices", "gpus_per_run": 0, "cpus_per_run": 1})
+    out = str(tmp_path / "results")
+    main(["study", "--spec", str(spec), "--out", out, "--dry_run"])
+    lines = capsys.readouterr().out
+    assert "devices launcher" in lines.splitlines()[0]
+    assert f"{LABELS[0]}: 6 steps [to run] on slot 0 (OMP_NUM_THREADS=1): ltcx fit " in lines
+    assert f"{LABELS[1]}: 6 steps [to run] on slot 1 (OMP_NUM_THREADS=1): ltcx fit " in lines
+    assert launch.make_launcher(load_spec(spec), tmp_path, print, None).slots == 3
+    assert launch.make_launcher(load_spec(spec), tmp_path, print, None, {"workers": 2}).slots == 2
+    wider = launch.make_launcher(load_spec(spec), tmp_path, print, None, {"cpus_per_run": 2})
+    assert wider.slots == 1 and wider.envs == [{"OMP_NUM_THREADS": "2"}]
+    main(["study", "--spec", str(spec), "--out", out, "--dry_run", "--launcher", "local"])
+    assert "local launcher" in capsys.readouterr().out.splitlines()[0]
+    assert not (tmp_path / "results").exists()
+
+
 @pytest.mark.parametrize("launcher, message", [
     ({"kind": "ray"}, "key 'launcher.kind' ('ray') must be local, devices or slurm"),
     ({"workers": 0}, "key 'launcher.workers' (0) must be an integer >= 1"),

@@ -57,9 +57,12 @@ def study_main(argv: list[str]) -> None:
                        help="local: one run after another; devices: one run per GPU (or per worker on a CPU); slurm: "
                             "a SLURM job per run through submitit")
     where.add_argument("--workers", type=_at_least(1), default=None,
-                       help="devices: runs at a time (default: one per GPU; on a CPU-only machine 1, each worker with "
-                            "cores / workers threads)")
+                       help="devices: runs at a time (default: one per GPU; on a CPU-only machine cores / "
+                            "cpus_per_run, or 1, each worker with cores / workers threads)")
     where.add_argument("--gpus_per_run", type=_at_least(0), default=None, help="devices, slurm: GPUs of each run")
+    where.add_argument("--cpus_per_run", type=_at_least(1), default=None,
+                       help="devices, slurm: CPU threads (cores) of each run; devices without GPUs: as many runs at "
+                            "once as the cores hold")
     where.add_argument("--partition", default=None, help="slurm: the partition")
     where.add_argument("--time_min", type=_at_least(1), default=None, help="slurm: each job's time limit in minutes")
     args = parser.parse_args(argv)
@@ -72,7 +75,7 @@ def study_main(argv: list[str]) -> None:
     spec = load_spec(find_spec(args.spec), args.name)
     out = (args.out / spec.name).resolve()
     launcher = {"kind": args.launcher, "workers": args.workers, "gpus_per_run": args.gpus_per_run,
-                "partition": args.partition, "time_min": args.time_min}
+                "cpus_per_run": args.cpus_per_run, "partition": args.partition, "time_min": args.time_min}
     try:
         run_study(spec, out, dry_run=args.dry_run, say=lambda line: print(line, flush=True),
                   launcher={k: v for k, v in launcher.items() if v is not None}, report_only=args.report_only,
