@@ -129,14 +129,40 @@ def test_forms_equal_token_loop_reference_with_outer_gradients(chunk_size, norma
 
 
 def test_initial_state_is_m0_per_row_with_zero_momentum():
-    """``initial_memory_state``: W^s = W = M_0 for every batch row, S = 0, shapes [B, H, ...] batch-first."""
+    """``initial_memory_state``: W^s = W = M_0 for every batch row, shapes [B, H, ...] batch-first, and S = 0 as
+    None (no tensor)."""
     x = _inputs()
     state = initial_memory_state(x["w1_init"], x["w2_init"], 3)
     for w, init in zip(state[:4], (x["w1_init"], x["w2_init"]) * 2):
         assert w.shape == (3, *init.shape)
         assert torch.equal(w, init.expand(3, *init.shape))
-    assert state.s1.shape == (3, H, DM, DK) and state.s2.shape == (3, H, DK, DM)
-    assert not state.s1.any() and not state.s2.any()
+    assert state.s1 is None and state.s2 is None
+
+
+@pytest.mark.parametrize("form_name", list(FORMS))
+@pytest.mark.parametrize("chunk_size", [1, 5, 16], ids=lambda b: f"b={b}")
+def test_no_momentum_equals_an_explicit_zero_momentum(form_name, chunk_size):
+    """The initial state's momentum None (its terms left out of the first chunk, forward and backward) computes what
+    zero tensors do: outputs, final state and every gradient equal in float64."""
+    x = _inputs()
+    leaves = {name: t.requires_grad_() for name, t in x.items()}
+    g = torch.Generator().manual_seed(5)
+    y_proj = torch.randn(B, H, T, DK, generator=g, dtype=torch.float64)
+
+    def run(momentum):
+        state = initial_memory_state(x["w1_init"], x["w2_init"], B)
+        if momentum == "zeros":
+            state = state._replace(s1=torch.zeros_like(state.w1), s2=torch.zeros_like(state.w2))
+        y, final = FORMS[form_name](*_op_args(x, chunk_size, True), state=state, position=0, chunk_size=chunk_size)
+        objective = (y * y_proj).sum() + sum(s.square().sum() for s in final)
+        return y.detach(), [s.detach() for s in final], torch.autograd.grad(objective, list(leaves.values()))
+
+    y, state, grads = run(None)
+    y_ref, state_ref, grads_ref = run("zeros")
+    assert_rel(y, y_ref, what="y")
+    _assert_states_rel(state, state_ref, what="state")
+    for name, gr, gr_ref in zip(leaves, grads, grads_ref):
+        assert_rel(gr, gr_ref, what=f"d/d{name}")
 
 
 # ----------------------------------------------------------------------------- 2. split invariance
@@ -170,16 +196,16 @@ def test_pieces_with_state_and_position_equal_one_call(chunk_size):
     _assert_states_rel(state, state_whole, what="decode state")
 
 
-@pytest.mark.parametrize("momentum_grad", [True, False], ids=["momentum-learned", "momentum-constant"])
+@pytest.mark.parametrize("momentum", ["learned", "constant", "none"], ids=lambda m: f"momentum-{m}")
 @pytest.mark.parametrize("start", ["current", "earlier"], ids=["at-boundary", "mid-chunk"])
 @pytest.mark.parametrize("normalize_step", [True, False], ids=["kappa", "raw-step"])
-def test_hand_written_chunk_backward_equals_autograd(normalize_step, start, momentum_grad):
+def test_hand_written_chunk_backward_equals_autograd(normalize_step, start, momentum):
     """``_MemoryChunk.backward`` (the chain rule written out) equals autograd through the same forward
     (``_memory_chunk_autograd``) in float64, for the gradient of every input (the chunk's tokens, ||k||^2, the step,
     all eight state-free piece fields, the start weights, the weights and the momentum) against random cotangents of
     all five outputs; the start weights either the current ones (passed as None: their gradients are the current
-    weights') or an earlier point, and the momentum nonzero, with or without a gradient (M_0's zero momentum has
-    none, and the backward then skips the momentum's gradients)."""
+    weights') or an earlier point, and the momentum nonzero with or without a gradient, or None (M_0's zero
+    momentum, whose terms the chunk leaves out)."""
     g = torch.Generator().manual_seed(3)
     bh, n = B * H, 7
     x = _inputs(length=n)
@@ -193,11 +219,15 @@ def test_hand_written_chunk_backward_equals_autograd(normalize_step, start, mome
 
     w1_t, s1_t, w2_t, s2_t = weights(DK, DM), 0.1 * weights(DK, DM), weights(DM, DK), 0.1 * weights(DM, DK)
     inputs = [t.detach().clone().requires_grad_() for t in (q, k, 2.0 * (k - v), k.square().sum(-1), step, *piece)]
-    state = [t.requires_grad_(momentum_grad or t is w1_t or t is w2_t) for t in (w1_t, s1_t, w2_t, s2_t)]
+    if momentum == "none":
+        s1_t = s2_t = None
+    state = [t if t is None else t.requires_grad_(momentum == "learned" or t is w1_t or t is w2_t)
+             for t in (w1_t, s1_t, w2_t, s2_t)]
     start_leaves = [None, None] if start == "current" else [weights(DK, DM).requires_grad_(),
                                                             weights(DM, DK).requires_grad_()]
     args = (*inputs, *start_leaves, *state, normalize_step)
-    leaves = inputs + [t for t in state if t.requires_grad] + ([] if start == "current" else start_leaves)
+    leaves = inputs + [t for t in state if t is not None and t.requires_grad] + (
+        [] if start == "current" else start_leaves)
 
     def gradients(chunk):
         outputs = chunk(*args)
@@ -210,10 +240,11 @@ def test_hand_written_chunk_backward_equals_autograd(normalize_step, start, mome
     for i, (out, out_ref) in enumerate(zip(outputs, outputs_ref)):
         torch.testing.assert_close(out, out_ref, rtol=0, atol=0, msg=f"output {i}")
     names = ["q", "k", "kv2", "k2", "step", *titans_ops._Piece._fields,
-             *(["W1", "S1", "W2", "S2"] if momentum_grad else ["W1", "W2"]), "W1 start", "W2 start"]
+             *(["W1", "S1", "W2", "S2"] if momentum == "learned" else ["W1", "W2"]), "W1 start", "W2 start"]
     for name, gr, gr_ref in zip(names, grads, grads_ref):
-        if name == "k2" and not normalize_step:  # ||k||^2 enters only the curvature
-            assert gr is None and gr_ref is None
+        if (name == "k2" and not normalize_step  # ||k||^2 enters only the curvature
+                or name in ("d_q", "d") and momentum == "none"):  # D_t scales only the momentum
+            assert gr is None and gr_ref is None, name
             continue
         assert gr_ref.abs().max() > 0, name
         assert_rel(gr, gr_ref, what=f"d/d{name}")

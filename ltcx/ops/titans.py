@@ -51,23 +51,24 @@ class MemoryState(NamedTuple):
     """State of the memory of every sequence and head; all tensors batch-first.
 
     w1_start [B, H, dm, dk], w2_start [B, H, dk, dm]: the weights at the current chunk start (W^s, the
-    point where gradients are taken). w1, w2: the current weights W. s1, s2: the momentum S.
+    point where gradients are taken). w1, w2: the current weights W. s1, s2: the momentum S, or None before the
+    first token (M_0's zero momentum, which the first chunk then leaves out of every product and carry).
     """
 
     w1_start: Tensor
     w2_start: Tensor
     w1: Tensor
     w2: Tensor
-    s1: Tensor
-    s2: Tensor
+    s1: Tensor | None
+    s2: Tensor | None
 
 
 def initial_memory_state(w1_init: Tensor, w2_init: Tensor, batch_size: int) -> MemoryState:
     """The learned initial weights M_0 (w1_init [H, dm, dk], w2_init [H, dk, dm]) expanded (not copied) over
-    the batch, and zero momentum."""
+    the batch, and zero momentum (None: no tensor, nothing of it computed)."""
     w1 = w1_init.unsqueeze(0).expand(batch_size, *w1_init.shape)
     w2 = w2_init.unsqueeze(0).expand(batch_size, *w2_init.shape)
-    return MemoryState(w1, w2, w1, w2, w1.new_zeros(w1.shape), w2.new_zeros(w2.shape))
+    return MemoryState(w1, w2, w1, w2, None, None)
 
 
 def _times_gelu_derivative(x: Tensor, z: Tensor) -> Tensor:
@@ -172,9 +173,11 @@ def _chunk_forward(
     Batch and heads are one leading dim [BH], so every product is one ``bmm``/``baddbmm``. The weights are carried
     transposed, weights = (W1^T, S1^T [BH, dk, dm], W2^T, S2^T [BH, dm, dk]), so that every product reads them as
     its right operand; w1s_t = W1^T and w2s_t = W2^T at the chunk start, None where the start is the current
-    weights (a chunk boundary); kv2 = 2 (k - v), k2 = ||k||^2.
+    weights (a chunk boundary); kv2 = 2 (k - v), k2 = ||k||^2. S1^T = S2^T = None is zero momentum (M_0's): its
+    terms are left out.
     """
     w1_t, s1_t, w2_t, s2_t = weights
+    momentum = s1_t is not None
     if w1s_t is None:
         w1s_t, w2s_t = w1_t, w2_t
     z = torch.bmm(k, w1s_t)
@@ -197,22 +200,33 @@ def _chunk_forward(
     # further term accumulates in place (baddbmm_) into a product nothing saved for the backward reads, where an
     # out-of-place baddbmm would first copy it.
     write = coeff * piece.qk
-    pre = torch.bmm(piece.a_q, w1_t).baddbmm_(piece.d_q, s1_t).baddbmm_(write, delta1, alpha=-1.0)
+    pre = torch.bmm(piece.a_q, w1_t)
+    if momentum:
+        pre.baddbmm_(piece.d_q, s1_t)
+    pre.baddbmm_(write, delta1, alpha=-1.0)
     hidden = F.gelu(pre)
     hh = torch.bmm(hidden, h.transpose(-1, -2))
     read = coeff * hh
-    y = torch.baddbmm(q, piece.a * hidden, w2_t).baddbmm_(piece.d * hidden, s2_t)
-    y = y.baddbmm_(read, delta2, alpha=-1.0)
+    y = torch.baddbmm(q, piece.a * hidden, w2_t)
+    if momentum:
+        y.baddbmm_(piece.d * hidden, s2_t)
+    y.baddbmm_(read, delta2, alpha=-1.0)
 
     # State after the chunk's last token: rank-n corrections of the carried weights and momentum, accumulated in
     # place into A_n W + D_n S and E_n S.
     a_n, d_n, e_n = piece.ends.unbind(1)  # [BH, 1, 1] each
     last_coeff = coeff[..., -1, :].unsqueeze(-1)  # C[n, i]
     last_momentum = (theta * piece.momentum_last).unsqueeze(-1)  # theta_i E_n / E_i
-    new_w1 = (s1_t * d_n).addcmul_(a_n, w1_t).baddbmm_((k * last_coeff).transpose(-1, -2), delta1, alpha=-1.0)
-    new_w2 = (s2_t * d_n).addcmul_(a_n, w2_t).baddbmm_((h * last_coeff).transpose(-1, -2), delta2, alpha=-1.0)
-    new_s1 = (s1_t * e_n).baddbmm_((k * last_momentum).transpose(-1, -2), delta1, alpha=-1.0)
-    new_s2 = (s2_t * e_n).baddbmm_((h * last_momentum).transpose(-1, -2), delta2, alpha=-1.0)
+    if momentum:
+        new_w1, new_w2 = (s1_t * d_n).addcmul_(a_n, w1_t), (s2_t * d_n).addcmul_(a_n, w2_t)
+        new_s1 = (s1_t * e_n).baddbmm_((k * last_momentum).transpose(-1, -2), delta1, alpha=-1.0)
+        new_s2 = (s2_t * e_n).baddbmm_((h * last_momentum).transpose(-1, -2), delta2, alpha=-1.0)
+    else:  # zero momentum: A_n W, and S the chunk's own gradients alone
+        new_w1, new_w2 = w1_t * a_n, w2_t * a_n
+        new_s1 = torch.bmm((k * -last_momentum).transpose(-1, -2), delta1)
+        new_s2 = torch.bmm((h * -last_momentum).transpose(-1, -2), delta2)
+    new_w1.baddbmm_((k * last_coeff).transpose(-1, -2), delta1, alpha=-1.0)
+    new_w2.baddbmm_((h * last_coeff).transpose(-1, -2), delta2, alpha=-1.0)
     saved.update(theta=theta, coeff=coeff, write=write, pre=pre, hidden=hidden, hh=hh, read=read,
                  last_coeff=last_coeff, last_momentum=last_momentum)
     return y, (new_w1, new_s1, new_w2, new_s2), saved
@@ -266,11 +280,16 @@ class _MemoryChunk(torch.autograd.Function):
             return (u * v).sum((-1, -2), keepdim=True)
 
         # the carried state: new_w = d_n S + a_n W - X^T delta, new_s = e_n S - Y^T delta
-        g_ends = torch.stack([dot(g_w1, w1_t) + dot(g_w2, w2_t), dot(g_w1, s1_t) + dot(g_w2, s2_t),
-                              dot(g_s1, s1_t) + dot(g_s2, s2_t)], dim=1)
+        momentum = s1_t is not None  # else zero momentum: nothing depends on D_n, E_n, D_t q or D_t
+        g_retained = dot(g_w1, w1_t) + dot(g_w2, w2_t)
+        if momentum:
+            g_ends = torch.stack([g_retained, dot(g_w1, s1_t) + dot(g_w2, s2_t), dot(g_s1, s1_t) + dot(g_s2, s2_t)],
+                                 dim=1)
+        else:
+            g_ends = torch.stack([g_retained, *2 * [torch.zeros_like(g_retained)]], dim=1)
         gw1_t, gw2_t = g_w1 * a_n, g_w2 * a_n
         needs_s1, _, needs_s2, _ = ctx.needs_input_grad[-4:]  # S1^T, W2^T, S2^T, normalize
-        if needs_s1 or needs_s2:  # not for the zero momentum that M_0 starts with (the first chunk's)
+        if needs_s1 or needs_s2:  # not for a momentum without a gradient (or none)
             gs1_t, gs2_t = (g_w1 * d_n).addcmul_(g_s1, e_n), (g_w2 * d_n).addcmul_(g_s2, e_n)
         else:
             gs1_t = gs2_t = None
@@ -285,7 +304,8 @@ class _MemoryChunk(torch.autograd.Function):
         g_last_momentum = (g_yk * k).sum(-1) + (g_yh * h).sum(-1)
 
         # the read y = q + (A hidden) W2^T + (D hidden) S2^T - (C * hidden h^T) delta2
-        g_ah, g_dh = torch.bmm(g_y, mt(w2_t)), torch.bmm(g_y, mt(s2_t))
+        g_ah = torch.bmm(g_y, mt(w2_t))
+        g_dh = torch.bmm(g_y, mt(s2_t)) if momentum else None
         gw2_t.baddbmm_(mt(piece.a * hidden), g_y)
         if gs2_t is not None:
             gs2_t.baddbmm_(mt(piece.d * hidden), g_y)
@@ -293,11 +313,16 @@ class _MemoryChunk(torch.autograd.Function):
         g_delta2.baddbmm_(mt(x["read"]), g_y, alpha=-1.0)
         g_hh = g_read * coeff
         g_coeff = g_read * x["hh"]
-        g_hidden = (g_ah * piece.a).add_(g_dh * piece.d).baddbmm_(g_hh, h)
+        g_hidden = g_ah * piece.a
+        if momentum:
+            g_hidden.add_(g_dh * piece.d)
+        g_hidden.baddbmm_(g_hh, h)
         g_h.baddbmm_(mt(g_hh), hidden)
-        g_a, g_d = (g_ah * hidden).sum(-1, keepdim=True), (g_dh * hidden).sum(-1, keepdim=True)
+        g_a = (g_ah * hidden).sum(-1, keepdim=True)
+        g_d = (g_dh * hidden).sum(-1, keepdim=True) if momentum else None
         g_pre = _times_gelu_derivative(g_hidden, x["pre"])
-        g_a_q, g_d_q = torch.bmm(g_pre, mt(w1_t)), torch.bmm(g_pre, mt(s1_t))
+        g_a_q = torch.bmm(g_pre, mt(w1_t))
+        g_d_q = torch.bmm(g_pre, mt(s1_t)) if momentum else None
         gw1_t.baddbmm_(mt(piece.a_q), g_pre)
         if gs1_t is not None:
             gs1_t.baddbmm_(mt(piece.d_q), g_pre)
@@ -379,7 +404,7 @@ def neural_memory(
     sizes = chunk_sizes(position, length, chunk_size)
     q, k, v, log_retain, log_momentum, step = (x.flatten(0, 1) for x in (q, k, v, log_retain, log_momentum, step))
     # contiguous: the in-place products of _memory_chunk would loop over the batch on a transposed layout
-    weights = tuple(x.transpose(-1, -2).flatten(0, 1).contiguous() for x in (w1, s1, w2, s2))
+    weights = tuple(None if x is None else x.transpose(-1, -2).flatten(0, 1).contiguous() for x in (w1, s1, w2, s2))
     if w1_start is w1 and w2_start is w2:  # at a chunk boundary (or M_0): the same tensors, no second copy
         w1s_t, w2s_t = weights[0], weights[2]
     else:
@@ -431,8 +456,8 @@ def neural_memory_recurrent(
         h, delta1, delta2 = memory_loss_gradients(w1_start, w2_start, k_t, v_t)
         theta = _step_sizes(step[..., t:t + 1], k_t, h, delta1, delta2, normalize_step).unsqueeze(-1)  # [B, H, 1, 1]
         retain, momentum = (x[..., t:t + 1].exp().unsqueeze(-1) for x in (log_retain, log_momentum))
-        s1 = momentum * s1 - theta * (delta1.transpose(-1, -2) @ k_t)
-        s2 = momentum * s2 - theta * (delta2.transpose(-1, -2) @ h)
+        s1 = -theta * (delta1.transpose(-1, -2) @ k_t) + (0.0 if s1 is None else momentum * s1)
+        s2 = -theta * (delta2.transpose(-1, -2) @ h) + (0.0 if s2 is None else momentum * s2)
         w1, w2 = retain * w1 + s1, retain * w2 + s2
         outputs.append(memory_apply(w1, w2, q_t))
         position += 1
