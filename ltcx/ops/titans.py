@@ -286,7 +286,8 @@ class _MemoryChunk(torch.autograd.Function):
             g_ends = torch.stack([g_retained, dot(g_w1, s1_t) + dot(g_w2, s2_t), dot(g_s1, s1_t) + dot(g_s2, s2_t)],
                                  dim=1)
         else:
-            g_ends = torch.stack([g_retained, *2 * [torch.zeros_like(g_retained)]], dim=1)
+            zero = torch.zeros_like(g_retained)
+            g_ends = torch.stack([g_retained, zero, zero], dim=1)
         gw1_t, gw2_t = g_w1 * a_n, g_w2 * a_n
         needs_s1, _, needs_s2, _ = ctx.needs_input_grad[-4:]  # S1^T, W2^T, S2^T, normalize
         if needs_s1 or needs_s2:  # not for a momentum without a gradient (or none)
