@@ -533,7 +533,8 @@ class Titans(ConfiguredModule):
           of its own segment up to itself (2 (j + 1) keys); averaged over the T positions.
         * Memory (spec section A.3, per head of width dk, hidden dm, per piece of n tokens at the chunk
           boundaries): key-side forward and analytic backward 6 n dk dm, the four base/momentum products on
-          the query side 8 n dk dm, the end-of-piece state 8 n dk dm, the intra-piece products
+          the query side 8 n dk dm (the first piece, whose momentum is M_0's zero, only the two base ones:
+          4 n dk dm), the end-of-piece state 8 n dk dm, the intra-piece products
           4 n^2 (dk + dm) and the decay matrices 2 n^3 + 2 n^2; plus its projections 2 C (3 W) and gates
           2 C (3 H_m) (W = H_m dk).
         * MAC also reads the memory at the segment-start weights (2 C W for its queries, 4 dk dm per head)
@@ -548,6 +549,7 @@ class Titans(ConfiguredModule):
 
         def memory(pieces: list[int]) -> float:  # per token, projections and gates included
             work = sum(22 * n * dk * dm + 4 * n * n * (dk + dm) + 2 * n ** 3 + 2 * n * n for n in pieces)
+            work -= 4 * pieces[0] * dk * dm  # no momentum to read in the first piece
             return 2 * C * 3 * W + 2 * C * 3 * heads + heads * work / T
 
         def attention(visible_tokens: float) -> float:  # per token: visible keys of one query, all heads
