@@ -344,9 +344,8 @@ class Launcher:
 class Devices(Launcher):
     """``workers`` slots in this process; a slot's runs see its GPUs (``gpus_per_run`` of them) and its cores
     (``cpus_per_run`` threads, else an equal share). Without GPUs, ``cpus_per_run`` alone sets the slots: a small
-    model gains little from a second thread (1.0-1.2x at the quick-recall shapes, for 1.6x the CPU time: torch's
-    threads wait on each other at tiny ops), so one-thread runs side by side do a CPU study in less CPU and wall
-    time."""
+    model gains little from a second thread (torch's threads wait on each other at tiny ops), so one-thread runs
+    side by side do a CPU study in less CPU and wall time (docs/recall.md measures it)."""
 
     kind = "devices"
 
@@ -355,7 +354,7 @@ class Devices(Launcher):
         super().__init__(spec, out, say, work)
         from ltcx.cli.threads import usable_cores
 
-        gpus = visible_gpus()
+        cores, gpus = usable_cores(), visible_gpus()
         per_run = max(1, gpus_per_run)
         if gpus and gpus_per_run:
             most = len(gpus) // per_run
@@ -368,9 +367,9 @@ class Devices(Launcher):
                                   f"shows {len(gpus)} GPUs: give --workers {most} or fewer")
             groups = [gpus[i * per_run:(i + 1) * per_run] for i in range(workers)]
         else:
-            workers = workers or (max(1, usable_cores() // cpus_per_run) if cpus_per_run else 1)
+            workers = workers or (max(1, cores // cpus_per_run) if cpus_per_run else 1)
             groups = [[] for _ in range(workers)]
-        threads = cpus_per_run or max(1, usable_cores() // workers)
+        threads = cpus_per_run or max(1, cores // workers)
         # gpus_per_run 0 on a machine with GPUs: CPU runs that do not see them
         self.envs = [{"OMP_NUM_THREADS": str(threads),
                       **({"CUDA_VISIBLE_DEVICES": ",".join(g)} if g or gpus else {})} for g in groups]
