@@ -28,6 +28,7 @@ from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.registry import Backbone, class_path
 from ltcx.ops.fused_loss import chunked_linear_cross_entropy
 from ltcx.sharding import shard_backbone, unsharded_class
+from ltcx.throughput import loggers_write_now
 
 __all__ = ["LanguageModel", "lr_at_step", "weight_decay_groups", "IGNORE_INDEX", "split_batch"]
 
@@ -317,7 +318,8 @@ class LanguageModel(L.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
-        self.log("train/loss", loss, prog_bar=True)
+        if loggers_write_now(self.trainer):
+            self.log("train/loss", loss, prog_bar=True)
         return loss
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -325,9 +327,11 @@ class LanguageModel(L.LightningModule):
         now = time.perf_counter()
         # The rates go under work/: TensorBoard lays its groups out alphabetically, and train/ and val/ first make
         # its first view the loss curves (docs/training.md).
-        if self._last_step_time is not None:
-            self.log("work/tokens_per_sec", step_tokens / (now - self._last_step_time), prog_bar=True)
-        self._last_step_time = now
+        last, self._last_step_time = self._last_step_time, now
+        if not loggers_write_now(self.trainer):
+            return
+        if last is not None:
+            self.log("work/tokens_per_sec", step_tokens / (now - last), prog_bar=True)
         self.log("work/tokens_seen", float(self.tokens_seen))
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         self.log("step", float(self.global_step))  # the x axis: optimizer steps done, as checkpoints and samples

@@ -88,6 +88,32 @@ def test_mfu_peak_defaults_to_the_measured_cpu_matmul_rate(monkeypatch):
     torch.testing.assert_close(metrics["work/mfu"], metrics["work/flops_per_sec"] / 1e15)
 
 
+def test_per_step_metrics_are_logged_on_the_steps_the_loggers_write(monkeypatch):
+    """self.log costs as much as a small model's step: the per-step metrics go through it only on Lightning's
+    logging steps (every log_every_n_steps), and those steps' values are each step's own."""
+    logged: list[tuple[int, str]] = []
+    real_log = L.LightningModule.log
+
+    def spy(self, name, value, *args, **kwargs):
+        if self.trainer.state.fn == "fit" and not self.trainer.validating:
+            logged.append((self.trainer.global_step, name))
+        return real_log(self, name, value, *args, **kwargs)
+
+    monkeypatch.setattr(L.LightningModule, "log", spy)
+    torch.manual_seed(0)
+    model = LanguageModel(GPT(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16), decay_steps=6)
+    trainer = L.Trainer(max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, log_every_n_steps=3, callbacks=[MFUMonitor(peak_flops=1e9)],
+                        accelerator="cpu", limit_val_batches=0)
+    trainer.fit(model, torch.utils.data.DataLoader(torch.randint(0, 64, (24, 17)), batch_size=4))
+    per_step = {"train/loss", "work/tokens_per_sec", "work/tokens_seen", "train/lr", "step", "work/flops_per_sec",
+                "work/mfu"}
+    # train/loss is logged in training_step, before the optimizer step that makes global_step 3 and 6
+    steps = sorted({step + (name == "train/loss") for step, name in logged})
+    assert steps == [3, 6] and {name for _, name in logged} == per_step
+    assert trainer.callback_metrics["work/tokens_seen"] == 6 * 4 * 16
+
+
 def test_mfu_peak_must_be_positive():
     with pytest.raises(LtcxError, match="peak_flops"):
         MFUMonitor(peak_flops=0)
@@ -150,7 +176,8 @@ def _mfu_steps(monitor: MFUMonitor, times: list[float], monkeypatch) -> list[dic
     backbone = SimpleNamespace(flops_per_token=lambda length: 1e6)  # 64 tokens: 6.4e7 FLOP a step
     logged: list[dict] = []
     module = SimpleNamespace(backbone=backbone, device=torch.device("cpu"), log=lambda k, v: logged[-1].update({k: v}))
-    trainer = SimpleNamespace(global_step=0, is_global_zero=True)
+    trainer = SimpleNamespace(global_step=0, is_global_zero=True,
+                              _logger_connector=SimpleNamespace(should_update_logs=True))
     monitor.on_train_start(trainer, module)
     for step in range(len(times)):
         trainer.global_step = step + 1

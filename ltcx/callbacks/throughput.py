@@ -12,11 +12,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ltcx.batches import split_batch
 from ltcx.errors import LtcxError
-from ltcx.throughput import default_peak_flops, model_flops_per_token
+from ltcx.throughput import default_peak_flops, loggers_write_now, model_flops_per_token
 
 
 class MFUMonitor(L.Callback):
-    """Log ``work/mfu``, the model FLOPs utilisation of each training step, and ``work/flops_per_sec``.
+    """Log ``work/mfu``, the model FLOPs utilisation of a training step, and ``work/flops_per_sec``, on the steps the
+    loggers write (``ltcx.throughput.loggers_write_now``).
 
     mfu = (B x T tokens of this device's batch) x backbone.flops_per_token(T) / (step time x peak_flops),
     the step time being the wall time between two training batch ends (data loading and the optimizer step
@@ -31,11 +32,11 @@ class MFUMonitor(L.Callback):
     it logs ``train/device/mfu`` and ``train/device/flops_per_sec`` straight to the loggers, not through
     ``self.log``, so neither the progress bar nor ``LineProgress`` shows them; it averages over a window of
     ``window_size`` (100) batches and logs nothing before the window is full (a short run has no MFU at all), where
-    this logs each step's; its ``available_flops`` is fixed at setup from a table of GPUs, None on a CPU (no MFU
-    there), with no measured CPU peak and no raising of a peak a step beat; it reads a fixed ``flops_per_batch`` off
-    the LightningModule rather than the backbone's ``flops_per_token`` for the batch's length; and it runs on rank 0
-    only. The peak itself comes from ``ltcx.throughput.default_peak_flops``, which uses Lightning's
-    ``get_available_flops`` table for GPUs.
+    this logs each logged step's own; its ``available_flops`` is fixed at setup from a table of GPUs, None on a CPU
+    (no MFU there), with no measured CPU peak and no raising of a peak a step beat; it reads a fixed
+    ``flops_per_batch`` off the LightningModule rather than the backbone's ``flops_per_token`` for the batch's
+    length; and it runs on rank 0 only. The peak itself comes from ``ltcx.throughput.default_peak_flops``, which
+    uses Lightning's ``get_available_flops`` table for GPUs.
 
     Args:
         peak_flops: FLOP/s of one device. None: the dense bf16 peak of a known GPU (H100/H200 989e12, A100
@@ -66,14 +67,14 @@ class MFUMonitor(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         now = time.perf_counter()
-        if self._peak is not None and self._last_end is not None and now > self._last_end:
+        last, self._last_end = self._last_end, now
+        if self._peak is not None and last is not None and now > last and loggers_write_now(trainer):
             size, length = split_batch(batch)[0].shape  # the inputs [B, T] (a block holds T + 1 tokens)
-            flops = size * length * model_flops_per_token(pl_module.backbone, length) / (now - self._last_end)
+            flops = size * length * model_flops_per_token(pl_module.backbone, length) / (now - last)
             if flops > self._peak:
                 self._above_peak(trainer, flops)
             pl_module.log("work/flops_per_sec", flops)
             pl_module.log("work/mfu", flops / self._peak)
-        self._last_end = now
 
     def _above_peak(self, trainer, flops: float) -> None:
         """A step ran at ``flops`` FLOP/s, above the peak: a measured peak read low and is raised to it; a given
