@@ -323,13 +323,13 @@ class LanguageModel(L.LightningModule):
         return loss
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        step_tokens = split_batch(batch)[0].numel() * self.trainer.world_size
         now = time.perf_counter()
-        # The rates go under work/: TensorBoard lays its groups out alphabetically, and train/ and val/ first make
-        # its first view the loss curves (docs/training.md).
         last, self._last_step_time = self._last_step_time, now
         if not loggers_write_now(self.trainer):
             return
+        step_tokens = split_batch(batch)[0].numel() * self.trainer.world_size
+        # The rates go under work/: TensorBoard lays its groups out alphabetically, and train/ and val/ first make
+        # its first view the loss curves (docs/training.md).
         if last is not None:
             self.log("work/tokens_per_sec", step_tokens / (now - last), prog_bar=True)
         self.log("work/tokens_seen", float(self.tokens_seen))
