@@ -260,6 +260,7 @@ class _MemoryChunk(torch.autograd.Function):
                                            normalize)
         names = _SAVED + (_SAVED_NORMALIZED if normalize else ())
         ctx.normalize, ctx.start_is_current = normalize, w1s_t is None
+        ctx.set_materialize_grads(False)  # an output nothing reads gets None: its terms are skipped, not zero-filled
         starts = (w1_t, w2_t) if w1s_t is None else (w1s_t, w2s_t)
         ctx.save_for_backward(k, k2, step, *fields, *starts, w1_t, s1_t, w2_t, s2_t, *(saved[n] for n in names))
         return (y, *weights)
@@ -275,69 +276,83 @@ class _MemoryChunk(torch.autograd.Function):
         delta1, delta2, h, hidden, coeff = x["delta1"], x["delta2"], x["h"], x["hidden"], x["coeff"]
         a_n, d_n, e_n = piece.ends.unbind(1)
         mt = lambda t: t.transpose(-1, -2)  # noqa: E731
+        if g_y is None:  # the read unused (a state-only objective)
+            g_y = torch.zeros_like(k)
 
         def dot(u: Tensor, v: Tensor) -> Tensor:  # <u, v> per batch row, [BH, 1, 1]
             return (u * v).sum((-1, -2), keepdim=True)
 
-        # the carried state: new_w = d_n S + a_n W - X^T delta, new_s = e_n S - Y^T delta
+        # the carried state: new_w = d_n S + a_n W - X^T delta, new_s = e_n S - Y^T delta. A training step's last
+        # chunk has no gradient on it (set_materialize_grads(False): None, not zeros): its terms are left out.
         momentum = s1_t is not None  # else zero momentum: nothing depends on D_n, E_n, D_t q or D_t
-        g_retained = dot(g_w1, w1_t) + dot(g_w2, w2_t)
-        if momentum:
-            g_ends = torch.stack([g_retained, dot(g_w1, s1_t) + dot(g_w2, s2_t), dot(g_s1, s1_t) + dot(g_s2, s2_t)],
-                                 dim=1)
-        else:
-            zero = torch.zeros_like(g_retained)
-            g_ends = torch.stack([g_retained, zero, zero], dim=1)
-        gw1_t, gw2_t = g_w1 * a_n, g_w2 * a_n
         needs_s1, _, needs_s2, _ = ctx.needs_input_grad[-4:]  # S1^T, W2^T, S2^T, normalize
-        if needs_s1 or needs_s2:  # not for a momentum without a gradient (or none)
-            gs1_t, gs2_t = (g_w1 * d_n).addcmul_(g_s1, e_n), (g_w2 * d_n).addcmul_(g_s2, e_n)
-        else:
-            gs1_t = gs2_t = None
+        wants_s = needs_s1 or needs_s2  # not for a momentum without a gradient (or none)
         last_coeff, last_momentum = x["last_coeff"], x["last_momentum"]  # [BH, n, 1]
-        g_xk, g_yk = -torch.bmm(delta1, mt(g_w1)), -torch.bmm(delta1, mt(g_s1))  # d/d(k c), d/d(k m) [BH, n, dk]
-        g_xh, g_yh = -torch.bmm(delta2, mt(g_w2)), -torch.bmm(delta2, mt(g_s2))  # d/d(h c), d/d(h m) [BH, n, dm]
-        g_delta1 = torch.bmm(k * last_coeff, g_w1).add_(torch.bmm(k * last_momentum, g_s1)).neg_()
-        g_delta2 = torch.bmm(h * last_coeff, g_w2).add_(torch.bmm(h * last_momentum, g_s2)).neg_()
-        g_k = g_xk * last_coeff + g_yk * last_momentum
-        g_h = g_xh * last_coeff + g_yh * last_momentum
-        g_last_coeff = (g_xk * k).sum(-1) + (g_xh * h).sum(-1)  # [BH, n]
-        g_last_momentum = (g_yk * k).sum(-1) + (g_yh * h).sum(-1)
+        carried = (g_w1, g_s1, g_w2, g_s2)
+        if all(g is None for g in carried):
+            g_ends = g_momentum_last = g_last_coeff = None
+            gw1_t = gw2_t = gs1_t = gs2_t = g_delta1 = g_delta2 = g_k = g_h = g_last_momentum = None
+        else:  # a state gradient missing beside the others (only the weights read on) is zero
+            g_w1, g_s1, g_w2, g_s2 = (torch.zeros_like(w) if g is None else g
+                                      for g, w in zip(carried, (w1_t, w1_t, w2_t, w2_t)))
+            g_retained = dot(g_w1, w1_t) + dot(g_w2, w2_t)
+            if momentum:
+                g_ends = torch.stack([g_retained, dot(g_w1, s1_t) + dot(g_w2, s2_t),
+                                      dot(g_s1, s1_t) + dot(g_s2, s2_t)], dim=1)
+            else:
+                zero = torch.zeros_like(g_retained)
+                g_ends = torch.stack([g_retained, zero, zero], dim=1)
+            gw1_t, gw2_t = g_w1 * a_n, g_w2 * a_n
+            if wants_s:
+                gs1_t, gs2_t = (g_w1 * d_n).addcmul_(g_s1, e_n), (g_w2 * d_n).addcmul_(g_s2, e_n)
+            else:
+                gs1_t = gs2_t = None
+            g_xk, g_yk = -torch.bmm(delta1, mt(g_w1)), -torch.bmm(delta1, mt(g_s1))  # d/d(k c), d/d(k m) [BH, n, dk]
+            g_xh, g_yh = -torch.bmm(delta2, mt(g_w2)), -torch.bmm(delta2, mt(g_s2))  # d/d(h c), d/d(h m) [BH, n, dm]
+            g_delta1 = torch.bmm(k * last_coeff, g_w1).add_(torch.bmm(k * last_momentum, g_s1)).neg_()
+            g_delta2 = torch.bmm(h * last_coeff, g_w2).add_(torch.bmm(h * last_momentum, g_s2)).neg_()
+            g_k = g_xk * last_coeff + g_yk * last_momentum
+            g_h = g_xh * last_coeff + g_yh * last_momentum
+            g_last_coeff = (g_xk * k).sum(-1) + (g_xh * h).sum(-1)  # [BH, n]
+            g_last_momentum = (g_yk * k).sum(-1) + (g_yh * h).sum(-1)
 
         # the read y = q + (A hidden) W2^T + (D hidden) S2^T - (C * hidden h^T) delta2
         g_ah = torch.bmm(g_y, mt(w2_t))
         g_dh = torch.bmm(g_y, mt(s2_t)) if momentum else None
-        gw2_t.baddbmm_(mt(piece.a * hidden), g_y)
-        if gs2_t is not None:
-            gs2_t.baddbmm_(mt(piece.d * hidden), g_y)
+        gw2_t = _add_product(gw2_t, mt(piece.a * hidden), g_y)
+        if wants_s:
+            gs2_t = _add_product(gs2_t, mt(piece.d * hidden), g_y)
         g_read = -torch.bmm(g_y, mt(delta2))  # [BH, n, n]
-        g_delta2.baddbmm_(mt(x["read"]), g_y, alpha=-1.0)
+        g_delta2 = _add_product(g_delta2, mt(x["read"]), g_y, alpha=-1.0)
         g_hh = g_read * coeff
         g_coeff = g_read * x["hh"]
         g_hidden = g_ah * piece.a
         if momentum:
             g_hidden.add_(g_dh * piece.d)
         g_hidden.baddbmm_(g_hh, h)
-        g_h.baddbmm_(mt(g_hh), hidden)
+        g_h = _add_product(g_h, mt(g_hh), hidden)
         g_a = (g_ah * hidden).sum(-1, keepdim=True)
         g_d = (g_dh * hidden).sum(-1, keepdim=True) if momentum else None
         g_pre = _times_gelu_derivative(g_hidden, x["pre"])
         g_a_q = torch.bmm(g_pre, mt(w1_t))
         g_d_q = torch.bmm(g_pre, mt(s1_t)) if momentum else None
-        gw1_t.baddbmm_(mt(piece.a_q), g_pre)
-        if gs1_t is not None:
-            gs1_t.baddbmm_(mt(piece.d_q), g_pre)
+        gw1_t = _add_product(gw1_t, mt(piece.a_q), g_pre)
+        if wants_s:
+            gs1_t = _add_product(gs1_t, mt(piece.d_q), g_pre)
         g_write = -torch.bmm(g_pre, mt(delta1))
-        g_delta1.baddbmm_(mt(x["write"]), g_pre, alpha=-1.0)
+        g_delta1 = _add_product(g_delta1, mt(x["write"]), g_pre, alpha=-1.0)
         g_coeff.addcmul_(g_write, piece.qk)
         g_qk = g_write * coeff
-        g_coeff[..., -1, :] += g_last_coeff
+        if g_last_coeff is not None:
+            g_coeff[..., -1, :] += g_last_coeff
 
         # coeff = decay * theta_i; last_momentum = theta * E_n / E_i
         theta = x["theta"]
         g_decay = g_coeff * theta.unsqueeze(-2)
-        g_theta = (g_coeff * piece.decay).sum(-2) + g_last_momentum * piece.momentum_last
-        g_momentum_last = g_last_momentum * theta
+        g_theta = (g_coeff * piece.decay).sum(-2)
+        if g_last_momentum is not None:
+            g_theta.addcmul_(g_last_momentum, piece.momentum_last)
+            g_momentum_last = g_last_momentum * theta
         if ctx.normalize:  # theta = step / kappa, kappa = ||h||^2 + k2 ||delta1||^2 / error2
             kappa, error2, delta1_2 = x["kappa"], x["error2"], x["delta1_2"]
             g_step = g_theta / kappa
@@ -361,11 +376,19 @@ class _MemoryChunk(torch.autograd.Function):
         g_h.baddbmm_(g_delta2, mt(w2s_t), alpha=2.0)
         gw2s_t.baddbmm_(mt(h), g_delta2, alpha=2.0)
         g_z.add_(_times_gelu_derivative(g_h, z))
-        g_k.baddbmm_(g_z, mt(w1s_t))
+        g_k = _add_product(g_k, g_z, mt(w1s_t))
         gw1s_t = gw1_t.baddbmm_(mt(k), g_z) if ctx.start_is_current else torch.bmm(mt(k), g_z)
         g_starts = (None, None) if ctx.start_is_current else (gw1s_t, gw2s_t)
         g_fields = (g_decay, g_qk, g_a_q, g_d_q, g_a, g_d, g_momentum_last, g_ends)
         return (g_y, g_k, g_kv2, g_k2, g_step, *g_fields, *g_starts, gw1_t, gs1_t, gw2_t, gs2_t, None)
+
+
+def _add_product(total: Tensor | None, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
+    """total + alpha a @ b (batched), in place into total; the product alone where total is None (no term yet)."""
+    if total is None:
+        product = torch.bmm(a, b)
+        return product if alpha == 1.0 else product.mul_(alpha)
+    return total.baddbmm_(a, b, alpha=alpha)
 
 
 def _memory_chunk(
