@@ -129,7 +129,7 @@ def test_xlstm_counts_exactly(backend, length):
 
 
 def masked_keys_per_token(model: Titans, length: int) -> float:
-    """Keys that Titans' attention scores but its mask hides, per token, summed over its attention layers.
+    """Keys (and slots) that Titans' attention scores but its mask hides, per token, summed over its attention layers.
 
     Its queries [RoPE(q) | q] are twice as wide as its values, so on a CPU SDPA takes the math kernel, which
     computes every (query, key) pair and masks afterwards; the formula counts only the visible ones."""
@@ -137,8 +137,13 @@ def masked_keys_per_token(model: Titans, length: int) -> float:
     if c.variant == "mac":  # a piece of n tokens of a segment: 2 n keys per query, 2 (j + 1) visible
         masked = sum(2 * n * n - n * (n + 1) for n in chunk_sizes(0, length, c.segment))
         layers = c.n_layer
-    else:  # sliding window over the whole call: all T keys computed, min(window, i + 1) visible
-        masked = sum(length - min(c.window, i + 1) for i in range(length))
+    else:  # sliding window: min(window, i + 1) keys and the slots visible
+        window, slots = c.window, c.n_persistent
+        if length > 2 * window:  # queries in blocks of the window (the last padded), each row 2 window - 1 keys
+            scored = -(-length // window) * window * (2 * window - 1 + slots)
+        else:  # one call: every query scores all T keys
+            scored = length * (length + slots)
+        masked = scored - sum(slots + min(window, i + 1) for i in range(length))
         layers = {"mag": c.n_layer, "mal": c.n_layer // 2, "lmm": 0}[c.variant]
     return layers * masked / length
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import assert_rel
-from ltcx.ops.attention import apply_rope, attention_with_persistent, sliding_window_mask
+from ltcx.ops.attention import apply_rope, attention_with_persistent, sliding_window_attention, sliding_window_mask
 from ltcx.ops.naive.attention import reference_attention, reference_rope, rope_matrix
 
 B, H, H_KV, D, N_P = 2, 4, 2, 8, 3
@@ -102,6 +102,48 @@ def test_attention_with_persistent_equals_per_query_loop(prefix, window):
     expected = reference_attention(q, k, v, pk, pv, query_positions, key_positions,
                                    _window(query_positions, key_positions, window))
     assert_rel(_fast(q, k, v, pk, pv, query_positions, key_positions, mask), expected)
+
+
+SLIDING_CASES = {  # (queries T, cached keys before them, window, first position P)
+    "one-block": (6, 0, 4, 0),  # L = 6 <= 2 window: the single call
+    "blocks": (13, 0, 3, 0),  # blocks of 3, the last one short
+    "blocks-exact": (12, 0, 3, 0),
+    "window-1": (7, 0, 1, 0),  # each query sees itself alone
+    "cached-prefix": (11, 2, 3, 40),  # a cache of window - 1 keys: the first block's span begins inside it
+    "short-cache": (11, 1, 3, 40),  # fewer cached keys than the window (the span padded before them)
+    "long-cache": (9, 6, 3, 40),  # more cached keys than any query sees (dropped)
+    "one-query": (1, 2, 3, 17),  # a decode step
+}
+
+
+@pytest.mark.parametrize("case", SLIDING_CASES, ids=list(SLIDING_CASES))
+def test_sliding_window_attention_equals_per_query_loop(case):
+    """``sliding_window_attention`` (the single masked call, or queries in blocks of ``window`` each against its
+    2 window - 1 keys) against the per-query loop in float64: outputs, and the gradients of every input equal
+    the single call's (``attention_with_persistent`` under ``sliding_window_mask``, itself held to the loop
+    above)."""
+    length, cached, window, start = SLIDING_CASES[case]
+    keys = cached + length
+    query_positions = list(range(start, start + length))
+    key_positions = list(range(start - cached, start + length))
+    q, k, v, pk, pv = _qkv(length, keys, seed=7)
+    qp, kp = torch.tensor(query_positions), torch.tensor(key_positions)
+    leaves = [t.requires_grad_() for t in (q, k, v, pk, pv)]
+
+    def blocked():
+        return sliding_window_attention(q, apply_rope(q, qp), apply_rope(k, kp), v, pk, pv, start, window)
+
+    def single():
+        return _fast(q, k, v, pk, pv, query_positions, key_positions, sliding_window_mask(qp, kp, window))
+
+    expected = reference_attention(q.detach(), k.detach(), v.detach(), pk.detach(), pv.detach(), query_positions,
+                                   key_positions, _window(query_positions, key_positions, window))
+    out = blocked()
+    assert_rel(out, expected, what="output")
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(8), dtype=out.dtype)
+    for name, grad, grad_single in zip("q k v pk pv".split(), torch.autograd.grad(out, leaves, cotangent),
+                                       torch.autograd.grad(single(), leaves, cotangent)):
+        assert_rel(grad, grad_single, what=f"d/d{name}")
 
 
 def test_attention_with_persistent_any_mask_including_empty_rows():

@@ -40,7 +40,7 @@ from ltcx.errors import ConfigError
 from ltcx.models.config import ConfiguredModule
 from ltcx.models.gpt import MLP
 from ltcx.models.state import model_dtype, reorder_state
-from ltcx.ops.attention import apply_rope, attention_with_persistent, sliding_window_mask
+from ltcx.ops.attention import apply_rope, attention_with_persistent, sliding_window_attention
 from ltcx.ops.conv import causal_depthwise_conv
 from ltcx.ops.precision import compute_dtype, without_autocast
 from ltcx.ops.titans import (
@@ -335,8 +335,9 @@ class TitansAttention(nn.Module):
         k_rot, v = self.keys_values(x, positions)
         if cache is not None:
             k_rot, v = torch.cat([cache.k, k_rot], dim=2), torch.cat([cache.v, v], dim=2)
-        key_positions = torch.arange(position + length - k_rot.shape[2], position + length, device=x.device)
-        y = self.attend(q, q_rot, k_rot, v, sliding_window_mask(positions, key_positions, window))
+        dropout = self.config.dropout if self.training else 0.0
+        y = sliding_window_attention(q, q_rot, k_rot, v, self.persistent_k, self.persistent_v, position, window,
+                                     dropout).transpose(1, 2).flatten(2)
         keep = min(window - 1, k_rot.shape[2])
         return y, WindowCache(k_rot[:, :, k_rot.shape[2] - keep:], v[:, :, v.shape[2] - keep:])
 

@@ -86,8 +86,67 @@ def attention_with_persistent(
         dim=2,
     )
     values = torch.cat([persistent_v, v], dim=2)
-    full_mask = torch.cat([mask.new_ones(mask.shape[0], slots), mask], dim=-1)
+    full_mask = torch.cat([mask.new_ones(*mask.shape[:-1], slots), mask], dim=-1)
     return F.scaled_dot_product_attention(
         torch.cat([q_rot, q], dim=-1), keys, values, attn_mask=full_mask, dropout_p=dropout_p,
         scale=dim ** -0.5, enable_gqa=q.shape[1] != kv_heads,
     )
+
+
+def sliding_window_attention(
+    q: torch.Tensor,
+    q_rot: torch.Tensor,
+    k_rot: torch.Tensor,
+    v: torch.Tensor,
+    persistent_k: torch.Tensor,
+    persistent_v: torch.Tensor,
+    position: int,
+    window: int,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """``attention_with_persistent`` under the sliding window, at a cost that grows with T x window, not T x L.
+
+    q, q_rot [B, H, T, D]: queries at positions [P, P+T) (P = ``position``); k_rot, v [B, H_kv, L, D]: the keys
+    at the L positions that end with the queries' (a cached prefix first); query i sees the keys at positions
+    (p_i - window, p_i]. Returns [B, H, T, D].
+
+    Where the keys outnumber what one block of ``window`` queries can see (2 window - 1), the queries run in blocks
+    of ``window``, all in one call with the blocks folded into the batch, each block against its own 2 window - 1
+    keys (its first block's span padded before the first key, its last after the last query; the padding is
+    masked): the masked kernel then scores 2 window - 1 keys a query instead of all L. The same softmax over the
+    same visible keys and slots as the single call, which shorter inputs keep.
+    """
+    batch, heads, length, dim = q.shape
+    kv_heads, keys = k_rot.shape[1], k_rot.shape[2]
+    device = q.device
+    query_positions = torch.arange(position, position + length, device=device)
+    key_start = position + length - keys
+    if keys <= 2 * window:
+        key_positions = torch.arange(key_start, position + length, device=device)
+        return attention_with_persistent(q, q_rot, k_rot, v, persistent_k, persistent_v,
+                                         sliding_window_mask(query_positions, key_positions, window), dropout_p)
+    span, blocks = 2 * window - 1, -(-length // window)
+    first = position - window + 1  # the first position any query sees; block b's span starts at first + b window
+    if key_start < first:  # a longer cache than the window: keys no query sees
+        k_rot, v = k_rot[:, :, first - key_start:], v[:, :, first - key_start:]
+        keys, key_start = keys - (first - key_start), first
+    padding = (0, 0, key_start - first, blocks * window - length)  # positions [first, first + (blocks + 1) window - 1)
+
+    def spans(x: torch.Tensor) -> torch.Tensor:  # [B, H_kv, L, D] -> [B blocks, H_kv, span, D]
+        windows = F.pad(x, padding).unfold(2, span, window)  # [B, H_kv, blocks, D, span]
+        return windows.permute(0, 2, 1, 4, 3).reshape(batch * blocks, kv_heads, span, dim)
+
+    def in_blocks(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [B blocks, H, window, D]
+        x = F.pad(x, (0, 0, 0, blocks * window - length)).unflatten(2, (blocks, window))
+        return x.transpose(1, 2).reshape(batch * blocks, heads, window, dim)
+
+    starts = first + window * torch.arange(blocks, device=device)  # [blocks]
+    span_positions = starts[:, None] + torch.arange(span, device=device)  # [blocks, span]
+    block_queries = starts[:, None] + window - 1 + torch.arange(window, device=device)  # [blocks, window]
+    offset = block_queries[:, :, None] - span_positions[:, None, :]  # [blocks, window, span]
+    real_key = (span_positions >= key_start) & (span_positions < position + length)
+    mask = (offset >= 0) & (offset < window) & real_key[:, None, :]
+    mask = mask.expand(batch, -1, -1, -1).reshape(batch * blocks, 1, window, span)
+    y = attention_with_persistent(in_blocks(q), in_blocks(q_rot), spans(k_rot), spans(v), persistent_k,
+                                  persistent_v, mask, dropout_p)  # [B blocks, H, window, D]
+    return y.unflatten(0, (batch, blocks)).transpose(1, 2).flatten(2, 3)[:, :, :length]
