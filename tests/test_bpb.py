@@ -104,6 +104,33 @@ def test_ltcx_test_writes_test_metrics_json(tmp_path, monkeypatch, capsys):
     assert not [p for p in written.parent.iterdir() if ".tmp" in p.name]
 
 
+def test_fit_with_test_after_fit_writes_what_ltcx_test_writes(tmp_path, monkeypatch, capsys):
+    """``fit --test_after_fit true`` (what a study's seed runs do, one process start fewer) tests the weights it trained
+    to the end: its test_metrics.json equals ``ltcx test --ckpt_path`` of the run's last.ckpt, exactly; the run's
+    last line still says where its checkpoint and logs are. Any other command refuses the flag in one line."""
+    from ltcx.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ltcx"])
+    args = ["fit", "--config", str(ROOT / "configs/gpt.yaml"), "--config", str(ROOT / "configs/data/mqar.yaml"),
+            *TINY_MODEL, "--model.backbone.init_args.block_size", "32", "--model.warmup_steps", "1",
+            "--data.vocab_size", "64", "--data.block_size", "32", "--data.batch_size", "4", "--data.val_batches", "2",
+            "--trainer.max_steps", "3", "--trainer.val_check_interval", "3", "--trainer.enable_progress_bar", "false"]
+    main([*args, "--test_after_fit", "true"])
+    said = capsys.readouterr()
+    assert said.out.splitlines()[-1].startswith("ltcx: test: test/loss ")
+    assert said.err.splitlines()[-1].startswith("ltcx: step 3: checkpoint ")
+    in_fit = json.loads((tmp_path / "lightning_logs/gpt/version_0/test_metrics.json").read_text())
+    main(["test", *args[1:], "--ckpt_path", str(tmp_path / "checkpoints/gpt/version_0/last.ckpt")])
+    assert json.loads((tmp_path / "lightning_logs/gpt/version_1/test_metrics.json").read_text()) == in_fit
+    assert list(in_fit) == ["test/loss", "test/ppl", "test/recall_acc", "tokens"]
+    with pytest.raises(SystemExit) as stopped:
+        main(["validate", *args[1:], "--test_after_fit", "true"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(
+        "ltcx: error: --test_after_fit is for fit, not validate: drop it")
+
+
 def test_ltcx_test_on_mqar_writes_recall_accuracy(tmp_path, monkeypatch, capsys):
     from ltcx.cli import main
 

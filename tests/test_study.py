@@ -445,7 +445,7 @@ def test_a_study_stopped_by_ctrl_c_resumes_where_it_stopped(tmp_path):
     """2 architectures x 2 rates x 2 seeds end to end (one size: the plan's sizes have their own tests): 4 tuning
     runs, then seed 0's 2 runs (the tuning seed's, tested), then Ctrl-C (SIGINT to the process group) at step 3 of
     the first run of seed 1: one line and exit 130. The rerun skips the 6 finished runs, continues that one from its
-    last.ckpt, trains the other of seed 1, tests them, times every row and writes the report."""
+    last.ckpt, trains the other of seed 1, tests them (each in its own fit), times every row and writes the report."""
     import re
 
     count = tmp_path / "runs_at_step_3"
@@ -472,6 +472,11 @@ def test_a_study_stopped_by_ctrl_c_resumes_where_it_stopped(tmp_path):
     result = json.loads((run / "result.json").read_text())
     assert [tokens for tokens, _ in result["curves"]["val/recall_acc"]] == [3 * 4 * 16, 6 * 4 * 16]
     finish_or_xfail(resumed)
+    tested = sorted(path.parent for path in (tmp_path / "results/tiny/runs").rglob("test.json"))
+    assert [folder.name for folder in tested] == ["seed0", "seed1", "seed0", "seed1"]
+    for folder in tested:  # seed 1 tested in its own fit (--test_after_fit), seed 0's tuning run by ltcx test
+        in_fit = list(folder.glob("lightning_logs/*/version_*/test_metrics.json"))
+        assert (len(in_fit), (folder / "test.log").exists()) == ((1, False) if folder.name == "seed1" else (0, True))
     summary = json.loads((tmp_path / "results/tiny/summary.json").read_text())
     assert len(summary["runs"]) == 6 and len(summary["results"]) == 2
     assert [(e["arch"], e["size_label"], e["seeds"]) for e in summary["results"]] == [

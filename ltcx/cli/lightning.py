@@ -118,6 +118,12 @@ class LtcxCLI(LightningCLI):
         parser.set_defaults({"data": {"class_path": "ltcx.data.TextDataModule"}})
         parser.link_arguments("data.padded_vocab_size", "model.backbone.init_args.vocab_size", apply_on="instantiate")
         parser.add_argument(
+            "--test_after_fit", type=bool, default=False,
+            help="fit only: when training ends, test the final weights on the data's test split in the same process, "
+            "as `ltcx test --ckpt_path <its last.ckpt>` would (test_metrics.json in the run's log folder), without a "
+            "second process's start",
+        )
+        parser.add_argument(
             "--num_threads", type=Optional[int], default=None,
             help="torch threads per process (null: OMP_NUM_THREADS if set, else one per usable core, divided among "
             "the processes of DDP on a CPU)",
@@ -163,6 +169,9 @@ class LtcxCLI(LightningCLI):
                 file=sys.stderr,
             )
             config.trainer.precision = "32-true"
+        if config.get("test_after_fit") and self.subcommand != "fit":
+            raise ConfigError(f"--test_after_fit is for fit, not {self.subcommand}: drop it (`ltcx test --ckpt_path` "
+                              "tests a checkpoint)")
         set_cpu_threads(config.get("num_threads"), config.trainer, on_cpu)
         context_from_data(config)
         max_steps = config.trainer.max_steps
@@ -238,9 +247,17 @@ class LtcxCLI(LightningCLI):
             checkpoint_io.hand_over(ckpt_path, self._checkpoint)
         self._checkpoint = None  # the trainer holds it now (or reads it again through its own CheckpointIO)
 
-    before_fit = before_validate = before_test = before_predict = _check_ckpt_path
+    before_validate = before_test = before_predict = _check_ckpt_path
+
+    def before_fit(self) -> None:
+        self._check_ckpt_path()
+        if self._get(self.config, "test_after_fit"):
+            self.datamodule.setup("test")  # a disabled or missing test split: one line before training
 
     def after_fit(self) -> None:
+        if self._get(self.config, "test_after_fit"):  # the weights trained to the end, which last.ckpt holds
+            self.trainer.test(self.model, datamodule=self.datamodule)
+            write_test_metrics(self.trainer, self.model)
         print_run_end(self.trainer)
 
     def after_test(self) -> None:

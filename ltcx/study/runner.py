@@ -7,8 +7,9 @@
    ``val/<metric>`` (a run stopped on a non-finite loss ranks last).
 3. **Seeds**: every seed at the chosen rate (the tuning seed's run is that one), each seed reading the same batches
    in the same order for every architecture (``--seed_everything S --data.seed S``).
-4. **Test**: ``ltcx test`` on each run of phase 3; its ``test_metrics.json`` (the data's test split, which played no
-   part in choosing) is what the report shows.
+4. **Test**: each run of phase 3 on the data's test split, which played no part in choosing: in its own fit process
+   where it trains in phase 3 (``--test_after_fit``), else ``ltcx test`` of its checkpoint (the tuning seed's run);
+   its ``test_metrics.json`` is what the report shows.
 
 Each run is an ordinary ``ltcx fit`` subprocess in its own folder ``<out>/<name>/runs/<arch>/<size>/lr<lr>/seed<S>/``
 (TensorBoard logs, checkpoints, ``run.log``). ``result.json`` marks a finished run and ``test.json`` a finished test
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ltcx.cli.test_metrics import TEST_METRICS
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.study.launch import CLAIMED, Job, StudyStopped, make_launcher, received, running, signals_noted, try_claim
 from ltcx.study.report import write_json
@@ -256,13 +258,16 @@ def common_args(spec: StudySpec, run: Run) -> list[str]:
     return [*args, *spec.args]
 
 
-def fit_args(spec: StudySpec, run: Run, root: Path) -> list[str]:
+def fit_args(spec: StudySpec, run: Run, root: Path, test: bool = False) -> list[str]:
+    """``ltcx fit`` of ``run`` into ``root``; with ``test``, its test split is scored when training ends, in the same
+    process (``--test_after_fit``: one process start fewer than a separate ``ltcx test``)."""
     steps, every = run_steps(spec, run.shape)
     warmup = round(spec.warmup_fraction * steps)
     return ["fit", *common_args(spec, run), "--model.learning_rate", f"{run.lr:g}",
             "--model.min_lr", f"{run.lr * spec.min_lr_ratio:g}", "--model.warmup_steps", str(warmup),
             "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(every),
-            "--trainer.check_val_every_n_epoch", "null", "--trainer.default_root_dir", str(root)]
+            "--trainer.check_val_every_n_epoch", "null", "--trainer.default_root_dir", str(root),
+            *(["--test_after_fit", "true"] if test else [])]
 
 
 # ----------------------------------------------------------------------------- one run
@@ -338,16 +343,16 @@ def _child(args: list[str], log: Path, label: str, env: dict | None = None, keep
 
 
 def train(spec: StudySpec, run: Run, out: Path, say: Callable[[str], None], env: dict | None = None,
-          keep_fds: tuple[int, ...] = (), where: str = "") -> dict:
+          keep_fds: tuple[int, ...] = (), where: str = "", test: bool = False) -> dict:
     """Train ``run`` unless it finished before (its ``result.json``); its result. ``env``, ``keep_fds``: the child's
-    (``_child``); ``where``: the launcher's slot, said in the start line. The caller holds the run's claim
-    (``ltcx/study/launch.py``)."""
+    (``_child``); ``where``: the launcher's slot, said in the start line; ``test``: the fit tests its final weights
+    too (``evaluate_test`` then reads that). The caller holds the run's claim (``ltcx/study/launch.py``)."""
     root = run.folder(out)
     result_file = root / "result.json"
     if result_file.is_file():
         say(f"{run.label}: done before, skipped")
         return json.loads(result_file.read_text())
-    args = fit_args(spec, run, root)
+    args = fit_args(spec, run, root, test=test)
     checkpoint = latest_checkpoint(root)
     if checkpoint is not None:
         args += ["--ckpt_path", str(checkpoint)]  # a stopped run continues where it stopped
@@ -400,23 +405,27 @@ def measure(checkpoint: Path, seq_len: int) -> dict:
 
 def evaluate_test(spec: StudySpec, run: Run, out: Path, say: Callable[[str], None], env: dict | None = None,
                   keep_fds: tuple[int, ...] = ()) -> dict:
-    """``ltcx test`` of a finished run on the data's test split: the metrics of its ``test_metrics.json``
-    (``test/loss``, ``test/bpb``, ``test/recall_acc``), kept as the run's ``test.json``."""
+    """A finished run's metrics on the data's test split, from the ``test_metrics.json`` its fit wrote
+    (``--test_after_fit``) or else from ``ltcx test`` of its checkpoint (``test/loss``, ``test/bpb``,
+    ``test/recall_acc``), kept as the run's ``test.json``."""
     root = run.folder(out)
     kept = root / "test.json"
     if kept.is_file():
         return json.loads(kept.read_text())
     result = json.loads((root / "result.json").read_text())
     test_root = root / "test"
-    say(f"{run.label}: testing")
-    test_root.mkdir(exist_ok=True)
-    args = ["test", *common_args(spec, run), "--ckpt_path", result["checkpoint"],
-            "--trainer.default_root_dir", str(test_root)]
-    code = _child(args, root / "test.log", f"{run.label} (test)", env=env, keep_fds=keep_fds)
-    if code != 0:
-        raise LtcxError(f"{run.label}: ltcx test failed (exit {code}): {last_line(root / 'test.log')} "
-                        f"(see {root / 'test.log'})")
-    written = sorted(test_root.rglob("test_metrics.json"), key=lambda p: p.stat().st_mtime)
+    # the fit's own test (--test_after_fit), of the weights it trained to the end: those of result["checkpoint"]
+    written = sorted(root.glob(f"lightning_logs/*/version_*/{TEST_METRICS}"), key=lambda p: p.stat().st_mtime)
+    if not written:
+        say(f"{run.label}: testing")
+        test_root.mkdir(exist_ok=True)
+        args = ["test", *common_args(spec, run), "--ckpt_path", result["checkpoint"],
+                "--trainer.default_root_dir", str(test_root)]
+        code = _child(args, root / "test.log", f"{run.label} (test)", env=env, keep_fds=keep_fds)
+        if code != 0:
+            raise LtcxError(f"{run.label}: ltcx test failed (exit {code}): {last_line(root / 'test.log')} "
+                            f"(see {root / 'test.log'})")
+        written = sorted(test_root.rglob(TEST_METRICS), key=lambda p: p.stat().st_mtime)
     if not written:
         raise LtcxError(f"{run.label}: ltcx test wrote no test_metrics.json under {test_root} (this ltcx has no test "
                         "split)")
@@ -439,7 +448,7 @@ def execute_job(spec: StudySpec, job: Job, out: Path, say: Callable[[str], None]
     try:
         trained = root / "result.json"
         result = json.loads(trained.read_text()) if trained.is_file() else train(
-            spec, job.run, out, say, env=env, keep_fds=(fd,), where=where)
+            spec, job.run, out, say, env=env, keep_fds=(fd,), where=where, test=job.test)
         if job.test and not result.get("diverged"):
             result = {**result, "test": evaluate_test(spec, job.run, out, say, env=env, keep_fds=(fd,))}
         return result
