@@ -110,11 +110,11 @@ def sliding_window_attention(
     at the L positions that end with the queries' (a cached prefix first); query i sees the keys at positions
     (p_i - window, p_i]. Returns [B, H, T, D].
 
-    Where the keys outnumber what one block of ``window`` queries can see (2 window - 1), the queries run in blocks
-    of ``window``, all in one call with the blocks folded into the batch, each block against its own 2 window - 1
-    keys (its first block's span padded before the first key, its last after the last query; the padding is
-    masked): the masked kernel then scores 2 window - 1 keys a query instead of all L. The same softmax over the
-    same visible keys and slots as the single call, which shorter inputs keep.
+    Where the keys are more than two windows, the queries run in blocks of ``window``, all in one call with the blocks
+    folded into the batch, each block against the 2 window - 1 keys its queries can see (the first block's span
+    padded before the first key, the last block after the last query; the padding is masked): the masked kernel then
+    scores 2 window - 1 keys a query instead of all L. The same softmax over the same visible keys and slots as the
+    single call, which shorter inputs keep.
     """
     batch, heads, length, dim = q.shape
     kv_heads, keys = k_rot.shape[1], k_rot.shape[2]
