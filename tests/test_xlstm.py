@@ -81,6 +81,26 @@ def test_mlstm_forms_agree_float64(f_bias, with_state):
         _assert_states_close(s_ch, s_rec, **F64)
 
 
+@pytest.mark.parametrize("form", ["parallel", "chunkwise-one-block"])
+def test_mlstm_empty_state_leaves_its_terms_out_exactly(form):
+    """From no state (None), the one-block forms leave the empty state's terms out (their weight is exp(-inf) = 0):
+    outputs, state and every input's gradient equal those from an explicit zero state (C = 0, n = 0, m = -inf) to
+    the bit, in float32."""
+    from ltcx.ops.mlstm import mlstm_init_state
+
+    inputs = [x.float().requires_grad_() for x in mlstm_inputs(T=12)]
+    call = (mlstm_parallel if form == "parallel" else
+            lambda *a: mlstm_chunkwise(*a, chunk_size=16))
+    cotangent = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(3))
+    results = []
+    for state in (None, mlstm_init_state(2, 3, 8)):
+        h, (C, n, m) = call(*inputs, state)
+        grads = torch.autograd.grad((h * cotangent).sum() + C.sum() + n.sum(), inputs)
+        results.append((h, C, n, m, *grads))
+    for got, expected in zip(*results):
+        assert torch.equal(got, expected)
+
+
 def test_mlstm_exponential_forget_gate_forms_agree():
     q, k, v, i_pre, f_pre = mlstm_inputs(f_bias=-0.5)
     h_rec, s_rec = mlstm_recurrent(q, k, v, i_pre, f_pre, forget_gate="exp")

@@ -523,8 +523,10 @@ class XLSTM(ConfiguredModule):
           k^T v (2 L d^2), the read of the carried state q C and q n (2 L d^2 + 2 L d) and the whole L x L
           intra-chunk products q k^T and S v (4 L^2 d, computed whole and masked by multiplication); a
           trailing chunk of r < L tokens costs 4 r^2 d + 2 r d^2 + 2 r d plus its final state k^T v
-          (2 r d^2). The parallel form is one such chunk of T tokens; the kernels (``mlstm_backend: kernels``, as
-          on CUDA) run the padded length S (``padded_length``) in chunks of min(S, 128), the padding counted.
+          (2 r d^2). The parallel form is one such chunk of T tokens; a sequence of one chunk (T <= L, or the
+          parallel form) from the empty state, as training runs it, reads no carried state: 4 T^2 d + 2 T d^2.
+          The kernels (``mlstm_backend: kernels``, as on CUDA) run the padded length S (``padded_length``) in
+          chunks of min(S, 128), the padding counted.
         * sLSTM block (Hs heads of d_s = E / Hs): headwise input projections, 2 streams each E -> 2E in
           blocks d_s x 2 d_s (2 E 2 d_s), block-diagonal recurrence 4 gates x 2 E d_s, feed-forward 2 E 2F + 2 F E.
         * head: 2 E V (tied with the embedding: counted once).
@@ -542,6 +544,8 @@ class XLSTM(ConfiguredModule):
         cell = full * (4 * L * d * d + 4 * L * L * d + 2 * L * d)
         if rest:
             cell += 4 * rest * rest * d + 4 * rest * d * d + 2 * rest * d
+        if cfg.mlstm_backend != "kernels" and T <= L:  # one block from the empty state: no q C, q n
+            cell = 4 * T * T * d + 2 * T * d * d
         mlstm = 2 * E * 2 * inner + 3 * 2 * inner * cfg.qkv_proj_blocksize + 2 * 2 * 3 * inner * cfg.num_heads \
             + 2 * inner * E + cfg.num_heads * cell / T
         d_s = E // cfg.slstm_num_heads

@@ -97,21 +97,27 @@ def _chunk(q, k, v, log_i, log_f, C0, n0, m0, eps, with_state=True):
 
     Any leading dims ``[...]`` (e.g. ``[B, H]`` or ``[B, H, N]`` for N chunks at once).
     q, k (scaled), v ``[..., L, D]``; log_i, log_f ``[..., L]``; C0 ``[..., D, D]``,
-    n0 ``[..., D]``, m0 ``[...]``. Returns h ``[..., L, D]`` and (C, n, m) after the block, or None
-    for the state when ``with_state`` is False (it costs as much as the q C0 product).
+    n0 ``[..., D]``, m0 ``[...]``, or all three None for the empty state (C = 0, n = 0, m = -inf), whose terms
+    are exactly zero (weight exp(-inf) = 0) and are left out. Returns h ``[..., L, D]`` and (C, n, m) after the
+    block, or None for the state when ``with_state`` is False (it costs as much as the q C0 product).
     """
     L = q.shape[-2]
+    empty = C0 is None
     b = log_f.cumsum(-1)  # [..., L]   b_t = sum_{l<=t} log f_l
     # log D_tj = sum_{l=j+1..t} log f_l + i~_j  for j <= t
     log_D = b.unsqueeze(-1) - b.unsqueeze(-2) + log_i.unsqueeze(-2)  # [..., L, L]
     causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
     log_D = log_D.masked_fill(~causal, float("-inf"))
-    log_prev = b + m0.unsqueeze(-1)  # [..., L]  log weight of the carried state at step t
-    m = torch.maximum(log_D.amax(-1), log_prev)  # [..., L]  stabiliser = running max
+    m = log_D.amax(-1)  # [..., L]  stabiliser = running max (with the carried state's weight, below)
+    if not empty:
+        log_prev = b + m0.unsqueeze(-1)  # [..., L]  log weight of the carried state at step t
+        m = torch.maximum(m, log_prev)
     S = (q @ k.transpose(-1, -2)) * torch.exp(log_D - m.unsqueeze(-1))  # [..., L, L]
-    w_prev = torch.exp(log_prev - m)  # [..., L]  (0 for the empty state)
-    num = S @ v + w_prev.unsqueeze(-1) * (q @ C0)  # [..., L, D]
-    den = S.sum(-1) + w_prev * (q @ n0.unsqueeze(-1)).squeeze(-1)  # [..., L]  = n_t . q_t
+    num, den = S @ v, S.sum(-1)  # [..., L, D], [..., L] = n_t . q_t
+    if not empty:
+        w_prev = torch.exp(log_prev - m)  # [..., L]
+        num = num + w_prev.unsqueeze(-1) * (q @ C0)
+        den = den + w_prev * (q @ n0.unsqueeze(-1)).squeeze(-1)
     h = _normalise(num, den, m, eps)
     if not with_state:
         return h, None
@@ -119,10 +125,11 @@ def _chunk(q, k, v, log_i, log_f, C0, n0, m0, eps, with_state=True):
     # state after the last step: the last row of D weights every input of the block
     m_last = m[..., -1]
     w_in = torch.exp(log_D[..., -1, :] - m_last.unsqueeze(-1))  # [..., L]
-    decay = torch.exp(log_prev[..., -1] - m_last)  # [...]
     kw = k * w_in.unsqueeze(-1)
-    C = decay[..., None, None] * C0 + kw.transpose(-1, -2) @ v
-    n = decay.unsqueeze(-1) * n0 + kw.sum(-2)
+    C, n = kw.transpose(-1, -2) @ v, kw.sum(-2)
+    if not empty:
+        decay = torch.exp(log_prev[..., -1] - m_last)  # [...]
+        C, n = decay[..., None, None] * C0 + C, decay.unsqueeze(-1) * n0 + n
     return h, (C, n, m_last)
 
 
@@ -147,7 +154,7 @@ def mlstm_parallel(
     q, k, v, log_i, log_f, (C0, n0, m0) = _prepare(q, k, v, i_pre, f_pre, state, forget_gate)
     if q.shape[-2] == 0:
         return q.to(out_dtype), (C0, n0, m0)
-    h, new_state = _chunk(q, k, v, log_i, log_f, C0, n0, m0, eps)
+    h, new_state = _chunk(q, k, v, log_i, log_f, *((None,) * 3 if state is None else (C0, n0, m0)), eps)
     return h.to(out_dtype), new_state
 
 
@@ -178,7 +185,8 @@ def mlstm_chunkwise(
     q, k, v, log_i, log_f, (C, n, m) = _prepare(q, k, v, i_pre, f_pre, state, forget_gate)
     B, H, T, D = q.shape
     if T <= chunk_size:  # one block: the parallel form, without the carry loop and the chunk-state detour
-        h, state = _chunk(q, k, v, log_i, log_f, C, n, m, eps) if T else (q, (C, n, m))
+        start = (None,) * 3 if state is None else (C, n, m)  # the empty state's terms left out
+        h, state = _chunk(q, k, v, log_i, log_f, *start, eps) if T else (q, (C, n, m))
         return h.to(out_dtype), state
     L = chunk_size
     N = T // L
