@@ -49,8 +49,9 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) 
 
 
 def sliding_window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
-    """[T] and [L] absolute positions -> [T, L] bool, True where query i may see key j: i - window < j <= i."""
-    offset = query_positions[:, None] - key_positions[None, :]
+    """[..., T] and [..., L] absolute positions -> [..., T, L] bool, True where query i may see key j:
+    i - window < j <= i."""
+    offset = query_positions[..., :, None] - key_positions[..., None, :]
     return (offset >= 0) & (offset < window)
 
 
@@ -119,12 +120,11 @@ def sliding_window_attention(
     batch, heads, length, dim = q.shape
     kv_heads, keys = k_rot.shape[1], k_rot.shape[2]
     device = q.device
-    query_positions = torch.arange(position, position + length, device=device)
     key_start = position + length - keys
     if keys <= 2 * window:
-        key_positions = torch.arange(key_start, position + length, device=device)
-        return attention_with_persistent(q, q_rot, k_rot, v, persistent_k, persistent_v,
-                                         sliding_window_mask(query_positions, key_positions, window), dropout_p)
+        mask = sliding_window_mask(torch.arange(position, position + length, device=device),
+                                   torch.arange(key_start, position + length, device=device), window)
+        return attention_with_persistent(q, q_rot, k_rot, v, persistent_k, persistent_v, mask, dropout_p)
     span, blocks = 2 * window - 1, -(-length // window)
     first = position - window + 1  # the first position any query sees; block b's span starts at first + b window
     if key_start < first:  # a longer cache than the window: keys no query sees
@@ -143,9 +143,8 @@ def sliding_window_attention(
     starts = first + window * torch.arange(blocks, device=device)  # [blocks]
     span_positions = starts[:, None] + torch.arange(span, device=device)  # [blocks, span]
     block_queries = starts[:, None] + window - 1 + torch.arange(window, device=device)  # [blocks, window]
-    offset = block_queries[:, :, None] - span_positions[:, None, :]  # [blocks, window, span]
-    real_key = (span_positions >= key_start) & (span_positions < position + length)
-    mask = (offset >= 0) & (offset < window) & real_key[:, None, :]
+    real_key = (span_positions >= key_start) & (span_positions < position + length)  # not padding
+    mask = sliding_window_mask(block_queries, span_positions, window) & real_key[:, None, :]  # [blocks, window, span]
     mask = mask.expand(batch, -1, -1, -1).reshape(batch * blocks, 1, window, span)
     y = attention_with_persistent(in_blocks(q), in_blocks(q_rot), spans(k_rot), spans(v), persistent_k,
                                   persistent_v, mask, dropout_p)  # [B blocks, H, window, D]

@@ -154,7 +154,8 @@ def mlstm_parallel(
     q, k, v, log_i, log_f, (C0, n0, m0) = _prepare(q, k, v, i_pre, f_pre, state, forget_gate)
     if q.shape[-2] == 0:
         return q.to(out_dtype), (C0, n0, m0)
-    h, new_state = _chunk(q, k, v, log_i, log_f, *((None,) * 3 if state is None else (C0, n0, m0)), eps)
+    start = (None,) * 3 if state is None else (C0, n0, m0)  # the empty state's terms left out
+    h, new_state = _chunk(q, k, v, log_i, log_f, *start, eps)
     return h.to(out_dtype), new_state
 
 
