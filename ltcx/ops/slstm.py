@@ -41,10 +41,10 @@ def _cell(pre: Tensor, c: Tensor, n: Tensor, m: Tensor, forget_gate: str) -> SLS
     """The stabilised update from the four pre-activations pre ``[..., 4 Dh]`` (i, f, z, o side by side) and the state
     c, n, m ``[..., Dh]`` -> (c, n, h, m) after the step."""
     i_pre, f_pre, z_pre, o_pre = pre.chunk(4, dim=-1)
-    log_f = log_forget_gate(f_pre, forget_gate)
-    m_new = torch.maximum(log_f + m, i_pre)
+    log_f_m = log_forget_gate(f_pre, forget_gate) + m  # log f_t + m_{t-1}, read twice
+    m_new = torch.maximum(log_f_m, i_pre)
     ip = torch.exp(i_pre - m_new)
-    fp = torch.exp(log_f + m - m_new)
+    fp = torch.exp(log_f_m - m_new)
     c = fp * c + ip * torch.tanh(z_pre)
     n = fp * n + ip
     h = torch.sigmoid(o_pre) * (c / n)
