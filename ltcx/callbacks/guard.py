@@ -15,6 +15,11 @@ from ltcx.errors import StoppedOnAllRanks
 FIX = "lower model.learning_rate, raise model.warmup_steps or set trainer.gradient_clip_val"
 
 
+def _local(parameter: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``parameter``: its shard under FSDP2 (a DTensor), else the tensor itself."""
+    return parameter.to_local() if isinstance(parameter, DTensor) else parameter
+
+
 class FiniteLossGuard(L.Callback):
     """Stop training with a clear message as soon as the training loss, the weights or the validation loss is NaN
     or infinite.
@@ -30,6 +35,7 @@ class FiniteLossGuard(L.Callback):
 
     def __init__(self) -> None:
         self._checked_step = -1  # the optimizer step whose weights were checked last
+        self._named: list[tuple[str, torch.Tensor]] | None = None  # the non-empty parameters, listed at train start
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         # First among the callbacks: its validation check runs before SampleGeneration's and every other
@@ -37,6 +43,11 @@ class FiniteLossGuard(L.Callback):
         if trainer.callbacks and trainer.callbacks[0] is not self:
             trainer.callbacks.remove(self)
             trainer.callbacks.insert(0, self)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # Listed once: walking the modules each step was a third of this check's cost on a small model. The strategy
+        # has set the parameters up by now (FSDP2's DTensors) and the optimizer updates them in place.
+        self._named = [(name, p) for name, p in pl_module.named_parameters() if _local(p).numel()]
 
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
         losses = self._gather(trainer, loss.detach().float().reshape(1))
@@ -49,9 +60,10 @@ class FiniteLossGuard(L.Callback):
         if trainer.global_step == self._checked_step:  # no optimizer step in this batch (gradient accumulation)
             return
         self._checked_step = trainer.global_step
-        # Under FSDP2 a parameter is a DTensor: each rank checks its own shard (the gather below joins them).
-        local = ((name, p.to_local() if isinstance(p, DTensor) else p) for name, p in pl_module.named_parameters())
-        named = [(name, p.detach()) for name, p in local if p.numel()]
+        if self._named is None:
+            self.on_train_start(trainer, pl_module)
+        # Under FSDP2 each rank checks its own shards (the gather below joins them); a rank's shard can be empty.
+        named = [(name, _local(p).detach()) for name, p in self._named]
         # Each tensor's min and max are NaN or inf exactly when it holds one (a sum or a norm can overflow first);
         # on a CPU one aminmax per tensor is ~10x faster than torch._foreach_norm(..., inf).
         extremes = torch.stack([torch.stack(torch.aminmax(p)).float() for _, p in named] or [torch.zeros(2)])
