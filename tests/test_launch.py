@@ -22,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 
 from helpers import ROOT, one_error_line
@@ -242,6 +243,56 @@ def test_the_report_is_written_again_from_the_folder_alone(tiny, capsys):
         main(["study", "--spec", str(timed), "--out", str(out), "--report_only", *flags])
         assert line in capsys.readouterr().out
     assert json.loads((out / "tiny/summary.json").read_text())["results"][0]["tokens_per_sec"] > 0
+
+
+def test_a_run_forked_from_the_fork_server_holds_its_claim_and_equals_a_fresh_interpreters(tmp_path, monkeypatch):
+    """Without a GPU a study's runs start as forks of the pre-imported fork server (ltcx/study/prestart.py). A tiny
+    MQAR fit forked keeps its run's claim when the launcher lets go of its own descriptor, on the thread count of its
+    slot; the same fit in a fresh interpreter (``runner._child`` with the server off) ends with the same checkpoint to
+    the bit: weights, optimizer state and step."""
+    from ltcx.study import prestart, runner
+
+    assert prestart.available()  # no GPU on this machine
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+
+    def args(root: Path) -> list[str]:
+        return ["fit", "--config", str(ROOT / "configs/gpt.yaml"), "--config", str(ROOT / "configs/data/mqar.yaml"),
+                "--model.backbone.init_args.n_layer", "1", "--model.backbone.init_args.n_embd", "16",
+                "--model.backbone.init_args.n_head", "2", "--model.backbone.init_args.n_kv_head", "1",
+                "--data.vocab_size", "32", "--data.num_kv_pairs", "2", "--data.block_size", "16",
+                "--data.batch_size", "8", "--data.val_batches", "1", "--trainer.max_steps", "4",
+                "--trainer.val_check_interval", "2", "--trainer.check_val_every_n_epoch", "null",
+                "--trainer.callbacks+=launch_faults.HoldUntil", "--trainer.callbacks.at_step=2",
+                "--trainer.default_root_dir", str(root)]
+
+    forked, hold = tmp_path / "forked", tmp_path / "hold"
+    hold.mkdir()
+    fd = launch.try_claim(forked)
+    try:
+        run = prestart.start(args(forked), forked / "run.log", {**env, "LTCX_TEST_HOLD": str(hold)}, keep_fds=(fd,))
+    finally:
+        os.close(fd)  # the launcher lets go: the fork holds the claim now
+    try:
+        wait_for(lambda: list(hold.glob("held-*")), what="the fork held at step 2")
+        assert launch.try_claim(forked) is None and launch.claimed(forked)
+        (hold / "release").touch()
+        assert run.wait() == 0, (forked / "run.log").read_text()[-3000:]
+    finally:
+        prestart.stop()
+    assert not launch.claimed(forked)  # released with the process
+    assert "measured on 1 CPU thread" in (forked / "run.log").read_text()
+
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    monkeypatch.setattr(prestart, "available", lambda: False)
+    assert runner._child(args(fresh), fresh / "run.log", "fresh", env=env) == 0, (fresh / "run.log").read_text()
+    saved = [torch.load(next(root.rglob("last.ckpt")), map_location="cpu", weights_only=False)
+             for root in (forked, fresh)]
+    assert saved[0]["global_step"] == saved[1]["global_step"] == 4
+    for part in ("state_dict", "optimizer_states"):
+        one, other = (torch.utils._pytree.tree_leaves(s[part]) for s in saved)
+        assert len(one) == len(other) and all(
+            torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(one, other))
 
 
 # ----------------------------------------------------------------------------- without training

@@ -102,7 +102,7 @@ class StudyStopped(Exception):
 
 _received: list[int] = []  # SIGINT / SIGTERM this process got while children ran: noted, not acted on
 _noting = [0]  # depth of signals_noted in the main thread
-_running: set = set()  # the children (subprocess.Popen) running now (stop_children)
+_running: set = set()  # the children (subprocess.Popen, prestart.ForkedRun) running now (stop_children)
 _running_lock = threading.Lock()
 
 
@@ -133,7 +133,7 @@ def received() -> list[int]:
 
 @contextlib.contextmanager
 def running(child):
-    """``child`` (a ``subprocess.Popen``) listed as running, for ``stop_children``."""
+    """``child`` (a ``subprocess.Popen`` or ``prestart.ForkedRun``) listed as running, for ``stop_children``."""
     with _running_lock:
         _running.add(child)
     try:
@@ -152,6 +152,9 @@ def stop_children(signum: int = signal.SIGTERM) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(child.pid, signum)
     for child in children:
+        if hasattr(child, "wait_exited"):  # a run forked from the fork server (ltcx/study/prestart.py)
+            child.wait_exited()
+            continue
         with contextlib.suppress(ChildProcessError):
             os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
 
