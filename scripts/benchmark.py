@@ -12,7 +12,7 @@
     python scripts/benchmark.py --archs gpt gpt gta --decode_at 128   # gpt twice: the noise between two copies
     python scripts/benchmark.py --archs xlstm --nx_xlstm /tmp/nxpkgs --batch_size 1 --seq_len 128 --decode_at 128
     python scripts/benchmark.py --archs xlstm titans_mag --profile   # op calls and top ops of a training step
-    python scripts/benchmark.py --startup      # CPU seconds of the commands that answer without training
+    python scripts/benchmark.py --startup      # CPU seconds of commands answering without training; a study run
 
 For each architecture (its model block of configs/<arch>.yaml, or with ``--width`` and ``--n_layer`` the
 catalogue's scaling of it, ``Architecture.scaled``; vocabulary ``--vocab_size``, 50,304) it reports training
@@ -45,7 +45,8 @@ its op calls and its TOP ops by self time, with their calls and share.
 
 ``--startup`` measures the commands instead: the CPU time (user + system, which other jobs on the machine do not
 change, unlike the wall time) of ``ltcx --help``, each command's ``--help``, and one-line errors, each a fresh
-process, median of ``--repeats``.
+process, median of ``--repeats``; then a study run cut to one step, as a fresh interpreter and forked from the fork
+server that ``ltcx study`` starts its runs from without a GPU.
 
 One script because every measurement shares its set-up and output: the models built from the catalogue's YAMLs,
 the interleaved rounds that make the ratios fair, and one table and JSON.
@@ -539,6 +540,49 @@ def bench_startup(args) -> list[dict]:
     return results
 
 
+def bench_study_starts(args) -> list[dict]:
+    """CPU seconds of one study run as ``ltcx study`` starts it (``runner._child``), the quick-recall preset's first
+    fit cut to one step: in a fresh interpreter, and forked from the fork server (``ltcx/study/prestart.py``). A forked
+    run's CPU time reaches this process when the server is reaped, so a forked run's figure is the difference between
+    a server that started 1 + ``repeats`` runs and one that started 1, over ``repeats``; the server's own start is the
+    latter less one run."""
+    import tempfile
+
+    from ltcx.study import prestart, runner
+    from ltcx.study.spec import find_spec, load_spec
+
+    spec = load_spec(find_spec("quick-recall"))
+    run = runner.make_run(spec, runner.plan_shapes(spec)[0], spec.learning_rates[0], spec.tune_seed)
+    switch = os.environ.get("LTCX_STUDY_FORKSERVER")
+
+    def cpu_of(runs: int, forked: bool) -> float:
+        os.environ["LTCX_STUDY_FORKSERVER"] = "1" if forked else "0"
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        with tempfile.TemporaryDirectory() as folder:
+            for index in range(runs):
+                root = Path(folder) / str(index)
+                root.mkdir()
+                fit = [*runner.fit_args(spec, run, root), "--trainer.max_steps", "1"]
+                if runner._child(fit, root / "run.log", run.label, env={"OMP_NUM_THREADS": "1"}):
+                    fail(f"the study run failed: {runner.last_line(root / 'run.log')}")
+            prestart.stop()
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+
+    try:
+        fresh = statistics.median(cpu_of(1, False) for _ in range(args.repeats))
+        one = cpu_of(1, True)
+        forked = (cpu_of(1 + args.repeats, True) - one) / args.repeats
+    finally:
+        os.environ.pop("LTCX_STUDY_FORKSERVER") if switch is None else os.environ.update(LTCX_STUDY_FORKSERVER=switch)
+    results = [{"command": f"a study run ({run.label}, 1 step), {how}", "cpu_s": cpu}
+               for how, cpu in (("fresh interpreter", fresh), ("forked from the fork server", forked),
+                                ("the fork server's own start, once per study", one - forked))]
+    for result in results:
+        print(f"{result['command']:<70} {result['cpu_s']:6.2f} s CPU", flush=True)
+    return results
+
+
 def gpt_shape(args) -> dict | None:
     """The shape nanoGPT is built at: the first ``gpt`` model's n_layer, n_head, n_embd and bias."""
     for arch in args.archs:
@@ -635,7 +679,7 @@ def main() -> None:
         memory_child(args)
         return
     if args.data_loader or args.startup:
-        results = bench_data(args) if args.data_loader else bench_startup(args)
+        results = bench_data(args) if args.data_loader else bench_startup(args) + bench_study_starts(args)
         write_results(args.out, vars(args), results)
         return
     meta = stamp(sys.argv[1:])

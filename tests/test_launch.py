@@ -284,7 +284,8 @@ def test_a_run_forked_from_the_fork_server_holds_its_claim_and_equals_a_fresh_in
 
     fresh = tmp_path / "fresh"
     fresh.mkdir()
-    monkeypatch.setattr(prestart, "available", lambda: False)
+    monkeypatch.setenv("LTCX_STUDY_FORKSERVER", "0")
+    assert not prestart.available()
     assert runner._child(args(fresh), fresh / "run.log", "fresh", env=env) == 0, (fresh / "run.log").read_text()
     saved = [torch.load(next(root.rglob("last.ckpt")), map_location="cpu", weights_only=False)
              for root in (forked, fresh)]

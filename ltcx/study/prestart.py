@@ -19,7 +19,6 @@ import multiprocessing.forkserver
 import os
 import signal
 import sys
-import threading
 from multiprocessing import reduction
 
 __all__ = ["ForkedRun", "available", "start", "stop"]
@@ -27,18 +26,13 @@ __all__ = ["ForkedRun", "available", "start", "stop"]
 PRELOAD = ["ltcx.cli.lightning"]  # what a run imports before its first step (Lightning, torch, ltcx's CLI)
 _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(PRELOAD)
-_lock = threading.Lock()
-_available: list[bool] = []  # decided once per process
 
 
 def available() -> bool:
     """Whether this process starts its runs from the fork server: no GPU visible and not switched off."""
-    with _lock:
-        if not _available:
-            from ltcx.study.launch import visible_gpus
+    from ltcx.study.launch import visible_gpus
 
-            _available.append(os.environ.get("LTCX_STUDY_FORKSERVER", "1") != "0" and not visible_gpus())
-        return _available[0]
+    return os.environ.get("LTCX_STUDY_FORKSERVER", "1") != "0" and not visible_gpus()
 
 
 class _Inherited:

@@ -11,14 +11,15 @@
    where it trains in phase 3 (``--test_after_fit``), else ``ltcx test`` of its checkpoint (the tuning seed's run);
    its ``test_metrics.json`` is what the report shows.
 
-Each run is an ordinary ``ltcx fit`` subprocess in its own folder ``<out>/<name>/runs/<arch>/<size>/lr<lr>/seed<S>/``
-(TensorBoard logs, checkpoints, ``run.log``). ``result.json`` marks a finished run and ``test.json`` a finished test
-(written atomically); a killed study rerun continues where it stopped: finished runs are skipped and an unfinished one
-resumes from its ``last.ckpt``. A signal (Ctrl-C reaches the whole process group) is left to the child, which saves
-its step and exits 128 + the signal; the runner then raises ``StudyStopped`` naming the run and the step. Where a
-phase's runs train (one after another, a run per GPU, a SLURM job per run) is the launcher's
-(``ltcx/study/launch.py``): each run trains under its claim, and a failed one is reported while the others finish
-(``StudyFailed`` after the report).
+Each run is an ordinary ``ltcx fit`` process (where the machine shows no GPU, a fork of a fork server that imported
+torch and Lightning once: ``ltcx/study/prestart.py``) in its own folder
+``<out>/<name>/runs/<arch>/<size>/lr<lr>/seed<S>/`` (TensorBoard logs, checkpoints, ``run.log``). ``result.json``
+marks a finished run and ``test.json`` a finished test (written atomically); a killed study rerun continues where it
+stopped: finished runs are skipped and an unfinished one resumes from its ``last.ckpt``. A signal (Ctrl-C reaches the
+whole process group) is left to the child, which saves its step and exits 128 + the signal; the runner then raises
+``StudyStopped`` naming the run and the step. Where a phase's runs train (one after another, a run per GPU, a SLURM
+job per run) is the launcher's (``ltcx/study/launch.py``): each run trains under its claim, and a failed one is
+reported while the others finish (``StudyFailed`` after the report).
 """
 
 from __future__ import annotations
