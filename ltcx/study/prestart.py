@@ -13,6 +13,7 @@ enough that its start does not matter. ``LTCX_STUDY_FORKSERVER=0`` starts every 
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -68,7 +69,10 @@ def _run(args: list[str], log: str, env: dict[str, str], kept: list[int]) -> Non
     sys.argv = ["ltcx", *args]  # as ``runner.ltcx_command`` runs it: the command line is sys.argv
     from ltcx.cli import main
 
-    main()
+    try:
+        main()
+    finally:  # what an interpreter runs at its exit (a DDP launcher rank waits for its workers there), which a
+        atexit._run_exitfuncs()  # multiprocessing child, ending in os._exit, would skip
 
 
 class ForkedRun:
