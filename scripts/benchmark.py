@@ -547,18 +547,18 @@ def bench_study_starts(args) -> list[dict]:
     a server that started 1 + ``repeats`` runs and one that started 1, over ``repeats``; the server's own start is the
     latter less one run."""
     import tempfile
+    from unittest import mock
 
     from ltcx.study import prestart, runner
     from ltcx.study.spec import find_spec, load_spec
 
     spec = load_spec(find_spec("quick-recall"))
     run = runner.make_run(spec, runner.plan_shapes(spec)[0], spec.learning_rates[0], spec.tune_seed)
-    switch = os.environ.get("LTCX_STUDY_FORKSERVER")
 
     def cpu_of(runs: int, forked: bool) -> float:
-        os.environ["LTCX_STUDY_FORKSERVER"] = "1" if forked else "0"
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        with tempfile.TemporaryDirectory() as folder:
+        with tempfile.TemporaryDirectory() as folder, mock.patch.dict(os.environ,
+                                                                      LTCX_STUDY_FORKSERVER=str(int(forked))):
             for index in range(runs):
                 root = Path(folder) / str(index)
                 root.mkdir()
@@ -569,12 +569,9 @@ def bench_study_starts(args) -> list[dict]:
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         return after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
 
-    try:
-        fresh = statistics.median(cpu_of(1, False) for _ in range(args.repeats))
-        one = cpu_of(1, True)
-        forked = (cpu_of(1 + args.repeats, True) - one) / args.repeats
-    finally:
-        os.environ.pop("LTCX_STUDY_FORKSERVER") if switch is None else os.environ.update(LTCX_STUDY_FORKSERVER=switch)
+    fresh = statistics.median(cpu_of(1, False) for _ in range(args.repeats))
+    one = cpu_of(1, True)
+    forked = (cpu_of(1 + args.repeats, True) - one) / args.repeats
     results = [{"command": f"a study run ({run.label}, 1 step), {how}", "cpu_s": cpu}
                for how, cpu in (("fresh interpreter", fresh), ("forked from the fork server", forked),
                                 ("the fork server's own start, once per study", one - forked))]

@@ -60,8 +60,6 @@ class FiniteLossGuard(L.Callback):
         if trainer.global_step == self._checked_step:  # no optimizer step in this batch (gradient accumulation)
             return
         self._checked_step = trainer.global_step
-        if self._named is None:
-            self.on_train_start(trainer, pl_module)
         # Under FSDP2 each rank checks its own shards (the gather below joins them); a rank's shard can be empty.
         named = [(name, _local(p).detach()) for name, p in self._named]
         # Each tensor's min and max are NaN or inf exactly when it holds one (a sum or a norm can overflow first);

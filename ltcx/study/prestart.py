@@ -27,7 +27,6 @@ __all__ = ["ForkedRun", "available", "start", "stop"]
 PRELOAD = ["ltcx.cli.lightning"]  # what a run imports before its first step (Lightning, torch, ltcx's CLI)
 _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(PRELOAD)
-_stop_at_exit: list = []  # ``stop`` registered with atexit once, at the first start
 
 
 def available() -> bool:
@@ -99,8 +98,6 @@ class ForkedRun:
 def start(args: list[str], log, env: dict[str, str], keep_fds: tuple[int, ...] = ()) -> ForkedRun:
     """``ltcx args`` as a fork of the fork server (started on first use), output appended to ``log``, ``env`` on top
     of this process's environment, ``keep_fds`` inherited."""
-    if not _stop_at_exit:
-        _stop_at_exit.append(atexit.register(stop))  # reaped with this process whoever started it (ltcx evaluate too)
     kept = [_Inherited(fd) for fd in keep_fds]
     process = _context.Process(target=_run, args=(list(args), str(log), {**os.environ, **env}, kept))
     process.start()
@@ -109,8 +106,11 @@ def start(args: list[str], log, env: dict[str, str], keep_fds: tuple[int, ...] =
 
 def stop() -> None:
     """Stop the fork server and reap it, so its CPU time and its runs' are counted with this process's children
-    (``time ltcx study``); the next ``start`` starts a new one. Called when a study's runs are done and at this
-    process's exit (unreaped, the server would exit by itself, its CPU time uncounted)."""
+    (``time ltcx study``, ``ltcx evaluate``'s long-context runs); the next ``start`` starts a new one. Runs at this
+    process's exit (unreaped, the server would exit by itself, its CPU time uncounted); a no-op without a server."""
     server = multiprocessing.forkserver._forkserver
     if getattr(server, "_forkserver_pid", None) is not None and hasattr(server, "_stop"):
         server._stop()
+
+
+atexit.register(stop)

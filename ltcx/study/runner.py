@@ -326,16 +326,16 @@ def _child(args: list[str], log: Path, label: str, env: dict | None = None, keep
     child: SLURM sends its time-limit warning to every process of a job, and the job answers it for the child
     (``launch.StudyJob.checkpoint``)."""
     with signals_noted():
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})  # the child inherits this thread's mask
-        try:
-            if prestart.available():  # a fork of the pre-imported fork server: no second of imports per run
-                child = prestart.start(args, log, env or {}, keep_fds)
-            else:
+        if prestart.available():  # a fork of the pre-imported fork server, which blocks SIGUSR2 itself
+            child = prestart.start(args, log, env or {}, keep_fds)
+        else:
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})  # the child inherits this thread's mask
+            try:
                 with open(log, "a") as stream:
                     child = subprocess.Popen([*ltcx_command(), *args], stdout=stream, stderr=subprocess.STDOUT,
                                              env={**os.environ, **(env or {})}, pass_fds=keep_fds)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         with running(child):
             code = child.wait()
         noted = received()
@@ -528,22 +528,19 @@ def run_study(spec: StudySpec, out: Path, dry_run: bool = False, say: Callable[[
     total = len(tuning_runs) + len(shapes) * (len(spec.seeds) - 1)
     say(f"study {spec.name}: {len(shapes)} shapes x {len(spec.learning_rates)} learning rates on seed "
         f"{spec.tune_seed}, then {len(spec.seeds)} seeds: {total} runs in {out} ({launch.kind} launcher)")
-    try:
-        tuned_results = launch.map([Job(run) for run in tuning_runs], "tune")
-        tuning = [result for result in tuned_results if result is not None]
-        chosen = select_learning_rates(spec, tuning)
-        held = list(dict.fromkeys(f"{run.arch} {run.shape.label}" for run, result in zip(tuning_runs, tuned_results)
-                                  if result is None))
-        if held:  # its rate is chosen from the whole grid or not at all
-            say(f"tune: {', '.join(held)}: a tuning run failed, so no seeds run there until it is rerun")
-        # seed by seed: a stopped study has whole seeds of every architecture first; the tuning seed's run at the chosen
-        # rate is that seed's run (done, then tested)
-        final_runs = [make_run(spec, shape, chosen[(shape.arch, shape.label)]["lr"], seed) for seed in spec.seeds
-                      for shape in shapes if f"{shape.arch} {shape.label}" not in held]
-        final = [result for result in launch.map([Job(run, test=True) for run in final_runs], "seeds")
-                 if result is not None]
-    finally:
-        prestart.stop()  # its CPU time and its runs' counted with this process's (`time ltcx study`)
+    tuned_results = launch.map([Job(run) for run in tuning_runs], "tune")
+    tuning = [result for result in tuned_results if result is not None]
+    chosen = select_learning_rates(spec, tuning)
+    held = list(dict.fromkeys(f"{run.arch} {run.shape.label}" for run, result in zip(tuning_runs, tuned_results)
+                              if result is None))
+    if held:  # its rate is chosen from the whole grid or not at all
+        say(f"tune: {', '.join(held)}: a tuning run failed, so no seeds run there until it is rerun")
+    # seed by seed: a stopped study has whole seeds of every architecture first; the tuning seed's run at the chosen
+    # rate is that seed's run (done, then tested)
+    final_runs = [make_run(spec, shape, chosen[(shape.arch, shape.label)]["lr"], seed) for seed in spec.seeds
+                  for shape in shapes if f"{shape.arch} {shape.label}" not in held]
+    final = [result for result in launch.map([Job(run, test=True) for run in final_runs], "seeds")
+             if result is not None]
     for result in final:
         result.setdefault("test", {})  # a diverged run has no test
     summary = write_summary(spec, out, tuning, final, chosen, say, retime) if final else None
