@@ -212,6 +212,33 @@ def test_slstm_cell_equals_token_by_token_transcription(forget_gate):
     torch.testing.assert_close(h_step, h2[:, 0], **F64)
 
 
+@pytest.mark.parametrize("forget_gate", ["sigmoid", "exp"])
+def test_slstm_scan_gradients_equal_the_unstabilised_equations(forget_gate):
+    """The scan's stabiliser m carries no gradient (ltcx/ops/slstm.py ``_cell``): the gradients of the inputs and of
+    R still equal autograd of the paper's unstabilised equations in float64, whole and fed in two pieces with the
+    state between them (where m crosses from one call to the next)."""
+    g = torch.Generator().manual_seed(9)
+    B, T, H, Dh = 2, 11, 3, 4
+    gates_x = torch.randn(B, T, 4, H, Dh, generator=g, dtype=torch.float64)
+    gates_x[:, :, 1] += 2.0 if forget_gate == "sigmoid" else -0.5
+    R = 0.5 * torch.randn(4, H, Dh, Dh, generator=g, dtype=torch.float64)
+    cotangent = torch.randn(B, T, H, Dh, generator=g, dtype=torch.float64)
+
+    def gradients(run):
+        inputs = (gates_x.clone().requires_grad_(), R.clone().requires_grad_())
+        return torch.autograd.grad((run(*inputs) * cotangent).sum(), inputs)
+
+    def in_pieces(x, r):
+        h1, state = slstm_scan(x[:, :4], r, forget_gate=forget_gate)
+        h2, _ = slstm_scan(x[:, 4:], r, state, forget_gate=forget_gate)
+        return torch.cat([h1, h2], dim=1)
+
+    expected = gradients(lambda x, r: slstm_reference(x, r, forget_gate))
+    for run in (lambda x, r: slstm_scan(x, r, forget_gate=forget_gate)[0], in_pieces):
+        for got, want in zip(gradients(run), expected):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 def test_slstm_memory_mixing_stays_within_heads():
     g = torch.Generator().manual_seed(8)
     gates_x = torch.randn(1, 6, 4, 2, 3, generator=g, dtype=torch.float64)

@@ -359,12 +359,14 @@ class MLSTMBlock(nn.Module):
     def _gates(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """The input and forget gates' pre-activations ``[B, H, T]`` each: igate and fgate of [q, k, v] (each
         ``[B, T, I]``), as one product per part with both gates' weights side by side, so that neither [q, k, v]
-        (``[B, T, 3I]``) nor a second pass over it is made (2.5x faster forward and backward at the 29M config)."""
+        (``[B, T, 3I]``) nor a second pass over it is made (2.5x faster forward and backward at the 29M config).
+        Each product is W part^T ``[2H, B T]``, not part W^T: the weight's gradient is then g part, one wide product,
+        where (part^T g)^T ran as a product 2H columns wide at a tenth of the matmul rate (the gates 1.9x faster)."""
         weight = torch.cat([self.igate.weight, self.fgate.weight])  # [2H, 3I]
-        gates = torch.cat([self.igate.bias, self.fgate.bias])  # [2H]
+        gates = torch.cat([self.igate.bias, self.fgate.bias]).unsqueeze(-1)  # [2H, 1]
         for part, w in zip((q, k, v), weight.split(q.shape[-1], dim=-1)):
-            gates = torch.addmm(gates, part.flatten(0, -2), w.t())  # [B T, 2H]
-        return gates.view(*q.shape[:-1], -1).transpose(1, 2).chunk(2, dim=1)
+            gates = torch.addmm(gates, w, part.flatten(0, -2).t())  # [2H, B T]
+        return gates.view(-1, *q.shape[:-1]).transpose(0, 1).chunk(2, dim=1)
 
     def forward(self, x: Tensor, state: tuple | None = None) -> tuple[Tensor, tuple]:
         B, T, _ = x.shape

@@ -79,17 +79,20 @@ def _normalise(num: Tensor, den: Tensor, m: Tensor, eps: float) -> Tensor:
 
 
 def _prepare(q, k, v, i_pre, f_pre, state, forget_gate):
-    """Cast to the state dtype, scale keys, take log f, and build/cast the initial state."""
-    B, H, _, D = q.shape
+    """Cast to the state dtype, scale keys, take log f, and cast the initial state (None stays None: the empty
+    state's terms are left out, and its zero ``[B, H, D, D]`` is made only where a form carries it)."""
+    D = q.shape[-1]
     cdt = state_dtype(q.dtype)
     q, k, v = q.to(cdt), k.to(cdt) * (1.0 / math.sqrt(D)), v.to(cdt)
     log_i = i_pre.to(cdt)
     log_f = log_forget_gate(f_pre.to(cdt), forget_gate)
-    if state is None:
-        state = mlstm_init_state(B, H, D, device=q.device, dtype=cdt)
-    else:
-        state = tuple(s.to(cdt) for s in state)
-    return q, k, v, log_i, log_f, state
+    return q, k, v, log_i, log_f, None if state is None else tuple(s.to(cdt) for s in state)
+
+
+def _empty_state_of(q: Tensor) -> MLSTMState:
+    """The empty state for q ``[B, H, T, D]``, in q's dtype (already the state dtype)."""
+    B, H, _, D = q.shape
+    return mlstm_init_state(B, H, D, device=q.device, dtype=q.dtype)
 
 
 def _chunk(q, k, v, log_i, log_f, C0, n0, m0, eps, with_state=True):
@@ -151,11 +154,10 @@ def mlstm_parallel(
     ``sum_{l<=t} log f_l + m_0`` (``-inf`` for the empty state).
     """
     out_dtype = q.dtype
-    q, k, v, log_i, log_f, (C0, n0, m0) = _prepare(q, k, v, i_pre, f_pre, state, forget_gate)
+    q, k, v, log_i, log_f, state = _prepare(q, k, v, i_pre, f_pre, state, forget_gate)
     if q.shape[-2] == 0:
-        return q.to(out_dtype), (C0, n0, m0)
-    start = (None,) * 3 if state is None else (C0, n0, m0)  # the empty state's terms left out
-    h, new_state = _chunk(q, k, v, log_i, log_f, *start, eps)
+        return q.to(out_dtype), _empty_state_of(q) if state is None else state
+    h, new_state = _chunk(q, k, v, log_i, log_f, *(state or (None,) * 3), eps)
     return h.to(out_dtype), new_state
 
 
@@ -182,54 +184,51 @@ def mlstm_chunkwise(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size ({chunk_size}) must be >= 1")
+    if q.shape[-2] <= chunk_size:  # one block: the parallel form, without the carry loop and the chunk-state detour
+        return mlstm_parallel(q, k, v, i_pre, f_pre, state, forget_gate=forget_gate, eps=eps)
     out_dtype = q.dtype
-    q, k, v, log_i, log_f, (C, n, m) = _prepare(q, k, v, i_pre, f_pre, state, forget_gate)
+    q, k, v, log_i, log_f, state = _prepare(q, k, v, i_pre, f_pre, state, forget_gate)
     B, H, T, D = q.shape
-    if T <= chunk_size:  # one block: the parallel form, without the carry loop and the chunk-state detour
-        start = (None,) * 3 if state is None else (C, n, m)  # the empty state's terms left out
-        h, state = _chunk(q, k, v, log_i, log_f, *start, eps) if T else (q, (C, n, m))
-        return h.to(out_dtype), state
+    C, n, m = _empty_state_of(q) if state is None else state  # the carry loop starts from it
     L = chunk_size
-    N = T // L
-    outs = []
-    if N > 0:
-        def chunks(x: Tensor) -> Tensor:  # [B, H, T, ...] -> [B, H, N, L, ...]
-            # no slice where the chunks cover T: a slice's backward zero-fills a tensor of x's size and copies into it
-            return (x if N * L == T else x[:, :, : N * L]).reshape(B, H, N, L, *x.shape[3:])
+    N = T // L  # at least 1
 
-        qc, kc, vc, ic, fc = map(chunks, (q, k, v, log_i, log_f))
-        b = fc.cumsum(-1)  # [B, H, N, L]
-        b_last = b[..., -1]  # [B, H, N]  total log decay across each chunk
-        log_w = b_last.unsqueeze(-1) - b + ic  # [B, H, N, L]  log weight of input j at chunk end
-        m_loc = log_w.amax(-1)  # [B, H, N]
-        kw = kc * torch.exp(log_w - m_loc.unsqueeze(-1)).unsqueeze(-1)
-        C_loc = kw.transpose(-1, -2) @ vc  # [B, H, N, D, D]  (scaled by exp(-m_loc))
-        n_loc = kw.sum(-2)  # [B, H, N, D]
+    def chunks(x: Tensor) -> Tensor:  # [B, H, T, ...] -> [B, H, N, L, ...]
+        # no slice where the chunks cover T: a slice's backward zero-fills a tensor of x's size and copies into it
+        return (x if N * L == T else x[:, :, : N * L]).reshape(B, H, N, L, *x.shape[3:])
 
-        starts_C, starts_n, starts_m = [], [], []
-        # the chunks' pieces from unbind, not indexing in the loop: the backward of an unbind is one stack, where each
-        # index's backward would zero-fill a tensor of all N chunks (the [B, H, N, D, D] states among them)
-        for C_c, n_c, m_c, b_c in zip(C_loc.unbind(2), n_loc.unbind(2), m_loc.unbind(2), b_last.unbind(2)):
-            starts_C.append(C)
-            starts_n.append(n)
-            starts_m.append(m)
-            log_prev = b_c + m
-            m_new = torch.maximum(log_prev, m_c)
-            a = torch.exp(log_prev - m_new)
-            g = torch.exp(m_c - m_new)
-            C = a[..., None, None] * C + g[..., None, None] * C_c
-            n = a.unsqueeze(-1) * n + g.unsqueeze(-1) * n_c
-            m = m_new
-        C0 = torch.stack(starts_C, dim=2)
-        n0 = torch.stack(starts_n, dim=2)
-        m0 = torch.stack(starts_m, dim=2)
-        h, _ = _chunk(qc, kc, vc, ic, fc, C0, n0, m0, eps, with_state=False)  # [B, H, N, L, D]
-        outs.append(h.reshape(B, H, N * L, D))
+    qc, kc, vc, ic, fc = map(chunks, (q, k, v, log_i, log_f))
+    b = fc.cumsum(-1)  # [B, H, N, L]
+    b_last = b[..., -1]  # [B, H, N]  total log decay across each chunk
+    log_w = b_last.unsqueeze(-1) - b + ic  # [B, H, N, L]  log weight of input j at chunk end
+    m_loc = log_w.amax(-1)  # [B, H, N]
+    kw = kc * torch.exp(log_w - m_loc.unsqueeze(-1)).unsqueeze(-1)
+    C_loc = kw.transpose(-1, -2) @ vc  # [B, H, N, D, D]  (scaled by exp(-m_loc))
+    n_loc = kw.sum(-2)  # [B, H, N, D]
+
+    starts_C, starts_n, starts_m = [], [], []
+    # the chunks' pieces from unbind, not indexing in the loop: the backward of an unbind is one stack, where each
+    # index's backward would zero-fill a tensor of all N chunks (the [B, H, N, D, D] states among them)
+    for C_c, n_c, m_c, b_c in zip(C_loc.unbind(2), n_loc.unbind(2), m_loc.unbind(2), b_last.unbind(2)):
+        starts_C.append(C)
+        starts_n.append(n)
+        starts_m.append(m)
+        log_prev = b_c + m
+        m_new = torch.maximum(log_prev, m_c)
+        a = torch.exp(log_prev - m_new)
+        g = torch.exp(m_c - m_new)
+        C = a[..., None, None] * C + g[..., None, None] * C_c
+        n = a.unsqueeze(-1) * n + g.unsqueeze(-1) * n_c
+        m = m_new
+    C0 = torch.stack(starts_C, dim=2)
+    n0 = torch.stack(starts_n, dim=2)
+    m0 = torch.stack(starts_m, dim=2)
+    h, _ = _chunk(qc, kc, vc, ic, fc, C0, n0, m0, eps, with_state=False)  # [B, H, N, L, D]
+    h = h.reshape(B, H, N * L, D)
     if T > N * L:
         s = N * L
-        h, (C, n, m) = _chunk(q[:, :, s:], k[:, :, s:], v[:, :, s:], log_i[:, :, s:], log_f[:, :, s:], C, n, m, eps)
-        outs.append(h)
-    h = torch.cat(outs, dim=2) if outs else q
+        tail, (C, n, m) = _chunk(q[:, :, s:], k[:, :, s:], v[:, :, s:], log_i[:, :, s:], log_f[:, :, s:], C, n, m, eps)
+        h = torch.cat([h, tail], dim=2)
     return h.to(out_dtype), (C, n, m)
 
 
