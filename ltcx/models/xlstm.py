@@ -65,7 +65,7 @@ from ltcx.ops.mlstm_kernels import (
     mlstm_chunkwise_kernels,
     padded_length,
 )
-from ltcx.ops.slstm import recurrent_weights, slstm_scan
+from ltcx.ops.slstm import recurrent_weights, slstm_scan_head_major
 
 MLSTM_BACKENDS = ("chunkwise", "parallel", "kernels")
 
@@ -433,13 +433,19 @@ class SLSTMBlock(nn.Module):
         xn = self.norm(x)
         x_c, buffer = self.conv(xn, buffer)
         x_c = F.silu(x_c)
-        # all steps' input projections in one batched matmul: [2, B, T, H, Dh] x [2, H, Dh, 2Dh]
-        g = torch.einsum("sbthd,shde->sbthe", torch.stack([x_c, xn]).view(2, B, T, H, Dh), self.w_in)
-        g = g.view(2, B, T, H, 2, Dh).permute(1, 2, 0, 4, 3, 5).reshape(B, T, 4, H, Dh) + self.gate_bias
+        # all steps' input projections, laid out as the scan reads them ([T, H, B, 4 Dh]: i, f from the conv path,
+        # z, o from the normed input): per path one baddbmm of [H, T B, Dh] with [H, Dh, 2 Dh] onto its gates' bias
+        def head_major(t: Tensor) -> Tensor:  # [B, T, E] -> [H, T B, Dh]
+            return t.view(B, T, H, Dh).permute(2, 1, 0, 3).reshape(H, T * B, Dh)
+
+        bias = self.gate_bias.view(2, 2, H, Dh).transpose(1, 2).reshape(2, H, 1, 2 * Dh)
+        g = torch.cat([torch.baddbmm(bias[s], head_major(path), self.w_in[s]) for s, path in enumerate((x_c, xn))],
+                      dim=-1)  # [H, T B, 4 Dh]
         # R rearranged for one product per step, kept between decode steps (rebuilt when R changes)
         recurrent = derived_in_inference(self, "recurrent", (self.R,), lambda: recurrent_weights(self.R))
-        h, cell = slstm_scan(g, self.R, cell, forget_gate=self.forget_gate, recurrent=recurrent)  # [B, T, H, Dh]
-        x = x + self.dropout(self.out_norm(h))
+        h, cell = slstm_scan_head_major(g.view(H, T, B, 4 * Dh).transpose(0, 1), self.R, cell,
+                                        forget_gate=self.forget_gate, recurrent=recurrent)  # [T, H, B, Dh]
+        x = x + self.dropout(self.out_norm(h.permute(2, 0, 1, 3)))
         u, gate = self.ffn_up(self.ffn_norm(x)).chunk(2, dim=-1)
         x = x + self.dropout(self.ffn_down(F.gelu(gate) * u))
         return x, (*cell, buffer)

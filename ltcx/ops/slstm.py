@@ -76,24 +76,37 @@ def slstm_scan(
     recurrent: Tensor | None = None,
 ) -> tuple[Tensor, SLSTMState]:
     """Run the recurrence over time. gates_x ``[B, T, 4, H, Dh]``; returns h ``[B, T, H, Dh]`` (dtype of gates_x).
-    ``recurrent``: ``recurrent_weights(R)`` when the caller keeps it (else built here).
+    ``recurrent``: ``recurrent_weights(R)`` when the caller keeps it (else built here). :func:`slstm_scan_head_major`
+    on the same steps laid out head-major."""
+    B, T, _, H, Dh = gates_x.shape
+    steps = gates_x.permute(1, 3, 0, 2, 4).reshape(T, H, B, 4 * Dh)
+    h, state = slstm_scan_head_major(steps, R, state, forget_gate=forget_gate, recurrent=recurrent)
+    return h.permute(2, 0, 1, 3), state  # [T, H, B, Dh] -> [B, T, H, Dh]
+
+
+def slstm_scan_head_major(
+    steps: Tensor, R: Tensor, state: SLSTMState | None = None, *, forget_gate: str = "sigmoid",
+    recurrent: Tensor | None = None,
+) -> tuple[Tensor, SLSTMState]:
+    """:func:`slstm_scan` on its inputs as the loop reads them: steps ``[T, H, B, 4 Dh]`` (any strides; per step and
+    head the four gates' input parts side by side, i, f, z, o); returns h ``[T, H, B, Dh]`` (dtype of steps) and the
+    state (each ``[B, H, Dh]``). A block that projects its input straight into this layout skips slstm_scan's copy.
 
     Inside the loop everything is head-major ``[H, B, ...]``: the recurrent part of a step is one ``baddbmm`` of
     h ``[H, B, Dh]`` with ``[H, Dh, 4 Dh]`` onto that step's input part, and the steps' inputs come from one
     ``unbind`` (whose backward is one stack, where indexing each step would zero-fill a [T, ...] gradient per step).
     """
-    B, T, _, H, Dh = gates_x.shape
-    cdt = state_dtype(gates_x.dtype)
+    T, H, B, width = steps.shape
+    Dh = width // 4
+    cdt = state_dtype(steps.dtype)
     if state is None:
-        state = slstm_init_state(B, H, Dh, device=gates_x.device, dtype=cdt)
+        state = slstm_init_state(B, H, Dh, device=steps.device, dtype=cdt)
     c, n, h, m = (s.to(cdt).transpose(0, 1) for s in state)  # [H, B, Dh]
     if T == 0:
-        return gates_x.new_zeros(B, 0, H, Dh), state
+        return steps.new_zeros(0, H, B, Dh), state
     recurrent = (recurrent_weights(R) if recurrent is None else recurrent).to(cdt)
-    steps = gates_x.to(cdt).permute(1, 3, 0, 2, 4).reshape(T, H, B, 4 * Dh).unbind(0)
     hs = []
-    for gates_t in steps:  # sLSTM's own recurrence: the only token loop in a training path
+    for gates_t in steps.to(cdt).unbind(0):  # sLSTM's own recurrence: the only token loop in a training path
         c, n, h, m = _cell(torch.baddbmm(gates_t, h, recurrent), c, n, m, forget_gate)
         hs.append(h)
-    out = torch.stack(hs, dim=0).permute(2, 0, 1, 3)  # [T, H, B, Dh] -> [B, T, H, Dh]
-    return out.to(gates_x.dtype), tuple(s.transpose(0, 1) for s in (c, n, h, m))
+    return torch.stack(hs, dim=0).to(steps.dtype), tuple(s.transpose(0, 1) for s in (c, n, h, m))
