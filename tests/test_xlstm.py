@@ -239,6 +239,31 @@ def test_slstm_scan_gradients_equal_the_unstabilised_equations(forget_gate):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+def test_slstm_gate_biases_are_added_in_float32_under_bf16_autocast(monkeypatch):
+    """Under bf16 autocast the sLSTM block's input products run in bf16, but its gate biases (the forget gates' +5..-7)
+    are added in float32, as NX-AI's cell adds them: an input's contribution far below bf16's step at the bias
+    (1/32 at 5) still reaches the scan."""
+    model = _tiny_model(dtype=torch.float32)
+    block = model.blocks[1]
+    with torch.no_grad():
+        block.gate_bias.fill_(5.0)
+        block.w_in.fill_(1e-4)
+    seen = {}
+
+    def capture(steps, *args, **kwargs):
+        seen["steps"] = steps
+        return original(steps, *args, **kwargs)
+
+    original = xlstm_module.slstm_scan_head_major
+    monkeypatch.setattr(xlstm_module, "slstm_scan_head_major", capture)
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        block(x)
+    steps = seen["steps"]
+    assert steps.dtype == torch.float32
+    assert (steps != 5.0).float().mean() > 0.9  # the products survive beside the bias
+
+
 def test_slstm_memory_mixing_stays_within_heads():
     g = torch.Generator().manual_seed(8)
     gates_x = torch.randn(1, 6, 4, 2, 3, generator=g, dtype=torch.float64)

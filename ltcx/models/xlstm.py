@@ -434,13 +434,14 @@ class SLSTMBlock(nn.Module):
         x_c, buffer = self.conv(xn, buffer)
         x_c = F.silu(x_c)
         # all steps' input projections, laid out as the scan reads them ([T, H, B, 4 Dh]: i, f from the conv path,
-        # z, o from the normed input): per path one baddbmm of [H, T B, Dh] with [H, Dh, 2 Dh] onto its gates' bias
+        # z, o from the normed input): per path one bmm of [H, T B, Dh] with [H, Dh, 2 Dh]. The bias is added after
+        # the product, not by a baddbmm: under bf16 autocast that would round the forget gates' +5..-7 biases and
+        # the sums to bf16, where this sum is float32 (as NX-AI's cell adds it)
         def head_major(t: Tensor) -> Tensor:  # [B, T, E] -> [H, T B, Dh]
             return t.view(B, T, H, Dh).permute(2, 1, 0, 3).reshape(H, T * B, Dh)
 
-        bias = self.gate_bias.view(2, 2, H, Dh).transpose(1, 2).reshape(2, H, 1, 2 * Dh)
-        g = torch.cat([torch.baddbmm(bias[s], head_major(path), self.w_in[s]) for s, path in enumerate((x_c, xn))],
-                      dim=-1)  # [H, T B, 4 Dh]
+        bias = self.gate_bias.view(4, H, Dh).transpose(0, 1).reshape(H, 1, 4 * Dh)
+        g = torch.cat([torch.bmm(head_major(path), self.w_in[s]) for s, path in enumerate((x_c, xn))], dim=-1) + bias
         # R rearranged for one product per step, kept between decode steps (rebuilt when R changes)
         recurrent = derived_in_inference(self, "recurrent", (self.R,), lambda: recurrent_weights(self.R))
         h, cell = slstm_scan_head_major(g.view(H, T, B, 4 * Dh).transpose(0, 1), self.R, cell,
