@@ -436,7 +436,7 @@ class SLSTMBlock(nn.Module):
         # all steps' input projections, laid out as the scan reads them ([T, H, B, 4 Dh]: i, f from the conv path,
         # z, o from the normed input): per path one bmm of [H, T B, Dh] with [H, Dh, 2 Dh]. The bias is added after
         # the product, not by a baddbmm: under bf16 autocast that would round the forget gates' +5..-7 biases and
-        # the sums to bf16, where this sum is float32 (as NX-AI's cell adds it)
+        # the sums to bf16 (a step of 1/32 at 5), where this sum is float32, the dtype the scan runs in
         def head_major(t: Tensor) -> Tensor:  # [B, T, E] -> [H, T B, Dh]
             return t.view(B, T, H, Dh).permute(2, 1, 0, 3).reshape(H, T * B, Dh)
 
