@@ -93,8 +93,10 @@ def _prepare(q, k, v, i_pre, f_pre, state, forget_gate):
     return q, k, v, log_i, log_f, None if state is None else tuple(s.to(cdt) for s in state)
 
 
-def _empty_state_of(q: Tensor) -> MLSTMState:
-    """The empty state for q ``[B, H, T, D]``, in q's dtype (already the state dtype)."""
+def _state_or_empty(state: MLSTMState | None, q: Tensor) -> MLSTMState:
+    """``state``, or the empty state for q ``[B, H, T, D]`` in q's dtype (already the state dtype) where it is None."""
+    if state is not None:
+        return state
     B, H, _, D = q.shape
     return mlstm_init_state(B, H, D, device=q.device, dtype=q.dtype)
 
@@ -160,7 +162,7 @@ def mlstm_parallel(
     out_dtype = q.dtype
     q, k, v, log_i, log_f, state = _prepare(q, k, v, i_pre, f_pre, state, forget_gate)
     if q.shape[-2] == 0:
-        return q.to(out_dtype), _empty_state_of(q) if state is None else state
+        return q.to(out_dtype), _state_or_empty(state, q)
     h, new_state = _chunk(q, k, v, log_i, log_f, *(state or (None,) * 3), eps)
     return h.to(out_dtype), new_state
 
@@ -193,7 +195,7 @@ def mlstm_chunkwise(
     out_dtype = q.dtype
     q, k, v, log_i, log_f, state = _prepare(q, k, v, i_pre, f_pre, state, forget_gate)
     B, H, T, D = q.shape
-    C, n, m = _empty_state_of(q) if state is None else state  # the carry loop starts from it
+    C, n, m = _state_or_empty(state, q)  # the carry loop starts from it
     L = chunk_size
     N = T // L  # at least 1
 

@@ -72,15 +72,13 @@ def slstm_step(
 
 
 def slstm_scan(
-    gates_x: Tensor, R: Tensor, state: SLSTMState | None = None, *, forget_gate: str = "sigmoid",
-    recurrent: Tensor | None = None,
+    gates_x: Tensor, R: Tensor, state: SLSTMState | None = None, *, forget_gate: str = "sigmoid"
 ) -> tuple[Tensor, SLSTMState]:
     """Run the recurrence over time. gates_x ``[B, T, 4, H, Dh]``; returns h ``[B, T, H, Dh]`` (dtype of gates_x).
-    ``recurrent``: ``recurrent_weights(R)`` when the caller keeps it (else built here). :func:`slstm_scan_head_major`
-    on the same steps laid out head-major."""
+    :func:`slstm_scan_head_major` on the same steps laid out head-major."""
     B, T, _, H, Dh = gates_x.shape
     steps = gates_x.permute(1, 3, 0, 2, 4).reshape(T, H, B, 4 * Dh)
-    h, state = slstm_scan_head_major(steps, R, state, forget_gate=forget_gate, recurrent=recurrent)
+    h, state = slstm_scan_head_major(steps, R, state, forget_gate=forget_gate)
     return h.permute(2, 0, 1, 3), state  # [T, H, B, Dh] -> [B, T, H, Dh]
 
 
@@ -91,6 +89,7 @@ def slstm_scan_head_major(
     """:func:`slstm_scan` on its inputs as the loop reads them: steps ``[T, H, B, 4 Dh]`` (any strides; per step and
     head the four gates' input parts side by side, i, f, z, o); returns h ``[T, H, B, Dh]`` (dtype of steps) and the
     state (each ``[B, H, Dh]``). A block that projects its input straight into this layout skips slstm_scan's copy.
+    ``recurrent``: ``recurrent_weights(R)`` when the caller keeps it (else built here).
 
     Inside the loop everything is head-major ``[H, B, ...]``: the recurrent part of a step is one ``baddbmm`` of
     h ``[H, B, Dh]`` with ``[H, Dh, 4 Dh]`` onto that step's input part, and the steps' inputs come from one
