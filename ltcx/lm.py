@@ -218,7 +218,7 @@ class LanguageModel(L.LightningModule):
                 backbone = self.backbone
 
                 def ltcx_loss_sum(inputs: torch.Tensor, targets: torch.Tensor):
-                    return head_loss_sum(backbone, backbone.forward_hidden(inputs)[0], targets)
+                    return head_loss_sum(backbone, backbone.forward_hidden(inputs, with_state=False)[0], targets)
 
                 backbone.ltcx_loss_sum = ltcx_loss_sum
                 register_fsdp_forward_method(backbone, "ltcx_loss_sum")
@@ -235,7 +235,7 @@ class LanguageModel(L.LightningModule):
                 return backbone(idx)[0]
 
             def hidden(idx: torch.Tensor) -> torch.Tensor:
-                return backbone.forward_hidden(idx)[0]
+                return backbone.forward_hidden(idx, with_state=False)[0]
 
             # Plain __dict__ entries, outside the module tree, so state_dict keys stay "backbone.*".
             self.__dict__["_compiled_logits"] = torch.compile(logits)
@@ -251,15 +251,17 @@ class LanguageModel(L.LightningModule):
 
     def _fuses_head(self) -> bool:
         """Whether the loss runs the head and the cross-entropy together (``ltcx/ops/fused_loss.py``), never holding
-        the ``[B, T, V]`` logits: a backbone with ``forward_hidden`` and ``output_head`` (every catalogue entry's; one
-        added from outside may keep the bare contract)."""
+        the ``[B, T, V]`` logits: a backbone with ``forward_hidden(idx, state=None, with_state=True)`` and
+        ``output_head`` (every catalogue entry's; one added from outside may keep the bare contract)."""
         return callable(getattr(self.backbone, "forward_hidden", None)) and callable(
             getattr(self.backbone, "output_head", None))
 
     def _hidden(self, inputs: torch.Tensor) -> torch.Tensor:
         """inputs [B, T] -> the backbone's final hidden states [B, T, C] (compiled with ``compile: true``)."""
         compiled = self.__dict__.get("_compiled_hidden")
-        return compiled(inputs) if compiled is not None else self.backbone.forward_hidden(inputs)[0]
+        if compiled is not None:
+            return compiled(inputs)
+        return self.backbone.forward_hidden(inputs, with_state=False)[0]  # the state is discarded: not computed
 
     def _fused_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """inputs, targets [B, T] -> (summed cross-entropy over the targets not ``IGNORE_INDEX``, their count)."""

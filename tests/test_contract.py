@@ -172,6 +172,31 @@ def check_gradients_reach_every_parameter(entry: Architecture, variant: str = "t
         assert param.grad.abs().max() > 0, name
 
 
+def check_hidden_without_state(entry: Architecture, variant: str = "tiny") -> None:
+    """``forward_hidden(idx, state, with_state=False)`` (the losses', which discard the state) returns no state and
+    the hidden states and gradients of ``forward_hidden(idx, state)``, bit for bit, in training mode: at lengths
+    that end on and inside a chunk (Titans' memory, the xLSTM's mLSTM), from the start and continuing a state. A
+    backbone without ``forward_hidden`` (scored from its logits) has nothing to check."""
+    model = tiny(entry, torch.float64, variant=variant).train()
+    if not callable(getattr(model, "forward_hidden", None)):
+        return
+    idx = tokens(B, T + 16, seed=9)
+    with torch.no_grad():
+        _, state = model.forward_hidden(idx[:, :3])
+    for piece, given in ((idx[:, :16], None), (idx[:, :T], None), (idx[:, 3:T + 16], state)):
+        outputs = []
+        for with_state in (True, False):
+            model.zero_grad(set_to_none=True)
+            hidden, new_state = model.forward_hidden(piece, given, with_state=with_state)
+            assert (new_state is None) != with_state
+            hidden.square().mean().backward()
+            outputs.append((hidden.detach(), {n: p.grad for n, p in model.named_parameters()}))
+        (kept, kept_grads), (hidden, grads) = outputs
+        torch.testing.assert_close(hidden, kept, rtol=0, atol=0)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, kept_grads[name], rtol=0, atol=0, msg=name)
+
+
 def check_config_dict_rebuilds(entry: Architecture, variant: str = "tiny") -> None:
     """``type(m)(**m.config_dict())`` rebuilds the same state_dict shapes, and with the weights the same logits;
     the contract's other members answer."""
@@ -214,7 +239,8 @@ def check_bf16_generation(entry: Architecture, variant: str = "tiny", *, mode: s
 CORE_CHECKS = [
     check_pieces_equal_whole, check_cached_decode_equals_full_forward, check_inference_sees_each_optimizer_step,
     check_reorder_cache, check_causality,
-    check_batch_independence, check_gradients_reach_every_parameter, check_config_dict_rebuilds,
+    check_batch_independence, check_gradients_reach_every_parameter, check_hidden_without_state,
+    check_config_dict_rebuilds,
     functools.partial(check_bf16_generation, mode="bf16 weights"),
     functools.partial(check_bf16_generation, mode="autocast"),
 ]
@@ -334,7 +360,7 @@ def check_compiled_ops(entry: Architecture, variant: str, backend: str, monkeypa
 
     def counting_compile(fn, **kwargs):
         compiled = real_compile(fn, backend=backend, **kwargs)
-        return lambda *args: (calls.append(fn.__name__), compiled(*args))[1]
+        return lambda *args, **kw: (calls.append(fn.__name__), compiled(*args, **kw))[1]
 
     monkeypatch.setattr(torch, "compile", counting_compile)
     titans._compiled_neural_memory.cache_clear()

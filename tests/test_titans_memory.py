@@ -196,7 +196,7 @@ def test_pieces_with_state_and_position_equal_one_call(chunk_size):
     _assert_states_rel(state, state_whole, what="decode state")
 
 
-@pytest.mark.parametrize("read", ["all", "y", "y+weights"], ids=lambda r: f"read-{r}")
+@pytest.mark.parametrize("read", ["all", "y", "y+weights", "y-without-state"], ids=lambda r: f"read-{r}")
 @pytest.mark.parametrize("momentum", ["learned", "constant", "none"], ids=lambda m: f"momentum-{m}")
 @pytest.mark.parametrize("start", ["current", "earlier"], ids=["at-boundary", "mid-chunk"])
 @pytest.mark.parametrize("normalize_step", [True, False], ids=["kappa", "raw-step"])
@@ -207,7 +207,9 @@ def test_hand_written_chunk_backward_equals_autograd(normalize_step, start, mome
     all five outputs; the start weights either the current ones (passed as None: their gradients are the current
     weights') or an earlier point, and the momentum nonzero with or without a gradient, or None (M_0's zero
     momentum, whose terms the chunk leaves out); and with cotangents on every output, on y alone (a training step's
-    last chunk, whose state nothing reads: its terms are skipped) or on y and the weights (MAC's segment read)."""
+    last chunk, whose state nothing reads: its terms are skipped), on y and the weights (MAC's segment read), or on
+    y of the chunk run without its state (``with_state`` False: no weights after it), held to autograd of the chunk
+    with its state."""
     g = torch.Generator().manual_seed(3)
     bh, n = B * H, 7
     x = _inputs(length=n)
@@ -228,19 +230,23 @@ def test_hand_written_chunk_backward_equals_autograd(normalize_step, start, mome
     start_leaves = [None, None] if start == "current" else [weights(DK, DM).requires_grad_(),
                                                             weights(DM, DK).requires_grad_()]
     args = (*inputs, *start_leaves, *state, normalize_step)
+    without_state = read == "y-without-state"
     leaves = inputs + [t for t in state if t is not None and t.requires_grad] + (
         [] if start == "current" else start_leaves)
 
-    def gradients(chunk):
-        outputs = chunk(*args)
+    def gradients(chunk, with_state=True):
+        outputs = chunk(*args, with_state)
         cotangents = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i), dtype=o.dtype)
-                      for i, o in enumerate(outputs)]
-        kept = {"all": range(5), "y": [0], "y+weights": [0, 1, 3]}[read]  # y, W1^T, S1^T, W2^T, S2^T
+                      for i, o in enumerate(outputs) if o is not None]
+        kept = {"all": range(5), "y": [0], "y+weights": [0, 1, 3], "y-without-state": [0]}[read]  # y, W1^T, S1^T, ...
         return outputs, torch.autograd.grad([outputs[i] for i in kept], leaves, [cotangents[i] for i in kept],
                                             allow_unused=True)
 
     outputs_ref, grads_ref = gradients(titans_ops._memory_chunk_autograd)
-    outputs, grads = gradients(titans_ops._MemoryChunk.apply)
+    outputs, grads = gradients(titans_ops._MemoryChunk.apply, with_state=not without_state)
+    if without_state:
+        assert all(out is None for out in outputs[1:])
+        outputs, outputs_ref = outputs[:1], outputs_ref[:1]
     for i, (out, out_ref) in enumerate(zip(outputs, outputs_ref)):
         torch.testing.assert_close(out, out_ref, rtol=0, atol=0, msg=f"output {i}")
     names = ["q", "k", "kv2", "k2", "step", *titans_ops._Piece._fields,
@@ -248,7 +254,7 @@ def test_hand_written_chunk_backward_equals_autograd(normalize_step, start, mome
     for name, gr, gr_ref in zip(names, grads, grads_ref):
         if (name == "k2" and not normalize_step  # ||k||^2 enters only the curvature
                 or name in ("d_q", "d") and momentum == "none"  # D_t scales only the momentum
-                or name == "ends" and read == "y"  # the carry: it reaches the state alone
+                or name == "ends" and read in ("y", "y-without-state")  # the carry: it reaches the state alone
                 or name == "momentum_last" and read != "all"):  # E_n / E_i reaches the momentum alone
             assert (gr is None or not gr.any()) and (gr_ref is None or not gr_ref.any()), name
             continue

@@ -295,8 +295,10 @@ class GPT(ConfiguredModule):
         """The head ``forward`` applies to ``forward_hidden``'s states (a loss may fuse it: ltcx/ops/fused_loss.py)."""
         return self.lm_head
 
-    def forward_hidden(self, idx: torch.Tensor, state: tuple | None = None) -> tuple[torch.Tensor, tuple]:
-        """``forward`` before the head: (final hidden states [B, T, C], after ln_f, new state)."""
+    def forward_hidden(self, idx: torch.Tensor, state: tuple | None = None,
+                       with_state: bool = True) -> tuple[torch.Tensor, tuple | None]:
+        """``forward`` before the head: (final hidden states [B, T, C], after ln_f, new state; None with ``with_state``
+        False, as every backbone's: the caches are the keys and values the layers computed anyway)."""
         past_len = 0 if state is None else state[0].length
         length = idx.shape[1]
         x = self.wte(idx)
@@ -312,7 +314,7 @@ class GPT(ConfiguredModule):
         for i, block in enumerate(self.blocks):
             x, cache = block(x, None if state is None else state[i])
             new_state.append(cache)
-        return self.ln_f(x), tuple(new_state)
+        return self.ln_f(x), tuple(new_state) if with_state else None
 
     def reorder_cache(self, state: tuple, index: torch.Tensor) -> tuple:
         """Reorder, repeat or drop batch rows of a state (beam search): row b becomes old row index[b]."""

@@ -264,7 +264,8 @@ class NeuralMemory(nn.Module):
         q = F.normalize(F.silu(self._heads(projected.to(compute_dtype(u.dtype)))), dim=-1)
         return q, buffer
 
-    def forward(self, u: Tensor, cache: MemoryCache | None, position: int) -> tuple[Tensor, MemoryCache]:
+    def forward(self, u: Tensor, cache: MemoryCache | None, position: int,
+                with_state: bool = True) -> tuple[Tensor, MemoryCache | None]:
         config = self.config
         batch, length, _ = u.shape
         projected, conv = causal_depthwise_conv(
@@ -292,9 +293,9 @@ class NeuralMemory(nn.Module):
                 memory_fn = _compiled_neural_memory()
             y, state = memory_fn(
                 q, k, v, log_retain, log_momentum, step, state, position, config.memory_chunk_size,
-                config.normalize_step,
+                config.normalize_step, with_state=with_state,
             )
-        return y.transpose(1, 2).flatten(2).to(u.dtype), MemoryCache(state, conv)
+        return y.transpose(1, 2).flatten(2).to(u.dtype), MemoryCache(state, conv) if with_state else None
 
 
 class TitansAttention(nn.Module):
@@ -361,12 +362,13 @@ class MAGBlock(nn.Module):
         self.mlp = MLP(config, config.mlp_hidden)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, state: MAGState | None, position: int) -> tuple[Tensor, MAGState]:
+    def forward(self, x: Tensor, state: MAGState | None, position: int,
+                with_state: bool = True) -> tuple[Tensor, MAGState | None]:
         normed = self.ln_1(x)
         y, attention = self.attn.sliding_window(normed, None if state is None else state.attention, position)
-        m, memory = self.memory(normed, None if state is None else state.memory, position)
+        m, memory = self.memory(normed, None if state is None else state.memory, position, with_state)
         x = x + self.dropout(self.out_proj(self.norm_y(y) * torch.sigmoid(self.norm_m(m))))
-        return x + self.mlp(self.ln_2(x)), MAGState(attention, memory)
+        return x + self.mlp(self.ln_2(x)), MAGState(attention, memory) if with_state else None
 
 
 class MACBlock(MAGBlock):
@@ -383,7 +385,8 @@ class MACBlock(MAGBlock):
         self.config = config
         self.norm_h = _layer_norm(config, config.n_embd)
 
-    def forward(self, x: Tensor, state: MACState | None, position: int) -> tuple[Tensor, MACState]:
+    def forward(self, x: Tensor, state: MACState | None, position: int,
+                with_state: bool = True) -> tuple[Tensor, MACState | None]:
         batch, length, _ = x.shape
         segment_len = self.config.segment
         normed = self.ln_1(x)
@@ -415,15 +418,19 @@ class MACBlock(MAGBlock):
                 q[:, :, piece], q_rot[:, :, piece], torch.cat([k_h, k_xs], dim=2), torch.cat([v_h, v_xs], dim=2),
                 torch.cat([causal, causal], dim=1),
             )
-            m, memory = self.memory(y, memory, piece_start)
+            discarded = not with_state and start + n == length  # the last piece's state, which nothing reads
+            m, memory = self.memory(y, memory, piece_start, not discarded)
             outputs.append(self.out_proj(self.norm_y(y) * torch.sigmoid(self.norm_m(m))))
+            if discarded:
+                break
             if (piece_start + n) % segment_len == 0:  # segment finished: the next one reads the updated memory
                 segment, segment_weights = None, (memory.memory.w1, memory.memory.w2)
             else:
                 segment = keys_values
             start += n
         x = x + self.dropout(torch.cat(outputs, dim=1))
-        return x + self.mlp(self.ln_2(x)), MACState(segment, segment_weights, query_conv, memory)
+        new_state = MACState(segment, segment_weights, query_conv, memory) if with_state else None
+        return x + self.mlp(self.ln_2(x)), new_state
 
 
 class MemoryBlock(nn.Module):
@@ -441,9 +448,10 @@ class MemoryBlock(nn.Module):
         self.mlp = MLP(config, config.mlp_hidden)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, state: MemoryCache | None, position: int) -> tuple[Tensor, MemoryCache]:
+    def forward(self, x: Tensor, state: MemoryCache | None, position: int,
+                with_state: bool = True) -> tuple[Tensor, MemoryCache | None]:
         normed = self.ln_1(x)
-        m, state = self.memory(normed, state, position)
+        m, state = self.memory(normed, state, position, with_state)
         x = x + self.dropout(self.out_proj(self.norm_m(m) * F.silu(self.gate_proj(normed))))
         return x + self.mlp(self.ln_2(x)), state
 
@@ -460,10 +468,11 @@ class SWABlock(nn.Module):
         self.mlp = MLP(config, config.mlp_hidden)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, state: WindowCache | None, position: int) -> tuple[Tensor, WindowCache]:
+    def forward(self, x: Tensor, state: WindowCache | None, position: int,
+                with_state: bool = True) -> tuple[Tensor, WindowCache | None]:
         y, state = self.attn.sliding_window(self.ln_1(x), state, position)
         x = x + self.dropout(self.c_proj(y))
-        return x + self.mlp(self.ln_2(x)), state
+        return x + self.mlp(self.ln_2(x)), state if with_state else None
 
 
 def _make_blocks(config: TitansConfig) -> list[nn.Module]:
@@ -632,15 +641,17 @@ class Titans(ConfiguredModule):
         """The head ``forward`` applies to ``forward_hidden``'s states (a loss may fuse it: ltcx/ops/fused_loss.py)."""
         return self.lm_head
 
-    def forward_hidden(self, idx: Tensor, state: TitansState | None = None) -> tuple[Tensor, TitansState]:
-        """``forward`` before the head: (final hidden states [B, T, C], after ln_f, new state)."""
+    def forward_hidden(self, idx: Tensor, state: TitansState | None = None,
+                       with_state: bool = True) -> tuple[Tensor, TitansState | None]:
+        """``forward`` before the head: (final hidden states [B, T, C], after ln_f, new state; None with
+        ``with_state`` False, where the memories leave their last chunk's carry out)."""
         position = 0 if state is None else state.position
         x = self.drop(self.wte(idx))
         layer_states = []
         for i, block in enumerate(self.blocks):
-            x, layer_state = block(x, None if state is None else state.layers[i], position)
+            x, layer_state = block(x, None if state is None else state.layers[i], position, with_state)
             layer_states.append(layer_state)
-        return self.ln_f(x), TitansState(position + idx.shape[1], tuple(layer_states))
+        return self.ln_f(x), TitansState(position + idx.shape[1], tuple(layer_states)) if with_state else None
 
     def reorder_cache(self, state: TitansState, index: Tensor) -> TitansState:
         """Reorder, repeat or drop batch rows of a state (beam search): row b becomes old row index[b]."""

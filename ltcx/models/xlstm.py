@@ -368,7 +368,7 @@ class MLSTMBlock(nn.Module):
             gates = torch.addmm(gates, w, part.flatten(0, -2).t())  # [2H, B T]
         return gates.view(-1, *q.shape[:-1]).transpose(0, 1).chunk(2, dim=1)
 
-    def forward(self, x: Tensor, state: tuple | None = None) -> tuple[Tensor, tuple]:
+    def forward(self, x: Tensor, state: tuple | None = None, with_state: bool = True) -> tuple[Tensor, tuple | None]:
         B, T, _ = x.shape
         H, Dh = self.num_heads, self.head_dim
         cell, buffer = (None, None) if state is None else (tuple(state[:3]), state[3])
@@ -386,15 +386,16 @@ class MLSTMBlock(nn.Module):
                                  cell, forget_gate=self.forget_gate)
             h = h.unsqueeze(2)
         elif self.backend == "parallel":
-            h, cell = mlstm_parallel(heads(q), heads(k), heads(v), i_pre, f_pre, cell, forget_gate=self.forget_gate)
+            h, cell = mlstm_parallel(heads(q), heads(k), heads(v), i_pre, f_pre, cell, forget_gate=self.forget_gate,
+                                     with_state=with_state)
         elif self.backend == "kernels" and (kernel := mlstm_kernel_for(x.device, self.training)) is not None:
             h, cell = mlstm_chunkwise_kernels(heads(q), heads(k), heads(v), i_pre, f_pre, cell, kernel=kernel)
         else:
             h, cell = mlstm_chunkwise(heads(q), heads(k), heads(v), i_pre, f_pre, cell,
-                                      chunk_size=self.chunk_size, forget_gate=self.forget_gate)
+                                      chunk_size=self.chunk_size, forget_gate=self.forget_gate, with_state=with_state)
         h = self.out_norm(h.transpose(1, 2))  # [B, T, I]
         h = (h + self.skip * x_c) * F.silu(z)
-        return x + self.dropout(self.proj_down(h)), (*cell, buffer)
+        return x + self.dropout(self.proj_down(h)), (*cell, buffer) if with_state else None
 
 
 class SLSTMBlock(nn.Module):
@@ -426,7 +427,7 @@ class SLSTMBlock(nn.Module):
         nn.init.normal_(self.ffn_up.weight, std=_small_init_std(E))
         nn.init.normal_(self.ffn_down.weight, std=_wang_init_std(E, cfg.num_layers))
 
-    def forward(self, x: Tensor, state: tuple | None = None) -> tuple[Tensor, tuple]:
+    def forward(self, x: Tensor, state: tuple | None = None, with_state: bool = True) -> tuple[Tensor, tuple | None]:
         B, T, E = x.shape
         H, Dh = self.num_heads, self.head_dim
         cell, buffer = (None, None) if state is None else (tuple(state[:4]), state[4])
@@ -449,7 +450,7 @@ class SLSTMBlock(nn.Module):
         x = x + self.dropout(self.out_norm(h.permute(2, 0, 1, 3)))
         u, gate = self.ffn_up(self.ffn_norm(x)).chunk(2, dim=-1)
         x = x + self.dropout(self.ffn_down(F.gelu(gate) * u))
-        return x, (*cell, buffer)
+        return x, (*cell, buffer) if with_state else None  # the scan's state is its last step: nothing to leave out
 
 
 # ----------------------------------------------------------------------------- model
@@ -495,16 +496,18 @@ class XLSTM(ConfiguredModule):
         """The head ``forward`` applies to ``forward_hidden``'s states (a loss may fuse it: ltcx/ops/fused_loss.py)."""
         return self.head
 
-    def forward_hidden(self, idx: Tensor, state: list | None = None) -> tuple[Tensor, list]:
-        """``forward`` before the head: (final hidden states ``[B, T, E]``, after the norm, state)."""
+    def forward_hidden(self, idx: Tensor, state: list | None = None,
+                       with_state: bool = True) -> tuple[Tensor, list | None]:
+        """``forward`` before the head: (final hidden states ``[B, T, E]``, after the norm, state; None with
+        ``with_state`` False, where the mLSTM blocks leave their final state out)."""
         if state is not None and len(state) != len(self.blocks):
             raise ValueError(f"state has {len(state)} entries but the model has {len(self.blocks)} blocks")
         x = self.dropout(self.embedding(idx))
         new_state = []
         for i, block in enumerate(self.blocks):
-            x, s = block(x, None if state is None else state[i])
+            x, s = block(x, None if state is None else state[i], with_state)
             new_state.append(s)
-        return self.norm(x), new_state
+        return self.norm(x), new_state if with_state else None
 
     def forward_recurrent(self, idx: Tensor, state: list | None = None) -> tuple[Tensor, list]:
         """Token-by-token evaluation: a loop calling forward on one token at a time (the seed's slow way;

@@ -152,18 +152,19 @@ def mlstm_parallel(
     *,
     forget_gate: str = "sigmoid",
     eps: float = EPS,
-) -> tuple[Tensor, MLSTMState]:
+    with_state: bool = True,
+) -> tuple[Tensor, MLSTMState | None]:
     """Stabilised parallel mLSTM over the whole sequence, continuing from ``state``.
 
     q, k, v ``[B, H, T, D]``, i_pre, f_pre ``[B, H, T]``. Returns h ``[B, H, T, D]`` (dtype of q)
-    and the final state. The initial state enters as an extra "column" with log weight
-    ``sum_{l<=t} log f_l + m_0`` (``-inf`` for the empty state).
+    and the final state (None with ``with_state`` False: not computed, for a caller that discards it). The initial
+    state enters as an extra "column" with log weight ``sum_{l<=t} log f_l + m_0`` (``-inf`` for the empty state).
     """
     out_dtype = q.dtype
     q, k, v, log_i, log_f, state = _prepare(q, k, v, i_pre, f_pre, state, forget_gate)
     if q.shape[-2] == 0:
-        return q.to(out_dtype), _state_or_empty(state, q)
-    h, new_state = _chunk(q, k, v, log_i, log_f, *(state or (None,) * 3), eps)
+        return q.to(out_dtype), _state_or_empty(state, q) if with_state else None
+    h, new_state = _chunk(q, k, v, log_i, log_f, *(state or (None,) * 3), eps, with_state=with_state)
     return h.to(out_dtype), new_state
 
 
@@ -178,7 +179,8 @@ def mlstm_chunkwise(
     chunk_size: int = 64,
     forget_gate: str = "sigmoid",
     eps: float = EPS,
-) -> tuple[Tensor, MLSTMState]:
+    with_state: bool = True,
+) -> tuple[Tensor, MLSTMState | None]:
     """Chunkwise mLSTM: O(T L) memory for chunk length L; any T (the last chunk may be short).
 
     1. every full chunk's own contribution to the state is computed at once (all chunks in parallel);
@@ -186,12 +188,12 @@ def mlstm_chunkwise(
     3. all full chunks' outputs are computed at once from their starting states;
     4. a trailing partial chunk is one more parallel block.
     A sequence of at most one chunk is one parallel block (:func:`mlstm_parallel`'s form).
-    Shapes as :func:`mlstm_parallel`.
+    Shapes and ``with_state`` as :func:`mlstm_parallel`.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size ({chunk_size}) must be >= 1")
     if q.shape[-2] <= chunk_size:  # one block: the parallel form, without the carry loop and the chunk-state detour
-        return mlstm_parallel(q, k, v, i_pre, f_pre, state, forget_gate=forget_gate, eps=eps)
+        return mlstm_parallel(q, k, v, i_pre, f_pre, state, forget_gate=forget_gate, eps=eps, with_state=with_state)
     out_dtype = q.dtype
     q, k, v, log_i, log_f, state = _prepare(q, k, v, i_pre, f_pre, state, forget_gate)
     B, H, T, D = q.shape
@@ -215,10 +217,14 @@ def mlstm_chunkwise(
     starts_C, starts_n, starts_m = [], [], []
     # the chunks' pieces from unbind, not indexing in the loop: the backward of an unbind is one stack, where each
     # index's backward would zero-fill a tensor of all N chunks (the [B, H, N, D, D] states among them)
-    for C_c, n_c, m_c, b_c in zip(C_loc.unbind(2), n_loc.unbind(2), m_loc.unbind(2), b_last.unbind(2)):
+    # (the state after the last full chunk is wanted for the returned state or a trailing partial chunk)
+    carried = C_loc.unbind(2), n_loc.unbind(2), m_loc.unbind(2), b_last.unbind(2)
+    for index, (C_c, n_c, m_c, b_c) in enumerate(zip(*carried)):
         starts_C.append(C)
         starts_n.append(n)
         starts_m.append(m)
+        if index == N - 1 and not with_state and T == N * L:
+            break
         log_prev = b_c + m
         m_new = torch.maximum(log_prev, m_c)
         a = torch.exp(log_prev - m_new)
@@ -233,9 +239,10 @@ def mlstm_chunkwise(
     h = h.reshape(B, H, N * L, D)
     if T > N * L:
         s = N * L
-        tail, (C, n, m) = _chunk(q[:, :, s:], k[:, :, s:], v[:, :, s:], log_i[:, :, s:], log_f[:, :, s:], C, n, m, eps)
-        h = torch.cat([h, tail], dim=2)
-    return h.to(out_dtype), (C, n, m)
+        tail, final = _chunk(q[:, :, s:], k[:, :, s:], v[:, :, s:], log_i[:, :, s:], log_f[:, :, s:], C, n, m, eps,
+                             with_state=with_state)
+        return torch.cat([h, tail], dim=2).to(out_dtype), final
+    return h.to(out_dtype), (C, n, m) if with_state else None
 
 
 def mlstm_step(

@@ -165,10 +165,11 @@ def _pieces(q: Tensor, k: Tensor, log_retain: Tensor, log_momentum: Tensor, size
 
 def _chunk_forward(
     q: Tensor, k: Tensor, kv2: Tensor, k2: Tensor, step: Tensor, piece: _Piece, w1s_t: Tensor | None,
-    w2s_t: Tensor | None, weights: tuple[Tensor, Tensor, Tensor, Tensor], normalize: bool,
-) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor], dict[str, Tensor]]:
+    w2s_t: Tensor | None, weights: tuple[Tensor, Tensor, Tensor, Tensor], normalize: bool, with_state: bool = True,
+) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor] | None, dict[str, Tensor]]:
     """n tokens of one chunk (all gradients at the chunk start) in closed form -> (y [BH, n, dk], weights after it,
-    the intermediates ``_MemoryChunk.backward`` reads).
+    the intermediates ``_MemoryChunk.backward`` reads). ``with_state`` False leaves the weights after it out (None):
+    a call's last chunk whose state the caller discards (a training loss): four products and the weight-size passes.
 
     Batch and heads are one leading dim [BH], so every product is one ``bmm``/``baddbmm``. The weights are carried
     transposed, weights = (W1^T, S1^T [BH, dk, dm], W2^T, S2^T [BH, dm, dk]), so that every product reads them as
@@ -214,9 +215,13 @@ def _chunk_forward(
 
     # State after the chunk's last token: rank-n corrections of the carried weights and momentum, accumulated in
     # place into A_n W + D_n S and E_n S.
-    a_n, d_n, e_n = piece.ends.unbind(1)  # [BH, 1, 1] each
     last_coeff = coeff[..., -1, :].unsqueeze(-1)  # C[n, i]
     last_momentum = (theta * piece.momentum_last).unsqueeze(-1)  # theta_i E_n / E_i
+    saved.update(theta=theta, coeff=coeff, write=write, pre=pre, hidden=hidden, hh=hh, read=read,
+                 last_coeff=last_coeff, last_momentum=last_momentum)
+    if not with_state:
+        return y, None, saved
+    a_n, d_n, e_n = piece.ends.unbind(1)  # [BH, 1, 1] each
     if momentum:
         new_w1, new_w2 = (s1_t * d_n).addcmul_(a_n, w1_t), (s2_t * d_n).addcmul_(a_n, w2_t)
         new_s1 = (s1_t * e_n).baddbmm_((k * last_momentum).transpose(-1, -2), delta1, alpha=-1.0)
@@ -227,18 +232,16 @@ def _chunk_forward(
         new_s2 = torch.bmm((h * -last_momentum).transpose(-1, -2), delta2)
     new_w1.baddbmm_((k * last_coeff).transpose(-1, -2), delta1, alpha=-1.0)
     new_w2.baddbmm_((h * last_coeff).transpose(-1, -2), delta2, alpha=-1.0)
-    saved.update(theta=theta, coeff=coeff, write=write, pre=pre, hidden=hidden, hh=hh, read=read,
-                 last_coeff=last_coeff, last_momentum=last_momentum)
     return y, (new_w1, new_s1, new_w2, new_s2), saved
 
 
 def _memory_chunk_autograd(*args) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``_chunk_forward`` differentiated by autograd, the same argument order as ``_MemoryChunk.apply``: the oracle
     of the hand-written backward (and what ``torch.compile`` traces)."""
-    q, k, kv2, k2, step, *fields, w1s_t, w2s_t, w1_t, s1_t, w2_t, s2_t, normalize = args
+    q, k, kv2, k2, step, *fields, w1s_t, w2s_t, w1_t, s1_t, w2_t, s2_t, normalize, with_state = args
     y, weights, _ = _chunk_forward(q, k, kv2, k2, step, _Piece(*fields), w1s_t, w2s_t, (w1_t, s1_t, w2_t, s2_t),
-                                   normalize)
-    return (y, *weights)
+                                   normalize, with_state)
+    return (y, *(weights or (None,) * 4))
 
 
 _SAVED = ("z", "h", "delta2", "back", "delta1", "theta", "coeff", "write", "pre", "hidden", "hh", "read",
@@ -250,20 +253,21 @@ class _MemoryChunk(torch.autograd.Function):
     """``_chunk_forward`` with its backward written out (the chain rule through every line above, each product's
     gradient one ``bmm``): autograd's graph of the chunk runs some 90 nodes, most of them small elementwise
     kernels and broadcast reductions. Inputs: q, k, kv2, k2, step, the eight ``_Piece`` fields, w1s_t, w2s_t,
-    W1^T, S1^T, W2^T, S2^T, normalize; outputs y and the four carried weights after the chunk."""
+    W1^T, S1^T, W2^T, S2^T, normalize, with_state; outputs y and the four carried weights after the chunk (None
+    without the state)."""
 
     @staticmethod
     def forward(ctx, q, k, kv2, k2, step, *rest):
-        *fields, w1s_t, w2s_t, w1_t, s1_t, w2_t, s2_t, normalize = rest
+        *fields, w1s_t, w2s_t, w1_t, s1_t, w2_t, s2_t, normalize, with_state = rest
         piece = _Piece(*fields)
         y, weights, saved = _chunk_forward(q, k, kv2, k2, step, piece, w1s_t, w2s_t, (w1_t, s1_t, w2_t, s2_t),
-                                           normalize)
+                                           normalize, with_state)
         names = _SAVED + (_SAVED_NORMALIZED if normalize else ())
         ctx.normalize, ctx.start_is_current = normalize, w1s_t is None
         ctx.set_materialize_grads(False)  # an output nothing reads gets None: its terms are skipped, not zero-filled
         starts = (w1_t, w2_t) if w1s_t is None else (w1s_t, w2s_t)
         ctx.save_for_backward(k, k2, step, *fields, *starts, w1_t, s1_t, w2_t, s2_t, *(saved[n] for n in names))
-        return (y, *weights)
+        return (y, *(weights or (None,) * 4))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -285,7 +289,7 @@ class _MemoryChunk(torch.autograd.Function):
         # the carried state: new_w = d_n S + a_n W - X^T delta, new_s = e_n S - Y^T delta. A training step's last
         # chunk has no gradient on it (set_materialize_grads(False): None, not zeros): its terms are left out.
         momentum = s1_t is not None  # else zero momentum: nothing depends on D_n, E_n, D_t q or D_t
-        needs_s1, _, needs_s2, _ = ctx.needs_input_grad[-4:]  # S1^T, W2^T, S2^T, normalize
+        needs_s1, _, needs_s2 = ctx.needs_input_grad[-5:-2]  # S1^T, W2^T, S2^T (then normalize, with_state)
         wants_s = needs_s1 or needs_s2  # not for a momentum without a gradient (or none)
         last_coeff, last_momentum = x["last_coeff"], x["last_momentum"]  # [BH, n, 1]
         carried = (g_w1, g_s1, g_w2, g_s2)
@@ -380,7 +384,7 @@ class _MemoryChunk(torch.autograd.Function):
         gw1s_t = gw1_t.baddbmm_(mt(k), g_z) if ctx.start_is_current else torch.bmm(mt(k), g_z)
         g_starts = (None, None) if ctx.start_is_current else (gw1s_t, gw2s_t)
         g_fields = (g_decay, g_qk, g_a_q, g_d_q, g_a, g_d, g_momentum_last, g_ends)
-        return (g_y, g_k, g_kv2, g_k2, g_step, *g_fields, *g_starts, gw1_t, gs1_t, gw2_t, gs2_t, None)
+        return (g_y, g_k, g_kv2, g_k2, g_step, *g_fields, *g_starts, gw1_t, gs1_t, gw2_t, gs2_t, None, None)
 
 
 def _add_product(total: Tensor | None, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
@@ -393,29 +397,31 @@ def _add_product(total: Tensor | None, a: Tensor, b: Tensor, alpha: float = 1.0)
 
 def _memory_chunk(
     q: Tensor, k: Tensor, kv2: Tensor, k2: Tensor, step: Tensor, piece: _Piece, w1s_t: Tensor, w2s_t: Tensor,
-    weights: tuple[Tensor, Tensor, Tensor, Tensor], normalize: bool,
+    weights: tuple[Tensor, Tensor, Tensor, Tensor], normalize: bool, with_state: bool = True,
 ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
-    """One chunk (``_chunk_forward``) with the hand-written backward: (y [BH, n, dk], weights after it). Under
+    """One chunk (``_chunk_forward``) with the hand-written backward: (y [BH, n, dk], weights after it: four Nones
+    without ``with_state``). Under
     ``torch.compile`` autograd's form instead: Inductor fuses the differentiated forward itself."""
     chunk = _memory_chunk_autograd if torch.compiler.is_compiling() else _MemoryChunk.apply
     # the start is the current weights (a boundary): passed once, as None; the caller keeps the tensors, since a
     # call that ends mid-chunk returns the start it began with
     if w1s_t is weights[0] and w2s_t is weights[2]:
         w1s_t = w2s_t = None
-    y, *weights = chunk(q, k, kv2, k2, step, *piece, w1s_t, w2s_t, *weights, normalize)
+    y, *weights = chunk(q, k, kv2, k2, step, *piece, w1s_t, w2s_t, *weights, normalize, with_state)
     return y, tuple(weights)
 
 
 def neural_memory(
     q: Tensor, k: Tensor, v: Tensor, log_retain: Tensor, log_momentum: Tensor, step: Tensor,
-    state: MemoryState, position: int, chunk_size: int | None, normalize_step: bool = True,
-) -> tuple[Tensor, MemoryState]:
+    state: MemoryState, position: int, chunk_size: int | None, normalize_step: bool = True, with_state: bool = True,
+) -> tuple[Tensor, MemoryState | None]:
     """Write every token into the memory and read it back (write-then-read), chunk by chunk in closed form.
 
     q, k, v [B, H, T, dk] (queries, keys, values per head); log_retain = log(1 - alpha_t) [B, H, T];
     log_momentum = log eta_t [B, H, T]; step [B, H, T] = theta_t before the curvature normalisation;
     state: the memory after ``position`` tokens; chunk_size: b, or None for a gradient point that never moves.
-    Returns y [B, H, T, dk] with y_t = M(q_t; W_t), and the state after the T tokens.
+    Returns y [B, H, T, dk] with y_t = M(q_t; W_t), and the state after the T tokens (None with ``with_state``
+    False: the last chunk's carry is not computed, for a caller that discards it).
 
     Chunks are at absolute positions, so a call that starts mid-chunk first finishes that chunk: the result
     does not depend on how a sequence is split into calls. What no state changes (the decay matrices, q k^T,
@@ -424,7 +430,7 @@ def neural_memory(
     w1_start, w2_start, w1, w2, s1, s2 = state
     batch, heads, length, _ = q.shape
     if length == 0:
-        return q.new_zeros(q.shape), state
+        return q.new_zeros(q.shape), state if with_state else None
     sizes = chunk_sizes(position, length, chunk_size)
     q, k, v, log_retain, log_momentum, step = (x.flatten(0, 1) for x in (q, k, v, log_retain, log_momentum, step))
     # contiguous: the in-place products of _memory_chunk would loop over the batch on a transposed layout
@@ -439,12 +445,17 @@ def neural_memory(
     # slice's backward would fill a zero tensor of the whole sequence (quadratic in the number of chunks).
     per_chunk = zip(*(x.split(sizes, dim=1) for x in (q, k, kv2)), *(x.split(sizes, dim=-1) for x in (k2, step)))
     outputs = []
-    for n, piece, (q_c, k_c, kv2_c, k2_c, step_c) in zip(sizes, pieces, per_chunk):
-        y, weights = _memory_chunk(q_c, k_c, kv2_c, k2_c, step_c, piece, w1s_t, w2s_t, weights, normalize_step)
+    for index, (n, piece, (q_c, k_c, kv2_c, k2_c, step_c)) in enumerate(zip(sizes, pieces, per_chunk)):
+        carry = with_state or index + 1 < len(sizes)  # the next chunk reads the weights after this one
+        y, weights = _memory_chunk(q_c, k_c, kv2_c, k2_c, step_c, piece, w1s_t, w2s_t, weights, normalize_step, carry)
         outputs.append(y)
         position += n
         if chunk_size is not None and position % chunk_size == 0:
             w1s_t, w2s_t = weights[0], weights[2]
+
+    y = torch.cat(outputs, dim=1).unflatten(0, (batch, heads))
+    if not with_state:
+        return y, None
 
     def unflat(x: Tensor) -> Tensor:  # [BH, r, c] -> [B, H, c, r]
         return x.unflatten(0, (batch, heads)).transpose(-1, -2)
@@ -452,7 +463,7 @@ def neural_memory(
     w1, s1, w2, s2 = (unflat(x) for x in weights)
     # the start is the current weights at a boundary: the same objects, as the recurrent form returns
     start = (w1, w2) if w1s_t is weights[0] else (unflat(w1s_t), unflat(w2s_t))
-    return torch.cat(outputs, dim=1).unflatten(0, (batch, heads)), MemoryState(*start, w1, w2, s1, s2)
+    return y, MemoryState(*start, w1, w2, s1, s2)
 
 
 def chunk_sizes(position: int, length: int, chunk_size: int | None) -> list[int]:
@@ -470,8 +481,8 @@ def chunk_sizes(position: int, length: int, chunk_size: int | None) -> list[int]
 
 def neural_memory_recurrent(
     q: Tensor, k: Tensor, v: Tensor, log_retain: Tensor, log_momentum: Tensor, step: Tensor,
-    state: MemoryState, position: int, chunk_size: int | None, normalize_step: bool = True,
-) -> tuple[Tensor, MemoryState]:
+    state: MemoryState, position: int, chunk_size: int | None, normalize_step: bool = True, with_state: bool = True,
+) -> tuple[Tensor, MemoryState | None]:
     """The same function as :func:`neural_memory`, token by token with explicit weights (the decode step)."""
     w1_start, w2_start, w1, w2, s1, s2 = state
     outputs = []
@@ -488,4 +499,4 @@ def neural_memory_recurrent(
         if chunk_size is not None and position % chunk_size == 0:
             w1_start, w2_start = w1, w2
     y = torch.cat(outputs, dim=2) if outputs else q.new_zeros(q.shape)
-    return y, MemoryState(w1_start, w2_start, w1, w2, s1, s2)
+    return y, MemoryState(w1_start, w2_start, w1, w2, s1, s2) if with_state else None
