@@ -350,3 +350,22 @@ def test_thread_speed_script_runs(capsys):
         torch.set_num_threads(before)
     assert list(medians) == [1] and medians[1] > 0
     assert "1 thread(s): median step" in capsys.readouterr().out
+
+
+# -- a command builds its own parser only ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["fit", "test"])
+def test_a_command_builds_only_its_own_parser(command, monkeypatch, capsys):
+    """``ltcx fit`` builds the fit parser, not validate's, test's and predict's as well (each a quarter of
+    LightningCLI's parser building), and its help is the whole of fit's."""
+    from lightning.pytorch.cli import LightningCLI
+
+    built = []
+    prepare = LightningCLI._prepare_subcommand_parser
+    monkeypatch.setattr(LightningCLI, "_prepare_subcommand_parser",
+                        lambda self, klass, name, **kw: built.append(name) or prepare(self, klass, name, **kw))
+    with pytest.raises(SystemExit) as stop:
+        main([command, "--help"])
+    assert stop.value.code == 0 and built == [command]
+    assert "--model.learning_rate" in capsys.readouterr().out
