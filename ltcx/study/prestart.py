@@ -3,8 +3,9 @@ command line preloaded.
 
 A fresh ``ltcx fit`` spends about 7 CPU-s importing torch, Lightning (which imports torchmetrics, and through it
 scipy.signal and transformers) and torch._dynamo before its first step; the quick-recall preset starts 96 of them.
-The fork server imports all that once, and each run is a fork of it: a new process with nothing of any other run in
-it, which starts training in under a second. Each run is still its own process, with its own log, exit code, claim
+The fork server imports all that once (and measures the CPU's matmul rate for MFU once: ``ltcx/study/preload.py``),
+and each run is a fork of it: a new process with nothing of any other run in it, which starts training in under a
+second. Each run is still its own process, with its own log, exit code, claim
 and signals, as a subprocess (``runner._child``); a test holds a forked run to a fresh one bit for bit.
 
 Used only where the machine shows no GPU: a fork must not inherit an initialised CUDA driver, and a GPU run is long
@@ -24,7 +25,7 @@ from multiprocessing import reduction
 
 __all__ = ["ForkedRun", "available", "start", "stop"]
 
-PRELOAD = ["ltcx.cli.lightning"]  # what a run imports before its first step (Lightning, torch, ltcx's CLI)
+PRELOAD = ["ltcx.study.preload"]  # what a run imports before its first step, and the CPU's matmul rate
 _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(PRELOAD)
 
