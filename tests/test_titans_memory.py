@@ -265,6 +265,21 @@ def test_hand_written_chunk_backward_equals_autograd(normalize_step, start, mome
 # ----------------------------------------------------------------------------- 3. analytic inner gradient and κ
 
 
+def test_memory_apply_with_weights_shared_by_the_rows_equals_them_expanded():
+    """``memory_apply`` given M_0's per-head weights ([H, dm, dk], MAC's first segment read) equals it given them
+    expanded over the batch, outputs and gradients (x and the weights) in float64."""
+    g = torch.Generator().manual_seed(5)
+    w1, w2, x = (t[0].detach().requires_grad_() if i < 2 else t.requires_grad_()
+                 for i, t in enumerate(_random_weights_and_keys(g, 7)))
+    cotangent = torch.randn(B, H, 7, DK, generator=g, dtype=torch.float64)
+    results = []
+    for weights in ((w1, w2), (w1.expand(B, *w1.shape), w2.expand(B, *w2.shape))):
+        out = memory_apply(*weights, x)
+        results.append((out, *torch.autograd.grad(out, (x, w1, w2), cotangent)))
+    for name, shared, expanded in zip(("y", "d/dx", "d/dW1", "d/dW2"), *results):
+        assert_rel(shared, expanded, what=name)
+
+
 def test_analytic_inner_gradient_equals_autograd_and_memory_apply_equals_definition():
     """``memory_loss_gradients`` at random weights: h = GELU(W1 k), δ1 kᵀ = ∇_{W1} ℓ and δ2 hᵀ = ∇_{W2} ℓ per
     token, with the per-token gradients from autograd on one weight copy per token; ``memory_apply`` = M."""

@@ -394,9 +394,11 @@ class MACBlock(MAGBlock):
         q, q_rot = self.attn.queries(normed, positions)
         k_x, v_x = self.attn.keys_values(normed, positions)
         q_memory, query_conv = self.memory.read_queries(normed, None if state is None else state.query_conv)
+        shared = None  # the segment's weights where every row has the same (M_0), read per head: [H, ...]
         if state is None:
             segment, memory = None, None
-            segment_weights = self.memory.initial_weights(batch, q_memory.dtype)
+            segment_weights = self.memory.initial_weights(batch, q_memory.dtype)  # M_0 expanded, as states carry it
+            shared = tuple(w[0] for w in segment_weights)
         else:
             segment, segment_weights, memory = state.segment, state.segment_weights, state.memory
 
@@ -406,7 +408,7 @@ class MACBlock(MAGBlock):
             n = min(segment_len - piece_start % segment_len, length - start)
             piece = slice(start, start + n)
             with without_autocast(x.device):
-                h = memory_apply(*segment_weights, q_memory[:, :, piece])  # eq. 21: read with W^seg
+                h = memory_apply(*(shared or segment_weights), q_memory[:, :, piece])  # eq. 21: read with W^seg
             k_h, v_h = self.attn.keys_values(self.norm_h(h.transpose(1, 2).flatten(2).to(x.dtype)), positions[piece])
             keys_values = (k_h, v_h, k_x[:, :, piece], v_x[:, :, piece])
             if segment is not None:
@@ -424,7 +426,7 @@ class MACBlock(MAGBlock):
             if discarded:
                 break
             if (piece_start + n) % segment_len == 0:  # segment finished: the next one reads the updated memory
-                segment, segment_weights = None, (memory.memory.w1, memory.memory.w2)
+                segment, segment_weights, shared = None, (memory.memory.w1, memory.memory.w2), None
             else:
                 segment = keys_values
             start += n

@@ -78,7 +78,17 @@ def _times_gelu_derivative(x: Tensor, z: Tensor) -> Tensor:
 
 
 def memory_apply(w1: Tensor, w2: Tensor, x: Tensor) -> Tensor:
-    """M(x) = x + W2 GELU(W1 x) per head: w1 [B, H, dm, dk], w2 [B, H, dk, dm], x [B, H, n, dk] -> [B, H, n, dk]."""
+    """M(x) = x + W2 GELU(W1 x) per head: w1 [B, H, dm, dk], w2 [B, H, dk, dm], x [B, H, n, dk] -> [B, H, n, dk].
+
+    Weights the same for every row (M_0) may come without the batch dim, w1 [H, dm, dk] and w2 [H, dk, dm]: then one
+    product per head over all rows' tokens, where broadcasting them would copy them for each row (and sum each
+    row's gradient back).
+    """
+    if w1.dim() == 3:
+        batch, heads, n, dk = x.shape
+        rows = x.transpose(0, 1).reshape(heads, batch * n, dk)
+        y = rows + F.gelu(rows @ w1.transpose(-1, -2)) @ w2.transpose(-1, -2)
+        return y.view(heads, batch, n, dk).transpose(0, 1)
     return x + F.gelu(x @ w1.transpose(-1, -2)) @ w2.transpose(-1, -2)
 
 
