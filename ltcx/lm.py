@@ -9,6 +9,7 @@ module hands over (``token_bytes``). Loading a file is
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import sys
@@ -87,6 +88,12 @@ class EvalScores(nn.Module):
             metric.reset()
         self.recall_scored = False
         return counts
+
+
+def hidden_states(backbone: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    """idx [B, T] -> the backbone's final hidden states [B, T, C], for a loss: its state is discarded, so it is not
+    computed (``forward_hidden(..., with_state=False)``)."""
+    return backbone.forward_hidden(idx, with_state=False)[0]
 
 
 def head_loss_sum(backbone: nn.Module, hidden: torch.Tensor,
@@ -218,7 +225,7 @@ class LanguageModel(L.LightningModule):
                 backbone = self.backbone
 
                 def ltcx_loss_sum(inputs: torch.Tensor, targets: torch.Tensor):
-                    return head_loss_sum(backbone, backbone.forward_hidden(inputs, with_state=False)[0], targets)
+                    return head_loss_sum(backbone, hidden_states(backbone, inputs), targets)
 
                 backbone.ltcx_loss_sum = ltcx_loss_sum
                 register_fsdp_forward_method(backbone, "ltcx_loss_sum")
@@ -234,13 +241,10 @@ class LanguageModel(L.LightningModule):
                 # garbage shapes when a later run hits the cache.
                 return backbone(idx)[0]
 
-            def hidden(idx: torch.Tensor) -> torch.Tensor:
-                return backbone.forward_hidden(idx, with_state=False)[0]
-
             # Plain __dict__ entries, outside the module tree, so state_dict keys stay "backbone.*".
             self.__dict__["_compiled_logits"] = torch.compile(logits)
             if self._fuses_head() and mesh is None:
-                self.__dict__["_compiled_hidden"] = torch.compile(hidden)
+                self.__dict__["_compiled_hidden"] = torch.compile(functools.partial(hidden_states, backbone))
 
     def forward(self, idx: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any]:
         """idx [B, T] -> (logits [B, T, V], state); compiled (``compile: true``) for a call without a state,
@@ -259,9 +263,7 @@ class LanguageModel(L.LightningModule):
     def _hidden(self, inputs: torch.Tensor) -> torch.Tensor:
         """inputs [B, T] -> the backbone's final hidden states [B, T, C] (compiled with ``compile: true``)."""
         compiled = self.__dict__.get("_compiled_hidden")
-        if compiled is not None:
-            return compiled(inputs)
-        return self.backbone.forward_hidden(inputs, with_state=False)[0]  # the state is discarded: not computed
+        return compiled(inputs) if compiled is not None else hidden_states(self.backbone, inputs)
 
     def _fused_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """inputs, targets [B, T] -> (summed cross-entropy over the targets not ``IGNORE_INDEX``, their count)."""

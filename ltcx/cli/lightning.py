@@ -95,6 +95,14 @@ class LtcxArgumentParser(OneLineErrors, LightningArgumentParser):
             raise LtcxError(f"--config '{path}' is not valid YAML ({reason}{where}): fix the file") from None
 
 
+def subcommands_built(subcommand: str | None) -> dict[str, set[str]]:
+    """LightningCLI's subcommands whose parsers are built: its four, or only ``subcommand`` where the command line is
+    known to start with it (``cli_main``): each parser takes a quarter of the 0.2 CPU-s that building all four does,
+    and a run uses one."""
+    every = LightningCLI.subcommands()
+    return every if subcommand is None else {subcommand: every[subcommand]}
+
+
 class LtcxCLI(LightningCLI):
     def __init__(self, *args, subclass_mode_data: bool = True, subcommand: str | None = None, **kwargs) -> None:
         # --data takes TextDataModule's arguments as before (no class_path needed), or another data module by
@@ -104,10 +112,7 @@ class LtcxCLI(LightningCLI):
         super().__init__(*args, subclass_mode_data=subclass_mode_data, **kwargs)
 
     def subcommands(self) -> dict[str, set[str]]:
-        """Lightning's four, or only ``subcommand`` where the command line is known to start with it (``cli_main``):
-        each subcommand's parser takes a quarter of the 0.2 CPU-s that building all four does, and a run uses one."""
-        every = LightningCLI.subcommands()
-        return every if self._subcommand is None else {self._subcommand: every[self._subcommand]}
+        return subcommands_built(self._subcommand)
 
     def instantiate_classes(self) -> None:
         try:
@@ -406,13 +411,13 @@ def cli_main(args: list[str] | None = None) -> LtcxCLI:
     quiet_lightning()
     first = (sys.argv[1:] if args is None else args)[:1]
     subcommand = first[0] if first and first[0] in LightningCLI.subcommands() else None
-    built = LightningCLI.subcommands() if subcommand is None else [subcommand]
     return LtcxCLI(
         LanguageModel,
         L.LightningDataModule,
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,  # ltcx's AdamW and schedule (LanguageModel.configure_optimizers), always
-        parser_kwargs={"description": DESCRIPTION, **{c: {"usage": COMMAND_USAGE} for c in built}},
+        parser_kwargs={"description": DESCRIPTION,
+                       **{c: {"usage": COMMAND_USAGE} for c in subcommands_built(subcommand)}},
         parser_class=LtcxArgumentParser,
         args=args,
         subcommand=subcommand,

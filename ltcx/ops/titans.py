@@ -408,10 +408,10 @@ def _add_product(total: Tensor | None, a: Tensor, b: Tensor, alpha: float = 1.0)
 def _memory_chunk(
     q: Tensor, k: Tensor, kv2: Tensor, k2: Tensor, step: Tensor, piece: _Piece, w1s_t: Tensor, w2s_t: Tensor,
     weights: tuple[Tensor, Tensor, Tensor, Tensor], normalize: bool, with_state: bool = True,
-) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
+) -> tuple[Tensor, tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]]:
     """One chunk (``_chunk_forward``) with the hand-written backward: (y [BH, n, dk], weights after it: four Nones
-    without ``with_state``). Under
-    ``torch.compile`` autograd's form instead: Inductor fuses the differentiated forward itself."""
+    without ``with_state``). Under ``torch.compile`` autograd's form instead: Inductor fuses the differentiated
+    forward itself."""
     chunk = _memory_chunk_autograd if torch.compiler.is_compiling() else _MemoryChunk.apply
     # the start is the current weights (a boundary): passed once, as None; the caller keeps the tensors, since a
     # call that ends mid-chunk returns the start it began with
