@@ -23,9 +23,11 @@ latency per token, cache/state bytes per token and peak memory, prints a table a
 Training is timed as ltcx trains: ``LanguageModel.loss`` (the fused head and cross-entropy), backward, AdamW. All
 models' steps run interleaved in one process, round after round (the first model rotating), and each model's
 figure is the median of ``--repeats`` (at least 5) steps after one warm-up, so a load that drifts on a shared machine
-hits all alike and the ratios hold. ``--nanogpt PATH`` adds karpathy/nanoGPT's ``GPT`` read from a local copy of its
-model.py (never vendored), built at the shape of the first ``gpt`` model (multi-head attention, nanoGPT's own loss
-from full logits) and timed in the same rounds; ``--compile`` adds each model's ``torch.compile``d loss path
+hits all alike and the ratios hold. Like an ``ltcx`` command, the process keeps the memory a step frees for the next
+step (``ltcx/cli/allocator.py``): models sharing a process then pay far less for each other's freed memory.
+``--nanogpt PATH`` adds karpathy/nanoGPT's ``GPT`` read from a local copy of its model.py (never vendored), built at
+the shape of the first ``gpt`` model (multi-head attention, nanoGPT's own loss from full logits) and timed in the
+same rounds; ``--compile`` adds each model's ``torch.compile``d loss path
 (``LanguageModel(compile=True)``; ``--compile ops``: ``compile="ops"``, where a backbone names ops for it) to the
 rounds, with its compile time (wall: Inductor compiles in worker processes). ``--nx_xlstm DIR`` adds NX-AI's
 ``xLSTMLMModel`` (the ``xlstm`` package found in DIR, e.g. its wheel unpacked there; never vendored) built at the
@@ -73,6 +75,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ltcx.cli.allocator import keep_freed_memory  # noqa: E402
 from ltcx.generation import generate  # noqa: E402
 from ltcx.lm import LanguageModel  # noqa: E402
 from ltcx.models.catalog import CATALOG, build_configured  # noqa: E402
@@ -670,6 +673,7 @@ def main() -> None:
     parser.add_argument("--prepare_proc", type=int, default=2, help="with --data_loader: ltcx prepare's processes")
     parser.add_argument("--startup", action="store_true", help="measure the CPU time of help and argument errors")
     args = parser.parse_args()
+    keep_freed_memory()  # as an ltcx command: a step's freed memory kept for the next, in every model's process alike
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory_child:

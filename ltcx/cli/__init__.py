@@ -9,11 +9,12 @@ and ``lm-eval``.
     ltcx lm-eval --ckpt_path checkpoints/gpt --tasks hellaswag     # lm-evaluation-harness tasks
 
 ``lightning`` is the LightningCLI subclass and its hooks, ``generate``, ``export``, ``prepare``, ``evaluate`` and
-``harness`` (``lm-eval``) the argparse front-ends, ``threads`` sizes torch's CPU threads, ``run_folders`` resolves
-the trainer's folders and ``--ckpt_path last``, ``predict`` writes ``predict``'s losses, ``console`` prints a run's
-first and last lines and quiets Lightning's start-up lines. Each command imports what it needs when it runs:
-``ltcx --help``, an unknown command, the argparse commands' ``--help`` and argument errors, and a Lightning command's
-missing ``--config`` or ``--ckpt_path`` file (``early_checks``) answer without importing torch or Lightning.
+``harness`` (``lm-eval``) the argparse front-ends, ``threads`` sizes torch's CPU threads, ``allocator`` keeps the
+memory a step frees for the next step, ``run_folders`` resolves the trainer's folders and ``--ckpt_path last``,
+``predict`` writes ``predict``'s losses, ``console`` prints a run's first and last lines and quiets Lightning's
+start-up lines. Each command imports what it needs when it runs: ``ltcx --help``, an unknown command, the argparse
+commands' ``--help`` and argument errors, and a Lightning command's missing ``--config`` or ``--ckpt_path`` file
+(``early_checks``) answer without importing torch or Lightning.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> None:
 
         print(f"ltcx {__version__}")
         return
+    from ltcx.cli.allocator import keep_freed_memory
+
+    keep_freed_memory()  # before any tensor: a step's freed memory is kept for the next (ltcx/cli/allocator.py)
     try:
         if command == "generate":
             from ltcx.cli.generate import generate_main
