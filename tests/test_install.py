@@ -46,3 +46,15 @@ def test_shipped_names():
     assert shipped_config("trainer/smoke").name == "smoke.yaml"
     assert shipped_config("nope") is None and shipped_config("../setup.py") is None and shipped_config("/gpt") is None
     assert {"gpt", "recipe", "trainer/smoke", "data/mqar"} <= set(shipped_config_names())
+
+
+def test_python_dash_m_ltcx_is_the_command(installed, tmp_path):
+    """`python -m ltcx` where the console script is not on PATH: the same commands, and its name in their messages."""
+    env = {"PYTHONPATH": str(installed), "PATH": "/usr/bin:/bin"}
+    version = subprocess.run([sys.executable, "-m", "ltcx", "--version"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=120, env=env)
+    assert version.returncode == 0 and version.stdout.startswith("ltcx "), version.stderr[-2000:]
+    missing = subprocess.run([sys.executable, "-m", "ltcx", "fit", "--config", "nope.yaml"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert missing.returncode == 2, missing.stderr[-2000:]
+    assert missing.stderr.strip().endswith("see `python -m ltcx fit --help`"), missing.stderr

@@ -24,7 +24,7 @@ import sys
 
 from ltcx.errors import LtcxError, StoppedOnAllRanks
 
-__all__ = ["main", "USAGE"]
+__all__ = ["main", "program_name", "USAGE"]
 
 LIGHTNING_COMMANDS = {
     "fit": "train a model (ltcx fit --config configs/gpt.yaml)",
@@ -40,7 +40,7 @@ OWN_COMMANDS = {
     "lm-eval": "lm-evaluation-harness tasks (--tasks hellaswag,...)",
     "study": "a study spec: tuned learning rates, paired seeds, a ladder, a report",
 }
-USAGE = "usage: ltcx <command> [options]   (python run.py <command> is the same)\n\ncommands:\n" + "".join(
+USAGE = "usage: ltcx <command> [options]   (python -m ltcx and python run.py are the same)\n\ncommands:\n" + "".join(
     f"  {name:<10} {what}\n" for name, what in {**LIGHTNING_COMMANDS, **OWN_COMMANDS}.items()
 ) + "\n`ltcx <command> --help` lists a command's options."
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         elif command in LIGHTNING_COMMANDS:
             from ltcx.cli.early_checks import check_lightning_command_line
 
-            args = check_lightning_command_line(command_line[1:], f"{_prog()} {command}")
+            args = check_lightning_command_line(command_line[1:], f"{program_name()} {command}")
             from ltcx.cli.lightning import cli_main
 
             if argv is None:  # LightningCLI reads sys.argv (given args too, it warns that both were given)
@@ -117,11 +117,12 @@ def main(argv: list[str] | None = None) -> None:
         raise
 
 
-def _prog() -> str:
-    """The program's name as the parsers print it (``ltcx``, ``run.py``)."""
+def program_name() -> str:
+    """The program's name as the parsers print it (``ltcx``, ``run.py``, ``python -m ltcx``)."""
     import os
 
-    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "ltcx"
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "ltcx"
+    return "python -m ltcx" if name == "__main__.py" else name
 
 
 def _rank() -> int:

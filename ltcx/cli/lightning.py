@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar
 from ltcx.callbacks.preemption import Preemption
+from ltcx.cli import program_name
 from ltcx.cli.console import print_run_end, print_run_start, quiet_lightning
 from ltcx.cli.one_line_errors import OneLineErrors
 from ltcx.cli.predict import write_predictions
@@ -416,7 +417,7 @@ def cli_main(args: list[str] | None = None) -> LtcxCLI:
         L.LightningDataModule,
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,  # ltcx's AdamW and schedule (LanguageModel.configure_optimizers), always
-        parser_kwargs={"description": DESCRIPTION,
+        parser_kwargs={"description": DESCRIPTION, "prog": program_name(),
                        **{c: {"usage": COMMAND_USAGE} for c in subcommands_built(subcommand)}},
         parser_class=LtcxArgumentParser,
         args=args,
