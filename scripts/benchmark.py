@@ -9,6 +9,7 @@
     python scripts/benchmark.py --data_loader sample --batch_size 24 --seq_len 512 --resume_tokens 10000000
     python scripts/benchmark.py --archs gpt ltc --compile          # also the torch.compile'd training step
     python scripts/benchmark.py --archs titans_mag --compile ops   # ... with only Titans' memory compiled
+    python scripts/benchmark.py --archs gpt titans_mag --free_memory_op   # ... and with its memory op costing nothing
     python scripts/benchmark.py --archs gpt gpt gta --decode_at 128   # gpt twice: the noise between two copies
     python scripts/benchmark.py --archs xlstm --nx_xlstm /tmp/nxpkgs --batch_size 1 --seq_len 128 --decode_at 128
     python scripts/benchmark.py --archs xlstm titans_mag --profile   # op calls and top ops of a training step
@@ -32,6 +33,9 @@ same rounds; ``--compile`` adds each model's ``torch.compile``d loss path
 rounds, with its compile time (wall: Inductor compiles in worker processes). ``--nx_xlstm DIR`` adds NX-AI's
 ``xLSTMLMModel`` (the ``xlstm`` package found in DIR, e.g. its wheel unpacked there; never vendored) built at the
 first ``xlstm`` model's shape, to the ``--decode_at`` rounds: its own ``step`` after the same prompt.
+``--free_memory_op`` adds each Titans model's training step with its chunkwise memory op (``neural_memory``)
+replaced by a stand-in that costs nothing (y = q + k + v, the state passed on unchanged), to the same rounds: the
+most that any faster form of that op could give the model.
 
 ``--peak_memory`` measures each model's peak training memory instead: one training step in a fresh process per
 (model, loss path) (``--memory_loss fused full``: ``LanguageModel.loss`` or the full ``[B, T, V]`` logits and
@@ -78,6 +82,7 @@ sys.path.insert(0, str(ROOT))
 from ltcx.cli.allocator import keep_freed_memory  # noqa: E402
 from ltcx.generation import generate  # noqa: E402
 from ltcx.lm import LanguageModel  # noqa: E402
+from ltcx.models import titans as titans_module  # noqa: E402
 from ltcx.models.catalog import CATALOG, build_configured  # noqa: E402
 from ltcx.models.inference_cache import keeping_derived  # noqa: E402
 from ltcx.models.state import map_state_tensors  # noqa: E402
@@ -361,7 +366,30 @@ def build_arch(arch: str, args, device: torch.device) -> tuple[torch.nn.Module, 
         compiled.configure_model()  # as a fit with compile: true (forward_hidden) or compile: ops does
         trainees.append(Trainee(arch + " (compiled)", loss_step(compiled, batch, autocast), model.parameter_count(),
                                 flops, tokens))
+    if args.free_memory_op and any(isinstance(m, titans_module.NeuralMemory) for m in model.modules()):
+        trainees.append(Trainee(arch + " (free memory op)", with_free_memory_op(trainees[0].step),
+                                model.parameter_count(), flops, tokens))
     return model, trainees
+
+
+def free_memory_op(q, k, v, log_retain, log_momentum, step, state, position, chunk_size, normalize_step=True,
+                   with_state=True):
+    """A stand-in for ``neural_memory`` that costs nothing: y = q + k + v (every input still gets a gradient), the
+    state passed on unchanged."""
+    return q + k + v, state if with_state else None
+
+
+def with_free_memory_op(step):
+    """``step`` with Titans' chunkwise memory op replaced by ``free_memory_op`` while it runs."""
+    def run() -> None:
+        real = titans_module.neural_memory
+        titans_module.neural_memory = free_memory_op
+        try:
+            step()
+        finally:
+            titans_module.neural_memory = real
+
+    return run
 
 
 def bench_arch(arch: str, model: torch.nn.Module, args, device: torch.device) -> dict:
@@ -650,6 +678,9 @@ def main() -> None:
     parser.add_argument("--compile", nargs="?", const=True, default=False, choices=["ops"],
                         help="also time each model's torch.compile'd loss path in the same rounds (ratio, compile s); "
                              "--compile ops: only the ops a backbone names for it (Titans' memory)")
+    parser.add_argument("--free_memory_op", action="store_true",
+                        help="also time each Titans model with its chunkwise memory op costing nothing (the most a "
+                             "faster op could give)")
     parser.add_argument("--peak_memory", action="store_true",
                         help="measure each model's peak training memory (a fresh process per model and loss path)")
     parser.add_argument("--memory_loss", nargs="+", choices=["fused", "full"], default=["fused"],

@@ -85,6 +85,40 @@ def test_profile_reports_each_models_op_calls_and_top_ops(tmp_path):
     assert "mm" in {op["op"] for op in result["top_ops"]} and "op calls" in run.stdout
 
 
+def test_free_memory_op_times_titans_with_its_memory_op_replaced(tmp_path, monkeypatch):
+    """--free_memory_op: a row for each Titans model (none for the GPT), whose step runs the stand-in instead of
+    neural_memory, and only while that step runs."""
+    out = tmp_path / "free.json"
+    mag = "titans_mag:n_layer=1,n_embd=32,n_head=2,n_kv_head=1,mem_heads=2,mem_head_dim=16,mem_hidden=32,window=8"
+    run = _run("--archs", GPT, mag, "--batch_size", "2", "--seq_len", "16", "--repeats", "1", "--threads", "1",
+               "--free_memory_op", "--out", str(out))
+    assert run.returncode == 0, run.stderr
+    assert [r["arch"] for r in json.loads(out.read_text())["results"]] == [GPT, mag, mag + " (free memory op)"]
+
+    import runpy
+    from types import SimpleNamespace
+
+    import torch
+
+    from ltcx.models import titans
+
+    benchmark = runpy.run_path(str(ROOT / "scripts/benchmark.py"), run_name="benchmark")
+    calls = []
+    real = titans.neural_memory
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(titans, "neural_memory", counting)
+    args = SimpleNamespace(width=None, vocab_size=64, seq_len=16, generate_tokens=0, batch_size=2, dtype="float32",
+                           compile=False, free_memory_op=True)
+    _, (eager, free) = benchmark["build_arch"](mag, args, torch.device("cpu"))
+    free.step()
+    assert calls == [] and titans.neural_memory is counting  # the stand-in ran, and the op is back after
+    eager.step()
+    assert calls == [1]
+
+
 def test_nanogpt_is_timed_in_the_same_rounds_at_the_gpts_shape(tmp_path):
     model_py = tmp_path / "model.py"
     model_py.write_text(NANOGPT_STANDIN)
