@@ -367,8 +367,9 @@ def build_arch(arch: str, args, device: torch.device) -> tuple[torch.nn.Module, 
         trainees.append(Trainee(arch + " (compiled)", loss_step(compiled, batch, autocast), model.parameter_count(),
                                 flops, tokens))
     if args.free_memory_op and any(isinstance(m, titans_module.NeuralMemory) for m in model.modules()):
+        # no MFU: its FLOPs are the model's less what the stand-in leaves out
         trainees.append(Trainee(arch + " (free memory op)", with_free_memory_op(trainees[0].step),
-                                model.parameter_count(), flops, tokens))
+                                model.parameter_count(), None, tokens))
     return model, trainees
 
 
