@@ -4,11 +4,16 @@ model.py (a local copy, here a stand-in with its interface) is timed in the same
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
+
+from ltcx.models import titans
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = "gpt:n_layer=1,n_embd=32,n_head=2,n_kv_head=1"
@@ -97,16 +102,10 @@ def test_free_memory_op_times_titans_with_its_memory_op_replaced(tmp_path, monke
     assert [r["arch"] for r in results] == [GPT, mag, mag + " (free memory op)"]
     assert results[2]["train_tokens_per_s"] > 0 and results[2]["mfu"] is None  # not the model's FLOPs: no MFU
 
-    import runpy
-    from types import SimpleNamespace
-
-    import torch
-
-    from ltcx.models import titans
-
     benchmark = runpy.run_path(str(ROOT / "scripts/benchmark.py"), run_name="benchmark")
     calls = []
     real = titans.neural_memory
+
     def counting(*a, **k):
         calls.append(1)
         return real(*a, **k)
