@@ -73,6 +73,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -383,12 +384,8 @@ def free_memory_op(q, k, v, log_retain, log_momentum, step, state, position, chu
 def with_free_memory_op(step):
     """``step`` with Titans' chunkwise memory op replaced by ``free_memory_op`` while it runs."""
     def run() -> None:
-        real = titans_module.neural_memory
-        titans_module.neural_memory = free_memory_op
-        try:
+        with mock.patch.object(titans_module, "neural_memory", free_memory_op):
             step()
-        finally:
-            titans_module.neural_memory = real
 
     return run
 

@@ -7,8 +7,8 @@ on, and each page given back is zero-filled again by the kernel at its next firs
 29M xLSTM config (batch 8 x 512, one thread) 0.1-1.7 s of system time a step (docs/benchmarks.md).
 
 ``keep_freed_memory`` fixes both thresholds: blocks under 32 MiB (glibc's largest mapping threshold) come from the
-heap, and the heap keeps up to 2 GiB free at its top. From the third step on, the xLSTM's steps then faulted 0-25,000
-pages each (42,000-308,000 by default), for the same peak memory. Blocks of 32 MiB and more (the tied embedding's
+heap, and the heap keeps up to 2 GiB free at its top, for the same peak memory (the faults per step with and without
+it: docs/benchmarks.md, "CPU: memory kept between steps"). Blocks of 32 MiB and more (the tied embedding's
 gradient, the fused loss's logits at the 29M configs) are still mapped on their own. A user's own malloc settings
 (``MALLOC_*`` variables, ``GLIBC_TUNABLES``) are left as they are; an allocator preloaded in glibc's place (jemalloc,
 tcmalloc) does not read these.
