@@ -369,3 +369,30 @@ def test_a_command_builds_only_its_own_parser(command, monkeypatch, capsys):
         main([command, "--help"])
     assert stop.value.code == 0 and built == [command]
     assert "--model.learning_rate" in capsys.readouterr().out
+
+
+# -- the program's name in help and error lines ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv0,name", [
+    ("/venv/bin/ltcx", "ltcx"),
+    ("/site-packages/ltcx/__main__.py", "python -m ltcx"),
+    ("run.py", "run.py"),
+    ("/site-packages/pytest/__main__.py", "ltcx"),  # another program's __main__ that calls main()
+    ("", "ltcx"),
+])
+@pytest.mark.parametrize("command", ["generate", "export", "prepare", "evaluate", "lm-eval", "study"])
+def test_every_argparse_command_names_the_program_it_was_started_as(argv0, name, command, monkeypatch, capsys):
+    """Its usage line, and its argument errors as one line pointing to its --help, as `ltcx fit`'s are."""
+    monkeypatch.setattr(sys, "argv", [argv0])
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert capsys.readouterr().out.startswith(f"usage: {name} {command} ")
+    line = one_error_line([command, "--no_such_flag"], capsys)  # a required flag missing, or this one unknown
+    assert line.startswith("ltcx: error: ") and line.endswith(f"; see `{name} {command} --help`"), line
+
+
+def test_an_argparse_command_names_the_flag_a_typo_meant(capsys):
+    line = one_error_line(["generate", "--ckpt_path", "x", "--promt", "Once"], capsys)
+    assert line == ("ltcx: error: unrecognized arguments: --promt Once (did you mean --prompt?); "
+                    "see `ltcx generate --help`"), line

@@ -392,7 +392,7 @@ def test_a_bad_launcher_key_is_one_line(tmp_path, launcher, message):
 def test_bad_launcher_flags_are_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch):
     spec, out = str(write_spec(tmp_path)), str(tmp_path / "results")
     line = one_error_line(["study", "--spec", spec, "--out", out, "--workers", "0"], capsys)
-    assert line == "ltcx: error: argument --workers: must be an integer >= 1, not '0' (see `ltcx study --help`)"
+    assert line == "ltcx: error: argument --workers: must be an integer >= 1, not '0'; see `ltcx study --help`"
     line = one_error_line(["study", "--spec", spec, "--out", out, "--launcher", "slurm", "--workers", "2"], capsys)
     assert line == ("ltcx: error: launcher slurm: 'workers' applies to launcher devices only: leave it out or "
                     "choose that kind")

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
                 cli_main([command, *args])
         else:
             known = ", ".join([*LIGHTNING_COMMANDS, *OWN_COMMANDS])
-            raise LtcxError(f"unknown command '{command}': choose one of {known} (see `ltcx --help`)")
+            raise LtcxError(f"unknown command '{command}': choose one of {known}; see `{program_name()} --help`")
     except LtcxError as error:
         if not isinstance(error, StoppedOnAllRanks) or _rank() == 0:  # every rank has it: say it once
             print(f"ltcx: error: {error}", file=sys.stderr)
@@ -118,11 +118,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def program_name() -> str:
-    """The program's name as the parsers print it (``ltcx``, ``run.py``, ``python -m ltcx``)."""
-    import os
+    """The program's name as the parsers print it: ``python -m ltcx`` (ltcx's own ``__main__.py``), ``run.py``, else
+    ``ltcx`` (the console script, and any other program that calls ``main``, a test runner's included)."""
+    from pathlib import Path
 
-    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "ltcx"
-    return "python -m ltcx" if name == "__main__.py" else name
+    started = Path(sys.argv[0] if sys.argv and sys.argv[0] else "ltcx")
+    if started.name == "__main__.py" and started.parent.name == "ltcx":
+        return "python -m ltcx"
+    return "run.py" if started.name == "run.py" else "ltcx"
 
 
 def _rank() -> int:

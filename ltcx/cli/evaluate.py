@@ -13,12 +13,12 @@ The computation is ``ltcx/eval/position_loss.py``; this module parses the argume
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import re
 import sys
 
+from ltcx.cli.one_line_errors import command_parser
 from ltcx.errors import ConfigError, LtcxError
 
 __all__ = ["evaluate_main"]
@@ -31,7 +31,7 @@ def evaluate_main(argv: list[str]) -> None:
     """``ltcx evaluate``: mean next-token loss by position up to ``--max_len`` tokens (e.g. 4x the training length)
     for each ``--ckpt_path`` on the validation text of ``--data.path``; long sequences are fed through the model's
     state in pieces, so memory stays that of one piece. Writes position_loss.json and position_loss.png to --out."""
-    parser = argparse.ArgumentParser(prog="ltcx evaluate", description=evaluate_main.__doc__)
+    parser = command_parser("evaluate", evaluate_main.__doc__)
     parser.add_argument(
         "--task", choices=TASKS, default="position_loss",
         help="position_loss: loss by position on a text (--data.path); long_context: each model's needle or MQAR "

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 
+from ltcx.cli.one_line_errors import command_parser
 from ltcx.errors import missing_checkpoint
 
 __all__ = ["export_main"]
@@ -13,7 +13,7 @@ __all__ = ["export_main"]
 def export_main(argv: list[str]) -> None:
     """``ltcx export``: a checkpoint's model as a weights-only folder (model.safetensors + config.json) to share
     without pickles; ``LanguageModel.from_pretrained(folder)`` and ``ltcx generate --ckpt_path folder`` read it."""
-    parser = argparse.ArgumentParser(prog="ltcx export", description=export_main.__doc__)
+    parser = command_parser("export", export_main.__doc__)
     parser.add_argument("--ckpt_path", required=True, help="checkpoint written by `ltcx fit`, or its checkpoint folder")
     parser.add_argument("--out", required=True, help="a new folder to write")
     parser.add_argument(

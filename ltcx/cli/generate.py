@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
+from ltcx.cli.one_line_errors import command_parser
 from ltcx.errors import LtcxError, missing_checkpoint
 
 __all__ = ["generate_main"]
@@ -16,7 +16,7 @@ SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 
 def generate_main(argv: list[str]) -> None:
     """``ltcx generate``: stream a completion of each prompt from a checkpoint to stdout."""
-    parser = argparse.ArgumentParser(prog="ltcx generate", description=generate_main.__doc__)
+    parser = command_parser("generate", generate_main.__doc__)
     parser.add_argument(
         "--ckpt_path", required=True,
         help="checkpoint written by `ltcx fit` (e.g. .../version_0/last.ckpt), a checkpoint folder (its latest run's "

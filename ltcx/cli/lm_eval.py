@@ -9,13 +9,13 @@ parsed. Prints the harness's table and writes its results to ``--out`` (``result
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
 import sys
 from pathlib import Path
 
+from ltcx.cli.one_line_errors import command_parser
 from ltcx.errors import ConfigError, LtcxError
 
 __all__ = ["lm_eval_main"]
@@ -27,7 +27,7 @@ SEED_MAX = 2**32 - 1  # the harness seeds numpy, whose seeds are 32-bit
 def lm_eval_main(argv: list[str]) -> None:
     """``ltcx lm-eval``: run lm-evaluation-harness tasks (multiple choice, perplexity, generation) on a model written
     by `ltcx fit` or `ltcx export`, and write the harness's results to --out."""
-    parser = argparse.ArgumentParser(prog="ltcx lm-eval", description=lm_eval_main.__doc__)
+    parser = command_parser("lm-eval", lm_eval_main.__doc__)
     parser.add_argument(
         "--ckpt_path", required=True,
         help="checkpoint written by `ltcx fit`, a checkpoint folder (its latest run's last.ckpt) or a folder written "

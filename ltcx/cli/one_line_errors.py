@@ -1,13 +1,15 @@
-"""jsonargparse's errors as one ``LtcxError`` line naming the flag, the reason and ``--help``, instead of its usage
-(~75 lines for ``fit``) and message: ``OneLineErrors``, the ``error`` of LightningCLI's parser
-(``lightning.LtcxArgumentParser``); an unknown flag with the option it was probably meant as. Imports neither torch
-nor Lightning."""
+"""Command-line errors as one ``LtcxError`` line naming the flag, the reason and ``--help``, instead of a usage
+(~75 lines for ``fit``) and a message: ``OneLineErrors``, the ``error`` of LightningCLI's parser
+(``lightning.LtcxArgumentParser``), and ``command_parser``, the argparse parser of ltcx's own commands (generate,
+export, ...); an unknown flag with the option it was probably meant as. Imports neither torch nor Lightning."""
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import re
 
+from ltcx.cli import program_name
 from ltcx.errors import LtcxError
 
 # LightningCLI's --optimizer / --lr_scheduler would silently replace ltcx's AdamW and its warmup + cosine schedule
@@ -32,13 +34,27 @@ class OneLineErrors:
         if re.search(r"""(--|['"])(optimizer|lr_scheduler)\b""", message):  # a flag, or `optimizer:` in a YAML
             raise LtcxError(NO_OPTIMIZER_FLAGS) from ex
         parser = getattr(ex, "subcommand_parser", None) or self
-        prog = parser.prog.replace(" [options]", "")
-        text = one_line(message)
-        unknown = re.match(r"unrecognized arguments: (-[^\s=]+)", text, re.IGNORECASE)
-        if unknown:
-            close = closest_option(unknown.group(1), list(getattr(parser, "_option_string_actions", {})))
-            text += f" (did you mean {close}?)" if close else ""
-        raise LtcxError(f"{text}; see `{prog} --help`") from ex
+        raise _one_error_line(parser, one_line(message)) from ex
+
+
+class _CommandParser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        raise _one_error_line(self, message)
+
+
+def command_parser(command: str, description: str | None, **kwargs) -> argparse.ArgumentParser:
+    """The argparse parser of ltcx's own ``command``: named as the program was started (``program_name``), its errors
+    one ``LtcxError`` line as LightningCLI's commands' are."""
+    return _CommandParser(prog=f"{program_name()} {command}", description=description, **kwargs)
+
+
+def _one_error_line(parser: argparse.ArgumentParser, text: str) -> LtcxError:
+    """text; see `<prog> --help`, an unrecognized flag with the option it was probably meant as."""
+    unknown = re.match(r"unrecognized arguments: (-[^\s=]+)", text, re.IGNORECASE)
+    if unknown:
+        close = closest_option(unknown.group(1), list(getattr(parser, "_option_string_actions", {})))
+        text += f" (did you mean {close}?)" if close else ""
+    return LtcxError(f"{text}; see `{parser.prog.replace(' [options]', '')} --help`")
 
 
 def closest_option(flag: str, options: list[str]) -> str | None:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
+from ltcx.cli.one_line_errors import command_parser
 
 __all__ = ["prepare_main"]
 
 
 def prepare_main(argv: list[str]) -> None:
     """``ltcx prepare``: a hub data set or local files into deduplicated token shards (resumable)."""
-    parser = argparse.ArgumentParser(prog="ltcx prepare", description=prepare_main.__doc__)
+    parser = command_parser("prepare", prepare_main.__doc__)
     parser.add_argument("--source", default="HuggingFaceFW/fineweb-edu",
                         help="hub data set id, or local .txt/.jsonl/.parquet file, folder or glob, or 'sample'")
     parser.add_argument("--name", default="sample-10BT", help="hub configuration (ignored for local files)")

@@ -16,14 +16,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from ltcx.cli.one_line_errors import command_parser
 from ltcx.errors import LtcxError
 
 __all__ = ["study_main"]
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise LtcxError(f"{message} (see `ltcx study --help`)")
 
 
 def _at_least(low: int):
@@ -40,7 +36,7 @@ def _at_least(low: int):
 
 
 def study_main(argv: list[str]) -> None:
-    parser = _Parser(prog="ltcx study", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("study", __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     from ltcx.study.spec import preset_names
 
     parser.add_argument("--spec", required=True, help=f"a study YAML, or a preset: {', '.join(preset_names())}")
@@ -67,7 +63,7 @@ def study_main(argv: list[str]) -> None:
     where.add_argument("--time_min", type=_at_least(1), default=None, help="slurm: each job's time limit in minutes")
     args = parser.parse_args(argv)
     if args.dry_run and args.report_only:
-        raise LtcxError("--dry_run and --report_only exclude each other: give one (see `ltcx study --help`)")
+        raise LtcxError(f"--dry_run and --report_only exclude each other: give one; see `{parser.prog} --help`")
 
     from ltcx.study.runner import StudyFailed, StudyStopped, run_study
     from ltcx.study.spec import find_spec, load_spec
