@@ -374,10 +374,9 @@ def build_arch(arch: str, args, device: torch.device) -> tuple[torch.nn.Module, 
     return model, trainees
 
 
-def free_memory_op(q, k, v, log_retain, log_momentum, step, state, position, chunk_size, normalize_step=True,
-                   with_state=True):
-    """A stand-in for ``neural_memory`` that costs nothing: y = q + k + v (every input still gets a gradient), the
-    state passed on unchanged."""
+def free_memory_op(q, k, v, log_retain, log_momentum, step, state, *_, with_state=True):
+    """A stand-in for ``neural_memory`` (called as it is) that costs nothing: y = q + k + v (every input still gets a
+    gradient), the state passed on unchanged."""
     return q + k + v, state if with_state else None
 
 

@@ -396,3 +396,8 @@ def test_an_argparse_command_names_the_flag_a_typo_meant(capsys):
     line = one_error_line(["generate", "--ckpt_path", "x", "--promt", "Once"], capsys)
     assert line == ("ltcx: error: unrecognized arguments: --promt Once (did you mean --prompt?); "
                     "see `ltcx generate --help`"), line
+
+
+def test_a_check_across_flags_is_the_parsers_own_error_line(capsys):
+    line = one_error_line(["study", "--spec", "quick-recall", "--dry_run", "--report_only"], capsys)
+    assert line == "ltcx: error: --dry_run and --report_only exclude each other: give one; see `ltcx study --help`"

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 from ltcx.cli.one_line_errors import command_parser
-from ltcx.errors import LtcxError
 
 __all__ = ["study_main"]
 
@@ -63,7 +62,7 @@ def study_main(argv: list[str]) -> None:
     where.add_argument("--time_min", type=_at_least(1), default=None, help="slurm: each job's time limit in minutes")
     args = parser.parse_args(argv)
     if args.dry_run and args.report_only:
-        raise LtcxError(f"--dry_run and --report_only exclude each other: give one; see `{parser.prog} --help`")
+        parser.error("--dry_run and --report_only exclude each other: give one")
 
     from ltcx.study.runner import StudyFailed, StudyStopped, run_study
     from ltcx.study.spec import find_spec, load_spec
