@@ -35,7 +35,8 @@ rounds, with its compile time (wall: Inductor compiles in worker processes). ``-
 first ``xlstm`` model's shape, to the ``--decode_at`` rounds: its own ``step`` after the same prompt.
 ``--free_memory_op`` adds each Titans model's training step with its chunkwise memory op (``neural_memory``)
 replaced by a stand-in that costs nothing (y = q + k + v, the state passed on unchanged), to the same rounds: the
-most that any faster form of that op could give the model.
+most that any faster form of that op could give the model. Its row also gives the op's FLOP rate, its training
+products (``Titans.memory_op_flops_per_token``) over the time the stand-in saves, to set against the matmul rate.
 
 ``--peak_memory`` measures each model's peak training memory instead: one training step in a fresh process per
 (model, loss path) (``--memory_loss fused full``: ``LanguageModel.loss`` or the full ``[B, T, V]`` logits and
@@ -142,11 +143,14 @@ def load_nanogpt(path: str):
 
 
 class Trainee:
-    """One model's training step (forward through its loss, backward, AdamW), a function of no arguments."""
+    """One model's training step (forward through its loss, backward, AdamW), a function of no arguments;
+    ``memory_op_flops``: a ``--free_memory_op`` step's, the training FLOPs the freed op does in the real step."""
 
-    def __init__(self, label: str, step, params: int, flops_per_token: float | None, tokens: int) -> None:
+    def __init__(self, label: str, step, params: int, flops_per_token: float | None, tokens: int,
+                 memory_op_flops: float | None = None) -> None:
         self.label, self.step, self.params, self.flops_per_token, self.tokens = (
             label, step, params, flops_per_token, tokens)
+        self.memory_op_flops = memory_op_flops
 
 
 def autocast_of(args, device: torch.device):
@@ -370,7 +374,8 @@ def build_arch(arch: str, args, device: torch.device) -> tuple[torch.nn.Module, 
     if args.free_memory_op and any(isinstance(m, titans_module.NeuralMemory) for m in model.modules()):
         # no MFU: its FLOPs are the model's less what the stand-in leaves out
         trainees.append(Trainee(arch + " (free memory op)", with_free_memory_op(trainees[0].step),
-                                model.parameter_count(), None, tokens))
+                                model.parameter_count(), None, tokens,
+                                memory_op_flops=tokens * model.memory_op_flops_per_token(args.seq_len)))
     return model, trainees
 
 
@@ -780,6 +785,9 @@ def main() -> None:
         if trainee.label in compile_s:
             result["compile_s"] = compile_s[trainee.label]
             result["compiled_vs_eager"] = step_s[eager] / step_s[trainee.label]
+        if trainee.memory_op_flops is not None:  # the op's FLOP rate: its FLOPs over the time freeing it saves
+            op_s = step_s[trainee.label.removesuffix(" (free memory op)")] - step_s[trainee.label]
+            result["memory_op_flop_rate"] = trainee.memory_op_flops / op_s if op_s > 0 else None
         if trainee.label in models:
             result.update(bench_arch(trainee.label, models[trainee.label], args, device))
         results.append(result)
@@ -798,6 +806,8 @@ def main() -> None:
                "state_bytes_per_token", "state_bytes_per_sequence", "peak_memory_mb"]
     if args.compile:
         columns += ["compiled_vs_eager", "compile_s"]
+    if args.free_memory_op:
+        columns += ["memory_op_flop_rate"]
     if args.generate_tokens:
         columns += ["generate_cached_s", "generate_uncached_s"]
     columns += [f"decode_ms_at_{p}" for p in args.decode_at]

@@ -101,8 +101,13 @@ def test_free_memory_op_times_titans_with_its_memory_op_replaced(tmp_path, monke
     results = json.loads(out.read_text())["results"]
     assert [r["arch"] for r in results] == [GPT, mag, mag + " (free memory op)"]
     assert results[2]["train_tokens_per_s"] > 0 and results[2]["mfu"] is None  # not the model's FLOPs: no MFU
-
     benchmark = runpy.run_path(str(ROOT / "scripts/benchmark.py"), run_name="benchmark")
+    saved_s = results[1]["train_step_s"] - results[2]["train_step_s"]
+    backbone = benchmark["build_backbone"](mag, SimpleNamespace(width=None, vocab_size=64), 16)
+    op_flops = 2 * 16 * backbone.memory_op_flops_per_token(16)  # the op's FLOPs over the time freeing it saves
+    assert results[2]["memory_op_flop_rate"] == (pytest.approx(op_flops / saved_s) if saved_s > 0 else None)
+    assert "memory_op_flop_rate" in run.stdout and "memory_op_flop_rate" not in results[1]
+
     calls = []
     real = titans.neural_memory
 

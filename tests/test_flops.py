@@ -10,10 +10,13 @@ less the work each formula leaves out on purpose (named there, each checked exac
 equals ``flops_per_token`` to 1e-9 (the sums' float rounding).
 """
 
+from unittest import mock
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from ltcx.models import titans as titans_module
 from ltcx.models.catalog import CATALOG
 from ltcx.models.gpt import GPT
 from ltcx.models.ltc import LTCGPT
@@ -157,6 +160,28 @@ def test_titans_counts_exactly(variant, length, chunk):
     assert counted_forward_flops_per_token(model, 2, length) == pytest.approx(
         model.forward_flops_per_token(length) + masked, rel=1e-12
     )
+
+
+@pytest.mark.parametrize("variant", ["mag", "mac", "mal", "lmm"])
+@pytest.mark.parametrize("length,chunk", [(19, 4), (16, None)])
+def test_titans_memory_op_counts_exactly(variant, length, chunk):
+    """memory_op_flops_per_token: 3 x what the counter sees inside every ``neural_memory`` call of a forward (MAC:
+    one call per segment piece; MAL: its memory blocks only), per token; the rest of flops_per_token is outside it."""
+    model = Titans(**{**TITANS_TINY, "variant": variant, "memory_chunk_size": chunk}).eval()
+    real, counted = titans_module.neural_memory, []
+
+    def counting(*args, **kwargs):
+        with FlopCounterMode(display=False, custom_mapping=COUNTED_TOO) as counter:
+            result = real(*args, **kwargs)
+        counted.append(counter.get_total_flops())
+        return result
+
+    idx = torch.randint(0, 96, (2, length), generator=torch.Generator().manual_seed(0))
+    with mock.patch.object(titans_module, "neural_memory", counting):
+        model(idx)
+    assert counted  # the patched op ran
+    assert model.memory_op_flops_per_token(length) == pytest.approx(3 * sum(counted) / (2 * length), rel=1e-12)
+    assert model.memory_op_flops_per_token(length) < model.flops_per_token(length)
 
 
 def test_unknown_backbones_fall_back_to_six_n():

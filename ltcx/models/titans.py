@@ -559,27 +559,21 @@ class Titans(ConfiguredModule):
         q_kv = 2 * C * (c.n_head * D + 2 * c.n_kv_head * D)
         mlp = 2 * 2 * C * c.mlp_hidden
 
-        def memory(pieces: list[int]) -> float:  # per token, projections and gates included
-            work = sum(22 * n * dk * dm + 4 * n * n * (dk + dm) + 2 * n ** 3 + 2 * n * n for n in pieces)
-            work -= 4 * pieces[0] * dk * dm  # no momentum to read in the first piece
-            return 2 * C * 3 * W + 2 * C * 3 * heads + heads * work / T
-
         def attention(visible_tokens: float) -> float:  # per token: visible keys of one query, all heads
             return 6 * D * c.n_head * (c.n_persistent + visible_tokens)
 
         window = sum(min(c.window, i + 1) for i in range(T)) / T
-        chunked = chunk_sizes(0, T, c.memory_chunk_size)
+        # per token, projections and gates included
+        memory = 2 * C * 3 * W + 2 * C * 3 * heads + self._memory_op_flops(self._memory_pieces(T)) / T
         if c.variant == "mac":
-            segment_pieces = chunk_sizes(0, T, c.segment)
-            pieces = chunked if c.memory_chunk_size is not None else segment_pieces
             in_segment = sum(2 * (i % c.segment + 1) for i in range(T)) / T
             block = q_kv + 2 * C * W + heads * 4 * dk * dm + 2 * C * 2 * c.n_kv_head * D \
-                + attention(in_segment) + memory(pieces) + 2 * C * C + mlp
+                + attention(in_segment) + memory + 2 * C * C + mlp
             blocks = c.n_layer * block
         else:
-            gated = memory(chunked) + 2 * C * W + 2 * W * C + mlp  # MemoryBlock: gate and output projections
+            gated = memory + 2 * C * W + 2 * W * C + mlp  # MemoryBlock: gate and output projections
             swa = q_kv + attention(window) + 2 * C * C + mlp
-            mag = q_kv + attention(window) + memory(chunked) + 2 * C * C + mlp
+            mag = q_kv + attention(window) + memory + 2 * C * C + mlp
             kinds = {"mag": [mag] * c.n_layer, "lmm": [gated] * c.n_layer,
                      "mal": [gated if i % 2 == 0 else swa for i in range(c.n_layer)]}
             blocks = sum(kinds[c.variant])
@@ -589,6 +583,30 @@ class Titans(ConfiguredModule):
         """Training FLOPs per token: 3 x ``forward_flops_per_token`` (the outer backward differentiates every
         product of the forward, including the memory's closed form)."""
         return 3 * self.forward_flops_per_token(seq_len)
+
+    def _memory_pieces(self, seq_len: int) -> list[int]:
+        """The pieces ``neural_memory`` cuts a training sequence into: its chunks, or without them MAC's segments
+        (each segment's call one piece) and the whole sequence elsewhere."""
+        c = self.config
+        if c.variant == "mac" and c.memory_chunk_size is None:
+            return chunk_sizes(0, seq_len, c.segment)
+        return chunk_sizes(0, seq_len, c.memory_chunk_size)
+
+    def _memory_op_flops(self, pieces: list[int]) -> float:
+        """Forward FLOPs of the chunkwise memory op (``neural_memory``, the "Memory" terms of
+        ``forward_flops_per_token`` less the projections and gates) over ``pieces``, all heads of one layer."""
+        c = self.config
+        dk, dm = c.mem_head_dim, c.mem_hidden
+        work = sum(22 * n * dk * dm + 4 * n * n * (dk + dm) + 2 * n ** 3 + 2 * n * n for n in pieces)
+        return c.mem_heads * (work - 4 * pieces[0] * dk * dm)  # no momentum to read in the first piece
+
+    def memory_op_flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token of the memory op alone, summed over the layers that run it (3 x its forward's, as
+        ``flops_per_token``): the products a faster form of ``neural_memory`` would still have to do
+        (``scripts/benchmark.py --free_memory_op`` divides them by the op's time)."""
+        c = self.config
+        layers = (c.n_layer + 1) // 2 if c.variant == "mal" else c.n_layer  # MAL: memory blocks at even indices
+        return 3 * layers * self._memory_op_flops(self._memory_pieces(seq_len)) / seq_len
 
     def state_bytes(self, tokens: int, dtype: torch.dtype | None = None) -> int:
         """Bytes of the inference state after ``tokens`` tokens at batch 1, the model in ``dtype`` (None: its
