@@ -604,8 +604,7 @@ class Titans(ConfiguredModule):
         """Training FLOPs per token of the memory op alone, summed over the layers that run it (3 x its forward's, as
         ``flops_per_token``): the products a faster form of ``neural_memory`` would still have to do
         (``scripts/benchmark.py --free_memory_op`` divides them by the op's time)."""
-        c = self.config
-        layers = (c.n_layer + 1) // 2 if c.variant == "mal" else c.n_layer  # MAL: memory blocks at even indices
+        layers = sum(isinstance(module, NeuralMemory) for module in self.modules())  # as built (MAL: every other)
         return 3 * layers * self._memory_op_flops(self._memory_pieces(seq_len)) / seq_len
 
     def state_bytes(self, tokens: int, dtype: torch.dtype | None = None) -> int:
