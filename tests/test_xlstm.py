@@ -28,7 +28,7 @@ from ltcx.ops.mlstm import (
 )
 from ltcx.ops.naive.mlstm import mlstm_parallel_naive
 from ltcx.ops.naive.slstm import slstm_reference
-from ltcx.ops.slstm import slstm_scan, slstm_step
+from ltcx.ops.slstm import _Scan, _scan_loop, recurrent_weights, slstm_scan, slstm_step
 
 F64 = dict(rtol=1e-9, atol=1e-9)
 F32_REL_TOL = 5e-4  # float32 forms vs the float64 recurrence: max |err| <= 5e-4 * max |h|
@@ -237,6 +237,35 @@ def test_slstm_scan_gradients_equal_the_unstabilised_equations(forget_gate):
     for run in (lambda x, r: slstm_scan(x, r, forget_gate=forget_gate)[0], in_pieces):
         for got, want in zip(gradients(run), expected):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("forget_gate", ["sigmoid", "exp"])
+@pytest.mark.parametrize("outputs_read", ["all", "outputs only", "state only"])
+def test_slstm_scan_backward_equals_autograd_of_its_loop(forget_gate, outputs_read):
+    """The scan's hand-written backward (``_Scan``) against autograd of the same loop (``_scan_loop``), float64: the
+    gradients of the steps, of R's rearranged maps and of every part of a given state (c, n, h and the stabiliser m,
+    which enters through the first step's forget gate), with cotangents on the outputs, on the final state, or both."""
+    g = torch.Generator().manual_seed(11)
+    T, H, B, Dh = 9, 3, 2, 4
+    steps = torch.randn(T, H, B, 4 * Dh, generator=g, dtype=torch.float64)
+    steps[..., Dh:2 * Dh] += 2.0 if forget_gate == "sigmoid" else -0.5
+    recurrent = recurrent_weights(0.5 * torch.randn(4, H, Dh, Dh, generator=g, dtype=torch.float64))
+    c0, h0, m0 = (torch.randn(H, B, Dh, generator=g, dtype=torch.float64) for _ in range(3))
+    n0 = 1.0 + torch.rand(H, B, Dh, generator=g, dtype=torch.float64)
+    cotangents = [torch.randn(T, H, B, Dh, generator=g, dtype=torch.float64)]
+    cotangents += [torch.randn(H, B, Dh, generator=g, dtype=torch.float64) for _ in range(3)]  # c, n, h
+    read = {"all": [0, 1, 2, 3], "outputs only": [0], "state only": [1, 2, 3]}[outputs_read]
+
+    def run(scan):
+        inputs = [x.clone().requires_grad_() for x in (steps, recurrent, c0, n0, h0, m0)]
+        outputs = scan(*inputs, forget_gate)
+        loss = sum((outputs[k] * cotangents[k]).sum() for k in read)
+        return outputs, torch.autograd.grad(loss, inputs)
+
+    (got, got_grads), (want, want_grads) = run(_Scan.apply), run(_scan_loop)
+    for a, b in zip(got + got_grads, want + want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    assert not got[-1].requires_grad  # the stabiliser carries no gradient out, as in the loop
 
 
 def test_slstm_gate_biases_are_added_in_float32_under_bf16_autocast(monkeypatch):

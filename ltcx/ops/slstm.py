@@ -37,9 +37,10 @@ def slstm_init_state(
     return zeros, zeros.clone(), zeros.clone(), torch.full(shape, float("-inf"), device=device, dtype=dtype)
 
 
-def _cell(pre: Tensor, c: Tensor, n: Tensor, m: Tensor, forget_gate: str) -> SLSTMState:
+def _cell(pre: Tensor, c: Tensor, n: Tensor, m: Tensor, forget_gate: str) -> tuple[SLSTMState, tuple[Tensor, ...]]:
     """The stabilised update from the four pre-activations pre ``[..., 4 Dh]`` (i, f, z, o side by side) and the state
-    c, n, m ``[..., Dh]`` -> (c, n, h, m) after the step.
+    c, n, m ``[..., Dh]`` -> ((c, n, h, m) after the step, the activations (i', f', tanh z~, sigmoid o~) that the
+    hand-written backward reads).
 
     The stabiliser m carries no gradient: c and n are the unstabilised C and N times exp(-m), so h = o c / n, and the
     next step from (c, n, m), are the same for any m, and their derivative along m is zero. Leaving it out of the
@@ -50,10 +51,109 @@ def _cell(pre: Tensor, c: Tensor, n: Tensor, m: Tensor, forget_gate: str) -> SLS
     m_new = torch.maximum(log_f_m.detach(), i_pre.detach())
     ip = torch.exp(i_pre - m_new)
     fp = torch.exp(log_f_m - m_new)
-    c = torch.addcmul(fp * c, ip, torch.tanh(z_pre))
+    tz, so = torch.tanh(z_pre), torch.sigmoid(o_pre)
+    c = torch.addcmul(fp * c, ip, tz)
     n = torch.addcmul(ip, fp, n)
-    h = torch.sigmoid(o_pre) * (c / n)
-    return c, n, h, m_new
+    h = so * (c / n)
+    return (c, n, h, m_new), (ip, fp, tz, so)
+
+
+def _scan_loop(
+    steps: Tensor, recurrent: Tensor, c: Tensor, n: Tensor, h: Tensor, m: Tensor, forget_gate: str,
+    record: list | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The recurrence over steps ``[T, H, B, 4 Dh]`` from (c, n, h, m) ``[H, B, Dh]`` with recurrent ``[H, Dh, 4 Dh]``
+    -> (h of every step ``[T, H, B, Dh]``, a view of ``[H, T, B, Dh]``; c, n, h, m after the last), differentiable by
+    autograd. ``record``: a list that gets each step's (pre-activations, c and n after it, activations) for
+    :class:`_Scan`'s backward."""
+    hs = []
+    for gates_t in steps.unbind(0):  # sLSTM's own recurrence: the only token loop in a training path
+        pre = torch.baddbmm(gates_t, h, recurrent)
+        (c, n, h, m), acts = _cell(pre, c, n, m, forget_gate)
+        hs.append(h)
+        if record is not None:
+            record.append((pre, c, n, *acts))
+    return torch.stack(hs, dim=1).transpose(0, 1), c, n, h, m
+
+
+class _Scan(torch.autograd.Function):
+    """:func:`_scan_loop` with its backward written out: the forward records no graph, and the backward's loop over
+    the steps runs six ops a step (the recurrent product, the carried gradients of c and n, the step's gate gradients),
+    everything else batched over all steps before and after it, where autograd's backward ran some 25 kernels a step.
+    Per step, from g_h (the output's gradient plus R's product of the next step's gate gradients) and the gradients
+    g_c, g_n carried back from the next step (times its f'):
+
+        g_c += g_h so / n        g_n -= g_h h / n        (h = so c / n)
+        g_i~ = (g_c tanh z~ + g_n) i'                    g_f~ = (g_c c_{t-1} + g_n n_{t-1}) df'/df~
+        g_z~ = g_c i' (1 - tanh^2 z~)                   g_o~ = g_h h (1 - so)
+
+    with df'/df~ = f' sigmoid(-f~) for the sigmoid forget gate and f' for the exponential one (m held fixed: see
+    :func:`_cell`).
+
+    What the backward reads is kept head-major over time, ``[H, T, B, ...]``, so that R's gradient is one product
+    over all steps and the steps' gradient has the layout the sLSTM block projects them in, with no copy of either."""
+
+    @staticmethod
+    def forward(ctx, steps, recurrent, c0, n0, h0, m0, forget_gate):
+        record: list = []
+        hs, c, n, h, m = _scan_loop(steps, recurrent, c0, n0, h0, m0, forget_gate, record)
+        pre, cs, ns, ip, fp, tz, so = zip(*record)
+        # [H, T, B, ...] each; c and n with the state before the first step ([H, T + 1, B, Dh]): each step reads both
+        pre, ip, fp, tz, so = (torch.stack(x, dim=1) for x in (pre, ip, fp, tz, so))
+        cs, ns = torch.stack([c0, *cs], dim=1), torch.stack([n0, *ns], dim=1)
+        ctx.forget_gate = forget_gate
+        ctx.save_for_backward(pre, recurrent, h0, cs, ns, hs.transpose(0, 1), ip, fp, tz, so)
+        ctx.mark_non_differentiable(m)
+        ctx.set_materialize_grads(False)  # a final state nothing reads gets None: no zeros added
+        return hs, c, n, h, m
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_hs, g_c, g_n, g_h, _g_m):
+        pre, recurrent, h0, cs, ns, hs, ip, fp, tz, so = ctx.saved_tensors  # [H, T, B, ...]
+        H, T, B, width = pre.shape
+        Dh = width // 4
+        (c0, c_prev, c_new), (n0, n_prev, n_new) = ((x[:, 0], x[:, :-1], x[:, 1:]) for x in (cs, ns))
+        # Each step's coefficients, all steps at once, each written where the loop reads it (one pass apiece).
+        # h = so c / n: per unit of g_h, g_c gains so / n and g_n gains -h / n
+        inv_n = n_new.reciprocal()
+        per_gh = pre.new_empty(2, H, T, B, Dh)
+        torch.mul(so, inv_n, out=per_gh[0])
+        torch.mul(hs, inv_n, out=per_gh[1]).neg_()
+        # d f' / d f~ = f' d log f / d f~: f' sigmoid(-f~) for the sigmoid gate, f' for the exponential one
+        d_forget = fp * torch.sigmoid(-pre[..., Dh:2 * Dh]) if ctx.forget_gate == "sigmoid" else fp
+        # the step's gate gradients (i, f, z, o) per unit of g_c (i, f, z), of g_n (i, f) and of g_h (o)
+        per_gc = pre.new_empty(H, T, B, 3, Dh)
+        torch.mul(tz, ip, out=per_gc[..., 0, :])
+        torch.mul(c_prev, d_forget, out=per_gc[..., 1, :])
+        torch.addcmul(ip, per_gc[..., 0, :], tz, value=-1.0, out=per_gc[..., 2, :])  # i' (1 - tanh^2 z~)
+        per_gn = torch.stack([ip, n_prev * d_forget], dim=-2)  # [H, T, B, 2, Dh]
+        per_go = torch.addcmul(hs, hs, so, value=-1.0)  # h (1 - so) = so (1 - so) c / n
+        g_pre = torch.empty_like(pre).view(H, T, B, 4, Dh)
+        carried = pre.new_zeros(2, H, B, Dh)  # the gradients of (c, n) from the steps after
+        if g_c is not None:
+            carried[0] = g_c
+        if g_n is not None:
+            carried[1] = g_n
+        g_hs = hs.new_zeros(T, H, B, Dh) if g_hs is None else g_hs
+        recurrent_t = recurrent.transpose(-1, -2)
+        g_h_t = g_hs[-1] if g_h is None else g_hs[-1] + g_h
+        for t in range(T - 1, -1, -1):
+            if t < T - 1:  # h_t also fed the next step's pre-activations through R
+                g_h_t = torch.baddbmm(g_hs[t], g_pre[:, t + 1].view(H, B, width), recurrent_t)
+            g_cn = carried.addcmul_(g_h_t, per_gh[:, :, t])
+            g_gates = g_pre[:, t]
+            torch.mul(g_cn[0].unsqueeze(-2), per_gc[:, t], out=g_gates[..., :3, :])
+            g_gates[..., :2, :].addcmul_(g_cn[1].unsqueeze(-2), per_gn[:, t])
+            torch.mul(g_h_t, per_go[:, t], out=g_gates[..., 3, :])
+            carried = g_cn.mul_(fp[:, t])
+        g_pre = g_pre.view(H, T * B, width)
+        h_prev = torch.cat([h0.unsqueeze(1), hs[:, :-1]], dim=1)  # the operand of each step's recurrent product
+        g_recurrent = torch.bmm(h_prev.view(H, T * B, Dh).transpose(1, 2), g_pre)
+        g_h0 = torch.bmm(g_pre[:, :B], recurrent_t)
+        g_m0 = carried[0] * c0 + carried[1] * n0  # m_0 enters through f'_1 = exp(log f_1 + m_0 - m_1) alone
+        g_steps = g_pre.view(H, T, B, width).transpose(0, 1)
+        return g_steps, g_recurrent, carried[0], carried[1], g_h0, g_m0, None
 
 
 def recurrent_weights(R: Tensor) -> Tensor:
@@ -93,7 +193,8 @@ def slstm_scan_head_major(
 
     Inside the loop everything is head-major ``[H, B, ...]``: the recurrent part of a step is one ``baddbmm`` of
     h ``[H, B, Dh]`` with ``[H, Dh, 4 Dh]`` onto that step's input part, and the steps' inputs come from one
-    ``unbind`` (whose backward is one stack, where indexing each step would zero-fill a [T, ...] gradient per step).
+    ``unbind``. Where a gradient is wanted the loop runs inside :class:`_Scan`, whose backward is written out (held
+    to autograd of :func:`_scan_loop` in float64); without one, and under ``torch.compile``, the loop itself.
     """
     T, H, B, width = steps.shape
     Dh = width // 4
@@ -104,8 +205,9 @@ def slstm_scan_head_major(
     if T == 0:
         return steps.new_zeros(0, H, B, Dh), state
     recurrent = (recurrent_weights(R) if recurrent is None else recurrent).to(cdt)
-    hs = []
-    for gates_t in steps.to(cdt).unbind(0):  # sLSTM's own recurrence: the only token loop in a training path
-        c, n, h, m = _cell(torch.baddbmm(gates_t, h, recurrent), c, n, m, forget_gate)
-        hs.append(h)
-    return torch.stack(hs, dim=0).to(steps.dtype), tuple(s.transpose(0, 1) for s in (c, n, h, m))
+    inputs = (steps.to(cdt), recurrent, c, n, h, m)
+    # the hand-written backward where a gradient is wanted; torch.compile traces the loop itself
+    wanted = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
+    scan = _Scan.apply if wanted and not torch.compiler.is_compiling() else _scan_loop
+    hs, c, n, h, m = scan(*inputs, forget_gate)
+    return hs.to(steps.dtype), tuple(s.transpose(0, 1) for s in (c, n, h, m))
