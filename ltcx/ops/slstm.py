@@ -99,10 +99,14 @@ class _Scan(torch.autograd.Function):
         hs, c, n, h, m = _scan_loop(steps, recurrent, c0, n0, h0, m0, forget_gate, record)
         pre, cs, ns, ip, fp, tz, so = zip(*record)
         # [H, T, B, ...] each; c and n with the state before the first step ([H, T + 1, B, Dh]): each step reads both
-        pre, ip, fp, tz, so = (torch.stack(x, dim=1) for x in (pre, ip, fp, tz, so))
+        ip, fp, tz, so = (torch.stack(x, dim=1) for x in (ip, fp, tz, so))
         cs, ns = torch.stack([c0, *cs], dim=1), torch.stack([n0, *ns], dim=1)
-        ctx.forget_gate = forget_gate
-        ctx.save_for_backward(pre, recurrent, h0, cs, ns, hs.transpose(0, 1), ip, fp, tz, so)
+        # d f' / d f~ = f' d log f / d f~: f' sigmoid(-f~) for the sigmoid gate, f' for the exponential one; kept in
+        # place of the pre-activations, four times its size, which the backward would read for it alone
+        Dh = ip.shape[-1]
+        d_forget = fp if forget_gate != "sigmoid" else torch.stack(
+            [p.narrow(-1, Dh, Dh) for p in pre], dim=1).neg_().sigmoid_().mul_(fp)
+        ctx.save_for_backward(recurrent, h0, cs, ns, hs.transpose(0, 1), ip, fp, tz, so, d_forget)
         ctx.mark_non_differentiable(m)
         ctx.set_materialize_grads(False)  # a final state nothing reads gets None: no zeros added
         return hs, c, n, h, m
@@ -110,27 +114,26 @@ class _Scan(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_hs, g_c, g_n, g_h, _g_m):
-        pre, recurrent, h0, cs, ns, hs, ip, fp, tz, so = ctx.saved_tensors  # [H, T, B, ...]
-        H, T, B, width = pre.shape
-        Dh = width // 4
+        recurrent, h0, cs, ns, hs, ip, fp, tz, so, d_forget = ctx.saved_tensors  # [H, T, B, ...]
+        H, T, B, Dh = ip.shape
+        width = 4 * Dh
         (c0, c_prev, c_new), (n0, n_prev, n_new) = ((x[:, 0], x[:, :-1], x[:, 1:]) for x in (cs, ns))
         # Each step's coefficients, all steps at once, each written where the loop reads it (one pass apiece).
         # h = so c / n: per unit of g_h, g_c gains so / n and g_n gains -h / n
-        inv_n = n_new.reciprocal()
-        per_gh = pre.new_empty(2, H, T, B, Dh)
-        torch.mul(so, inv_n, out=per_gh[0])
-        torch.mul(hs, inv_n, out=per_gh[1]).neg_()
-        # d f' / d f~ = f' d log f / d f~: f' sigmoid(-f~) for the sigmoid gate, f' for the exponential one
-        d_forget = fp * torch.sigmoid(-pre[..., Dh:2 * Dh]) if ctx.forget_gate == "sigmoid" else fp
+        per_gh = ip.new_empty(2, H, T, B, Dh)
+        torch.div(so, n_new, out=per_gh[0])
+        torch.div(hs, n_new, out=per_gh[1]).neg_()
         # the step's gate gradients (i, f, z, o) per unit of g_c (i, f, z), of g_n (i, f) and of g_h (o)
-        per_gc = pre.new_empty(H, T, B, 3, Dh)
+        per_gc = ip.new_empty(H, T, B, 3, Dh)
         torch.mul(tz, ip, out=per_gc[..., 0, :])
         torch.mul(c_prev, d_forget, out=per_gc[..., 1, :])
         torch.addcmul(ip, per_gc[..., 0, :], tz, value=-1.0, out=per_gc[..., 2, :])  # i' (1 - tanh^2 z~)
-        per_gn = torch.stack([ip, n_prev * d_forget], dim=-2)  # [H, T, B, 2, Dh]
+        per_gn = ip.new_empty(H, T, B, 2, Dh)
+        per_gn[..., 0, :] = ip
+        torch.mul(n_prev, d_forget, out=per_gn[..., 1, :])
         per_go = torch.addcmul(hs, hs, so, value=-1.0)  # h (1 - so) = so (1 - so) c / n
-        g_pre = torch.empty_like(pre).view(H, T, B, 4, Dh)
-        carried = pre.new_zeros(2, H, B, Dh)  # the gradients of (c, n) from the steps after
+        g_pre = ip.new_empty(H, T, B, 4, Dh)
+        carried = ip.new_zeros(2, H, B, Dh)  # the gradients of (c, n) from the steps after
         if g_c is not None:
             carried[0] = g_c
         if g_n is not None:
@@ -148,8 +151,9 @@ class _Scan(torch.autograd.Function):
             torch.mul(g_h_t, per_go[:, t], out=g_gates[..., 3, :])
             carried = g_cn.mul_(fp[:, t])
         g_pre = g_pre.view(H, T * B, width)
-        h_prev = torch.cat([h0.unsqueeze(1), hs[:, :-1]], dim=1)  # the operand of each step's recurrent product
-        g_recurrent = torch.bmm(h_prev.view(H, T * B, Dh).transpose(1, 2), g_pre)
+        # R's gradient: the sum over steps of h_{t-1}^T g_pre_t, the first step's from h_0
+        g_recurrent = torch.bmm(h0.transpose(1, 2), g_pre[:, :B])
+        g_recurrent.baddbmm_(hs[:, :-1].reshape(H, (T - 1) * B, Dh).transpose(1, 2), g_pre[:, B:])
         g_h0 = torch.bmm(g_pre[:, :B], recurrent_t)
         g_m0 = carried[0] * c0 + carried[1] * n0  # m_0 enters through f'_1 = exp(log f_1 + m_0 - m_1) alone
         g_steps = g_pre.view(H, T, B, width).transpose(0, 1)
