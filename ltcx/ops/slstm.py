@@ -90,8 +90,8 @@ class _Scan(torch.autograd.Function):
     with df'/df~ = f' sigmoid(-f~) for the sigmoid forget gate and f' for the exponential one (m held fixed: see
     :func:`_cell`).
 
-    What the backward reads is kept head-major over time, ``[H, T, B, ...]``, so that R's gradient is one product
-    over all steps and the steps' gradient has the layout the sLSTM block projects them in, with no copy of either."""
+    What the backward reads is kept head-major over time, ``[H, T, B, ...]``, so that R's gradient is a product over
+    all steps and the steps' gradient has the layout the sLSTM block projects them in, with no copy of either."""
 
     @staticmethod
     def forward(ctx, steps, recurrent, c0, n0, h0, m0, forget_gate):
