@@ -118,7 +118,7 @@ class _Scan(torch.autograd.Function):
         H, T, B, Dh = ip.shape
         width = 4 * Dh
         (c0, c_prev, c_new), (n0, n_prev, n_new) = ((x[:, 0], x[:, :-1], x[:, 1:]) for x in (cs, ns))
-        # Each step's coefficients, all steps at once, each written where the loop reads it (one pass apiece).
+        # Each step's coefficients, all steps at once, each written where the loop reads it.
         # h = so c / n: per unit of g_h, g_c gains so / n and g_n gains -h / n
         per_gh = ip.new_empty(2, H, T, B, Dh)
         torch.div(so, n_new, out=per_gh[0])
@@ -154,10 +154,14 @@ class _Scan(torch.autograd.Function):
         # R's gradient: the sum over steps of h_{t-1}^T g_pre_t, the first step's from h_0
         g_recurrent = torch.bmm(h0.transpose(1, 2), g_pre[:, :B])
         g_recurrent.baddbmm_(hs[:, :-1].reshape(H, (T - 1) * B, Dh).transpose(1, 2), g_pre[:, B:])
-        g_h0 = torch.bmm(g_pre[:, :B], recurrent_t)
-        g_m0 = carried[0] * c0 + carried[1] * n0  # m_0 enters through f'_1 = exp(log f_1 + m_0 - m_1) alone
         g_steps = g_pre.view(H, T, B, width).transpose(0, 1)
-        return g_steps, g_recurrent, carried[0], carried[1], g_h0, g_m0, None
+        # a given state's gradients only where it wants them (training starts from the empty state: none)
+        _, _, wants_c0, wants_n0, wants_h0, wants_m0, _ = ctx.needs_input_grad
+        g_h0 = torch.bmm(g_pre[:, :B], recurrent_t) if wants_h0 else None
+        # m_0 enters through f'_1 = exp(log f_1 + m_0 - m_1) alone
+        g_m0 = carried[0] * c0 + carried[1] * n0 if wants_m0 else None
+        return (g_steps, g_recurrent, carried[0] if wants_c0 else None, carried[1] if wants_n0 else None, g_h0, g_m0,
+                None)
 
 
 def recurrent_weights(R: Tensor) -> Tensor:
