@@ -21,6 +21,10 @@ from ltcx.models import xlstm as xlstm_module
 from ltcx.models.inference_cache import keeping_derived
 from ltcx.models.xlstm import XLSTM, CausalConv1d, HeadwiseLinear, XLSTMConfig
 from ltcx.ops.mlstm import (
+    EPS,
+    _chunk,
+    _ChunkOutputs,
+    log_forget_gate,
     mlstm_chunkwise,
     mlstm_parallel,
     mlstm_recurrent,
@@ -191,6 +195,42 @@ def test_mlstm_chunkwise_long_float32_is_finite_with_finite_gradients():
 
 
 # ----------------------------------------------------------------------------- sLSTM ops
+
+
+@pytest.mark.parametrize("forget_gate", ["sigmoid", "exp"])
+@pytest.mark.parametrize("state", ["empty", "given", "stacked chunks"])
+@pytest.mark.parametrize("L", [1, 7])
+def test_mlstm_chunk_backward_equals_autograd_of_its_forward(forget_gate, state, L):
+    """The chunk's hand-written backward (``_ChunkOutputs``) against autograd of the same forward (``_chunk``), float64:
+    the gradients of q, k, v, both gates and every part of a given state (C, n, and the stabiliser m, which enters
+    through the carried state's weight). "stacked chunks" is the chunkwise form's call: three chunks at once, the first
+    from the empty state (m = -inf, C = n = 0), the others from given states."""
+    g = torch.Generator().manual_seed(5)
+    B, H, D = 2, 3, 4
+    lead = (B, H, 3) if state == "stacked chunks" else (B, H)
+    q, k, v = (torch.randn(*lead, L, D, generator=g, dtype=torch.float64) for _ in range(3))
+    log_i = torch.randn(*lead, L, generator=g, dtype=torch.float64)
+    f_pre = torch.randn(*lead, L, generator=g, dtype=torch.float64) + (3.0 if forget_gate == "sigmoid" else -0.2)
+    log_f = log_forget_gate(f_pre, forget_gate)
+    given = () if state == "empty" else (torch.randn(*lead, D, D, generator=g, dtype=torch.float64),
+                                         torch.randn(*lead, D, generator=g, dtype=torch.float64),
+                                         torch.randn(*lead, generator=g, dtype=torch.float64))
+    if state == "stacked chunks":
+        given[0][:, :, 0], given[1][:, :, 0], given[2][:, :, 0] = 0.0, 0.0, float("-inf")
+    cotangent = torch.randn(*lead, L, D, generator=g, dtype=torch.float64)
+
+    def run(form):
+        inputs = [x.clone().requires_grad_() for x in (q, k, v, log_i, log_f, *given)]
+        h = form(*inputs, *(() if given else (None,) * 3))
+        return h, torch.autograd.grad((h * cotangent).sum(), inputs)
+
+    got, got_grads = run(lambda *x: _ChunkOutputs.apply(*x, EPS))
+    want, want_grads = run(lambda *x: _chunk(*x, EPS))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same forward
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    if state == "stacked chunks":
+        assert torch.isfinite(got_grads[-1]).all() and (got_grads[-1][:, :, 0] == 0).all()
 
 
 @pytest.mark.parametrize("forget_gate", ["sigmoid", "exp"])

@@ -69,13 +69,18 @@ def mlstm_init_state(
     return C, n, m
 
 
-def _normalise(num: Tensor, den: Tensor, m: Tensor, eps: float) -> Tensor:
-    """h = num / (max(|den|, exp(-m)) + eps); num [..., D], den and m [...].
+def _normaliser(den: Tensor, m: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(1 / (max(|den|, exp(-m)) + eps), exp(-m)): h is num times the first; den and m [...].
 
-    As num times the reciprocal: the division happens on [...], and the backward's passes over num's size are two
-    products, where a division's backward makes four (g / d, and g num / d^2 with its negation)."""
+    A reciprocal on [...] and a product over num's size: a division's backward makes four passes over num's size (g /
+    d, and g num / d^2 with its negation) where the product's makes two."""
     floor = torch.exp(torch.clamp(-m, max=_MAX_NEG_M))
-    return num * torch.reciprocal(torch.maximum(den.abs(), floor) + eps).unsqueeze(-1)
+    return torch.reciprocal(torch.maximum(den.abs(), floor) + eps), floor
+
+
+def _normalise(num: Tensor, den: Tensor, m: Tensor, eps: float) -> Tensor:
+    """h = num / (max(|den|, exp(-m)) + eps); num [..., D], den and m [...]."""
+    return num * _normaliser(den, m, eps)[0].unsqueeze(-1)
 
 
 def _prepare(q, k, v, i_pre, f_pre, state, forget_gate):
@@ -101,14 +106,18 @@ def _state_or_empty(state: MLSTMState | None, q: Tensor) -> MLSTMState:
     return mlstm_init_state(B, H, D, device=q.device, dtype=q.dtype)
 
 
-def _chunk(q, k, v, log_i, log_f, C0, n0, m0, eps, with_state=True):
-    """Outputs and final state of one block of steps, given the state before it.
+def _chunk(q, k, v, log_i, log_f, C0, n0, m0, eps, keep=None):
+    """Outputs h ``[..., L, D]`` of one block of steps, given the state before it (its state after:
+    :func:`_chunk_state`).
 
     Any leading dims ``[...]`` (e.g. ``[B, H]`` or ``[B, H, N]`` for N chunks at once).
     q, k (scaled), v ``[..., L, D]``; log_i, log_f ``[..., L]``; C0 ``[..., D, D]``,
     n0 ``[..., D]``, m0 ``[...]``, or all three None for the empty state (C = 0, n = 0, m = -inf), whose terms
-    are exactly zero (weight exp(-inf) = 0) and are left out. Returns h ``[..., L, D]`` and (C, n, m) after the
-    block, or None for the state when ``with_state`` is False (it costs as much as the q C0 product).
+    are exactly zero (weight exp(-inf) = 0) and are left out. ``keep``: a dict that receives what
+    :class:`_ChunkOutputs`'s backward reads.
+
+    The stabiliser's row maximum takes ``max`` with its indices, not ``amax``: on a tie its gradient (h depends on m
+    through eps and the floor alone) goes to one of the maxima, as the hand-written backward routes it.
     """
     L = q.shape[-2]
     empty = C0 is None
@@ -116,30 +125,134 @@ def _chunk(q, k, v, log_i, log_f, C0, n0, m0, eps, with_state=True):
     # log D_tj = sum_{l=j+1..t} log f_l + i~_j  for j <= t
     log_D = b.unsqueeze(-1) - b.unsqueeze(-2) + log_i.unsqueeze(-2)  # [..., L, L]
     causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-    log_D = log_D.masked_fill(~causal, float("-inf"))
-    m = log_D.amax(-1)  # [..., L]  stabiliser = running max (with the carried state's weight, below)
+    log_D = log_D.masked_fill_(~causal, float("-inf"))  # in place: nothing reads the sum before the mask
+    m_intra, top = log_D.max(-1)  # [..., L]  stabiliser = running max (with the carried state's weight, below)
+    m = m_intra
     if not empty:
         log_prev = b + m0.unsqueeze(-1)  # [..., L]  log weight of the carried state at step t
-        m = torch.maximum(m, log_prev)
-    S = (q @ k.transpose(-1, -2)) * torch.exp(log_D - m.unsqueeze(-1))  # [..., L, L]
+        m = torch.maximum(m_intra, log_prev)
+    decay = torch.exp(log_D - m.unsqueeze(-1))  # [..., L, L], 0 above the diagonal
+    S = (q @ k.transpose(-1, -2)) * decay
     num, den = S @ v, S.sum(-1)  # [..., L, D], [..., L] = n_t . q_t
     if not empty:
         w_prev = torch.exp(log_prev - m)  # [..., L]
-        num = num + w_prev.unsqueeze(-1) * (q @ C0)
-        den = den + w_prev * (q @ n0.unsqueeze(-1)).squeeze(-1)
-    h = _normalise(num, den, m, eps)
-    if not with_state:
-        return h, None
+        q_C0, q_n0 = q @ C0, (q @ n0.unsqueeze(-1)).squeeze(-1)
+        num = num + w_prev.unsqueeze(-1) * q_C0
+        den = den + w_prev * q_n0
+    reciprocal, floor = _normaliser(den, m, eps)
+    if keep is not None:
+        keep.update(m=m, m_intra=m_intra, top=top, decay=decay, S=S, num=num, den=den, reciprocal=reciprocal,
+                    floor=floor)
+        if not empty:
+            keep.update(log_prev=log_prev, w_prev=w_prev, q_C0=q_C0, q_n0=q_n0)
+    return num * reciprocal.unsqueeze(-1)
 
-    # state after the last step: the last row of D weights every input of the block
-    m_last = m[..., -1]
-    w_in = torch.exp(log_D[..., -1, :] - m_last.unsqueeze(-1))  # [..., L]
+
+def _chunk_state(k, v, log_i, log_f, C0, n0, m0) -> MLSTMState:
+    """(C, n, m) after the block of :func:`_chunk` (same arguments): the last row of its D weights every input, and
+    its stabiliser is the last row's (the same values as the outputs' last stabiliser)."""
+    b = log_f.cumsum(-1)
+    log_last = b[..., -1:] - b + log_i  # [..., L]  log D_Lj, as _chunk's last row
+    m_last = log_last.amax(-1)
+    if C0 is not None:
+        log_prev = b[..., -1] + m0  # the carried state's log weight at the last step
+        m_last = torch.maximum(m_last, log_prev)
+    w_in = torch.exp(log_last - m_last.unsqueeze(-1))  # [..., L]
     kw = k * w_in.unsqueeze(-1)
     C, n = kw.transpose(-1, -2) @ v, kw.sum(-2)
-    if not empty:
-        decay = torch.exp(log_prev[..., -1] - m_last)  # [...]
-        C, n = decay[..., None, None] * C0 + C, decay.unsqueeze(-1) * n0 + n
-    return h, (C, n, m_last)
+    if C0 is not None:
+        carry = torch.exp(log_prev - m_last)  # [...]
+        C, n = carry[..., None, None] * C0 + C, carry.unsqueeze(-1) * n0 + n
+    return C, n, m_last
+
+
+def _split_maximum(grad: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """The gradient of ``torch.maximum(a, b)`` split between a and b as autograd splits it (half each on a tie)."""
+    to_a = (a > b).to(grad.dtype) + 0.5 * (a == b).to(grad.dtype)
+    g_a = grad * to_a
+    return g_a, grad - g_a
+
+
+class _ChunkOutputs(torch.autograd.Function):
+    """h of :func:`_chunk` with its backward written out (the chain rule through every line of the forward): its
+    ``[..., L, L]`` tensors take two products and two sums where autograd's graph of the chunk ran some 40 nodes
+    (masks, broadcast sums, the exp's and the two products' separate passes), and it keeps two of them where autograd
+    kept three. Held to autograd of :func:`_chunk` in float64. Inputs as ``_chunk``'s (C0, n0, m0 None: the empty
+    state)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, log_i, log_f, C0, n0, m0, eps):
+        kept = {}
+        h = _chunk(q, k, v, log_i, log_f, C0, n0, m0, eps, keep=kept)
+        ctx.empty = C0 is None
+        names = _KEPT + (() if ctx.empty else _KEPT_STATE)
+        ctx.save_for_backward(q, k, v, C0, n0, *(kept[name] for name in names))
+        return h
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_h):
+        q, k, v, C0, n0, *rest = ctx.saved_tensors
+        x = dict(zip(_KEPT + (() if ctx.empty else _KEPT_STATE), rest))
+        m, decay, S, num, den, reciprocal, floor = (x[name] for name in
+                                                    ("m", "decay", "S", "num", "den", "reciprocal", "floor"))
+        # h = num r, r = 1 / (max(|den|, floor) + eps), floor = exp(min(-m, 80))
+        g_num = g_h * reciprocal.unsqueeze(-1)
+        g_r = (g_h * num).sum(-1)
+        g_abs, g_floor = _split_maximum(-g_r * reciprocal.square(), den.abs(), floor)
+        g_den = g_abs * den.sign()
+        g_m = -(g_floor * floor) * (m >= -_MAX_NEG_M).to(m.dtype)  # clamp(-m, max=80) passes it where -m <= 80
+        # num = S v (+ w_prev q C0), den = S 1 (+ w_prev q n0)
+        g_S = torch.baddbmm(g_den.unsqueeze(-1).expand(*S.shape).flatten(0, -3), g_num.flatten(0, -3),
+                            v.flatten(0, -3).transpose(-1, -2)).view(S.shape)
+        g_v = S.transpose(-1, -2) @ g_num
+        g_C0 = g_n0 = g_m0 = None
+        if not ctx.empty:
+            w_prev = x["w_prev"]
+            g_q_C0 = g_num * w_prev.unsqueeze(-1)
+            g_q_n0 = g_den * w_prev
+            g_w_prev = (g_num * x["q_C0"]).sum(-1) + g_den * x["q_n0"]
+            g_q = g_q_C0 @ C0.transpose(-1, -2) + g_q_n0.unsqueeze(-1) * n0.unsqueeze(-2)
+            g_C0 = q.transpose(-1, -2) @ g_q_C0
+            g_n0 = (q * g_q_n0.unsqueeze(-1)).sum(-2)
+            g_log_prev = g_w_prev * w_prev  # w_prev = exp(log_prev - m)
+            g_m = g_m - g_log_prev
+        # S = (q k^T) decay, decay = exp(log_D - m): the masked entries have decay 0 and S 0, so no gradient
+        g_qk = g_S * decay
+        g_log_D = g_S.mul_(S)  # g_S is read no more
+        g_rows = g_log_D.sum(-1)
+        g_m = g_m - g_rows
+        g_q = g_qk @ k if ctx.empty else g_q.add_(g_qk @ k)
+        g_k = g_qk.transpose(-1, -2) @ q
+        # m = maximum(m_intra, log_prev) (m_intra alone for the empty state); m_intra = log_D[t, top_t]
+        if ctx.empty:
+            g_m_intra = g_m
+        else:
+            g_m_intra, g_to_prev = _split_maximum(g_m, x["m_intra"], x["log_prev"])
+            g_log_prev = g_log_prev + g_to_prev
+        # log_D[t, j] = b_t - b_j + i_j: b_t gets the rows' sums, b_j and i_j the columns'
+        g_cols = g_log_D.sum(-2).scatter_add_(-1, x["top"], g_m_intra)
+        g_log_i = g_cols
+        g_b = g_rows + g_m_intra - g_cols
+        if not ctx.empty:
+            g_b = g_b + g_log_prev  # log_prev = b + m0
+            g_m0 = g_log_prev.sum(-1)
+        g_log_f = g_b.flip(-1).cumsum(-1).flip(-1)  # b = cumsum(log f)
+        return g_q, g_k, g_v, g_log_i, g_log_f, g_C0, g_n0, g_m0, None
+
+
+_KEPT = ("m", "m_intra", "top", "decay", "S", "num", "den", "reciprocal", "floor")
+_KEPT_STATE = ("log_prev", "w_prev", "q_C0", "q_n0")
+
+
+def _chunk_outputs(q, k, v, log_i, log_f, C0, n0, m0, eps):
+    """h of :func:`_chunk`: through :class:`_ChunkOutputs` where a gradient is wanted (under ``torch.compile``
+    autograd's form: Inductor fuses the differentiated forward itself)."""
+    inputs = (q, k, v, log_i, log_f, C0, n0, m0)
+    wanted = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+    if wanted and not torch.compiler.is_compiling():
+        return _ChunkOutputs.apply(*inputs, eps)
+    return _chunk(*inputs, eps)
 
 
 def mlstm_parallel(
@@ -164,8 +277,9 @@ def mlstm_parallel(
     q, k, v, log_i, log_f, state = _prepare(q, k, v, i_pre, f_pre, state, forget_gate)
     if q.shape[-2] == 0:
         return q.to(out_dtype), _state_or_empty(state, q) if with_state else None
-    h, new_state = _chunk(q, k, v, log_i, log_f, *(state or (None,) * 3), eps, with_state=with_state)
-    return h.to(out_dtype), new_state
+    given = state or (None,) * 3
+    h = _chunk_outputs(q, k, v, log_i, log_f, *given, eps)
+    return h.to(out_dtype), _chunk_state(k, v, log_i, log_f, *given) if with_state else None
 
 
 def mlstm_chunkwise(
@@ -235,12 +349,13 @@ def mlstm_chunkwise(
     C0 = torch.stack(starts_C, dim=2)
     n0 = torch.stack(starts_n, dim=2)
     m0 = torch.stack(starts_m, dim=2)
-    h, _ = _chunk(qc, kc, vc, ic, fc, C0, n0, m0, eps, with_state=False)  # [B, H, N, L, D]
+    h = _chunk_outputs(qc, kc, vc, ic, fc, C0, n0, m0, eps)  # [B, H, N, L, D]
     h = h.reshape(B, H, N * L, D)
     if T > N * L:
         s = N * L
-        tail, final = _chunk(q[:, :, s:], k[:, :, s:], v[:, :, s:], log_i[:, :, s:], log_f[:, :, s:], C, n, m, eps,
-                             with_state=with_state)
+        tail_inputs = (k[:, :, s:], v[:, :, s:], log_i[:, :, s:], log_f[:, :, s:], C, n, m)
+        tail = _chunk_outputs(q[:, :, s:], *tail_inputs, eps)
+        final = _chunk_state(*tail_inputs) if with_state else None
         return torch.cat([h, tail], dim=2).to(out_dtype), final
     return h.to(out_dtype), (C, n, m) if with_state else None
 
