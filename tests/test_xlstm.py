@@ -20,6 +20,7 @@ from ltcx.errors import ConfigError
 from ltcx.models import xlstm as xlstm_module
 from ltcx.models.inference_cache import keeping_derived
 from ltcx.models.xlstm import XLSTM, CausalConv1d, HeadwiseLinear, XLSTMConfig
+from ltcx.ops import mlstm as mlstm_module
 from ltcx.ops.mlstm import (
     EPS,
     _chunk,
@@ -231,6 +232,23 @@ def test_mlstm_chunk_backward_equals_autograd_of_its_forward(forget_gate, state,
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
     if state == "stacked chunks":
         assert torch.isfinite(got_grads[-1]).all() and (got_grads[-1][:, :, 0] == 0).all()
+
+
+def test_mlstm_chunk_under_autocast_is_autograds(monkeypatch):
+    """Under bf16 autocast the chunk's products run in bf16, which the written-out backward (float32) would not mirror:
+    there the chunkwise form's gradients are autograd's; outside autocast they are the written-out backward's."""
+    inputs = mlstm_inputs(2, 2, 12, 8, dtype=torch.float32, seed=3)
+    monkeypatch.setattr(mlstm_module._ChunkOutputs, "apply", lambda *args: pytest.fail("the written-out backward"))
+
+    def grads(autocast: bool):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            h, _ = mlstm_chunkwise(*leaves, chunk_size=4, with_state=False)
+        return torch.autograd.grad(h.float().square().sum(), leaves)
+
+    assert all(torch.isfinite(g).all() for g in grads(autocast=True))
+    with pytest.raises(pytest.fail.Exception, match="the written-out backward"):
+        grads(autocast=False)
 
 
 @pytest.mark.parametrize("forget_gate", ["sigmoid", "exp"])
