@@ -213,8 +213,10 @@ class _ChunkOutputs(torch.autograd.Function):
             g_q_n0 = g_den * w_prev
             g_w_prev = (g_num * x["q_C0"]).sum(-1) + g_den * x["q_n0"]
             g_q = g_q_C0 @ C0.transpose(-1, -2) + g_q_n0.unsqueeze(-1) * n0.unsqueeze(-2)
-            g_C0 = q.transpose(-1, -2) @ g_q_C0
-            g_n0 = (q * g_q_n0.unsqueeze(-1)).sum(-2)
+            # a given state's gradients only where it wants them (the chunkwise form's carried states do)
+            wants_C0, wants_n0, wants_m0 = ctx.needs_input_grad[5:8]
+            g_C0 = q.transpose(-1, -2) @ g_q_C0 if wants_C0 else None
+            g_n0 = (q * g_q_n0.unsqueeze(-1)).sum(-2) if wants_n0 else None
             g_log_prev = g_w_prev * w_prev  # w_prev = exp(log_prev - m)
             g_m = g_m - g_log_prev
         # S = (q k^T) decay, decay = exp(log_D - m): the masked entries have decay 0 and S 0, so no gradient
@@ -236,7 +238,7 @@ class _ChunkOutputs(torch.autograd.Function):
         g_b = g_rows + g_m_intra - g_cols
         if not ctx.empty:
             g_b = g_b + g_log_prev  # log_prev = b + m0
-            g_m0 = g_log_prev.sum(-1)
+            g_m0 = g_log_prev.sum(-1) if wants_m0 else None
         g_log_f = g_b.flip(-1).cumsum(-1).flip(-1)  # b = cumsum(log f)
         return g_q, g_k, g_v, g_log_i, g_log_f, g_C0, g_n0, g_m0, None
 
