@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .written_backward import wants_written_backward
+
 
 def causal_depthwise_conv(
     x: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor | None = None
@@ -23,9 +25,8 @@ def causal_depthwise_conv(
     # contiguous: a tap read as a strided row of the [C, 1, K] weight makes every multiply (and its backward)
     # take the slow strided path, ~4x the time
     taps = weight[:, 0].t().contiguous()  # [K, C]
-    # under torch.compile the autograd form: Inductor fuses the taps itself
-    shifted_sum = _shifted_sum if torch.compiler.is_compiling() else _ShiftedSum.apply
-    out = shifted_sum(padded, taps, bias, x.shape[1])
+    args = (padded, taps, bias, x.shape[1])
+    out = _ShiftedSum.apply(*args) if wants_written_backward(*args) else _shifted_sum(*args)
     return out, padded[:, padded.shape[1] - (kernel - 1):]
 
 

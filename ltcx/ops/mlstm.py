@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .written_backward import wants_written_backward
+
 MLSTMState = tuple[Tensor, Tensor, Tensor]
 
 EPS = 1e-6
@@ -248,14 +250,12 @@ _KEPT_STATE = ("log_prev", "w_prev", "q_C0", "q_n0")
 
 
 def _chunk_outputs(q, k, v, log_i, log_f, C0, n0, m0, eps):
-    """h of :func:`_chunk`: through :class:`_ChunkOutputs` where a gradient is wanted. Autograd's form under
-    ``torch.compile`` (Inductor fuses the differentiated forward itself) and under autocast, whose bf16 products the
-    written-out backward (float32) would not mirror."""
-    inputs = (q, k, v, log_i, log_f, C0, n0, m0)
-    wanted = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
-    if wanted and not torch.compiler.is_compiling() and not torch.is_autocast_enabled(q.device.type):
-        return _ChunkOutputs.apply(*inputs, eps)
-    return _chunk(*inputs, eps)
+    """h of :func:`_chunk`: through :class:`_ChunkOutputs` where ``wants_written_backward``, except under autocast,
+    whose bf16 products the written-out backward (float32) would not mirror."""
+    inputs = (q, k, v, log_i, log_f, C0, n0, m0, eps)
+    if wants_written_backward(*inputs) and not torch.is_autocast_enabled(q.device.type):
+        return _ChunkOutputs.apply(*inputs)
+    return _chunk(*inputs)
 
 
 def mlstm_parallel(

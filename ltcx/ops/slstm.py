@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .mlstm import log_forget_gate, state_dtype
+from .written_backward import wants_written_backward
 
 SLSTMState = tuple[Tensor, Tensor, Tensor, Tensor]
 
@@ -214,8 +215,6 @@ def slstm_scan_head_major(
         return steps.new_zeros(0, H, B, Dh), state
     recurrent = (recurrent_weights(R) if recurrent is None else recurrent).to(cdt)
     inputs = (steps.to(cdt), recurrent, c, n, h, m)
-    # the hand-written backward where a gradient is wanted; torch.compile traces the loop itself
-    wanted = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
-    scan = _Scan.apply if wanted and not torch.compiler.is_compiling() else _scan_loop
+    scan = _Scan.apply if wants_written_backward(*inputs) else _scan_loop
     hs, c, n, h, m = scan(*inputs, forget_gate)
     return hs.to(steps.dtype), tuple(s.transpose(0, 1) for s in (c, n, h, m))

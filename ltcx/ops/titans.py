@@ -46,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .written_backward import wants_written_backward
+
 
 class MemoryState(NamedTuple):
     """State of the memory of every sequence and head; all tensors batch-first.
@@ -409,15 +411,14 @@ def _memory_chunk(
     q: Tensor, k: Tensor, kv2: Tensor, k2: Tensor, step: Tensor, piece: _Piece, w1s_t: Tensor, w2s_t: Tensor,
     weights: tuple[Tensor, Tensor, Tensor, Tensor], normalize: bool, with_state: bool = True,
 ) -> tuple[Tensor, tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]]:
-    """One chunk (``_chunk_forward``) with the hand-written backward: (y [BH, n, dk], weights after it: four Nones
-    without ``with_state``). Under ``torch.compile`` autograd's form instead: Inductor fuses the differentiated
-    forward itself."""
-    chunk = _memory_chunk_autograd if torch.compiler.is_compiling() else _MemoryChunk.apply
+    """One chunk (``_chunk_forward``) with the hand-written backward where one is wanted
+    (``wants_written_backward``): (y [BH, n, dk], weights after it: four Nones without ``with_state``)."""
     # the start is the current weights (a boundary): passed once, as None; the caller keeps the tensors, since a
     # call that ends mid-chunk returns the start it began with
     if w1s_t is weights[0] and w2s_t is weights[2]:
         w1s_t = w2s_t = None
-    y, *weights = chunk(q, k, kv2, k2, step, *piece, w1s_t, w2s_t, *weights, normalize, with_state)
+    args = (q, k, kv2, k2, step, *piece, w1s_t, w2s_t, *weights, normalize, with_state)
+    y, *weights = (_MemoryChunk.apply if wants_written_backward(*args) else _memory_chunk_autograd)(*args)
     return y, tuple(weights)
 
 
