@@ -36,7 +36,10 @@ first ``xlstm`` model's shape, to the ``--decode_at`` rounds: its own ``step`` a
 ``--free_memory_op`` adds each Titans model's training step with its chunkwise memory op (``neural_memory``)
 replaced by a stand-in that costs nothing (y = q + k + v, the state passed on unchanged), to the same rounds: the
 most that any faster form of that op could give the model. Its row also gives the op's FLOP rate, its training
-products (``Titans.memory_op_flops_per_token``) over the time the stand-in saves, to set against the matmul rate.
+products (``Titans.memory_op_flops_per_token``) over the time the stand-in saves, to set against the matmul rate,
+and the op's time (``memory_op_s``) beside the time its products take alone (``memory_op_products_s``: each product
+of one step's op calls, forward and backward, timed on its own at its shape, cache hot; ``memory_op_products``), the
+least that any form of the op built on torch's products can take.
 
 ``--peak_memory`` measures each model's peak training memory instead: one training step in a fresh process per
 (model, loss path) (``--memory_loss fused full``: ``LanguageModel.loss`` or the full ``[B, T, V]`` logits and
@@ -67,6 +70,7 @@ import copy
 import importlib.util
 import io
 import json
+import math
 import os
 import platform
 import resource
@@ -373,9 +377,10 @@ def build_arch(arch: str, args, device: torch.device) -> tuple[torch.nn.Module, 
                                 flops, tokens))
     if args.free_memory_op and any(isinstance(m, titans_module.NeuralMemory) for m in model.modules()):
         # no MFU: its FLOPs are the model's less what the stand-in leaves out
-        trainees.append(Trainee(arch + " (free memory op)", with_free_memory_op(trainees[0].step),
-                                model.parameter_count(), None, tokens,
-                                memory_op_flops=tokens * model.memory_op_flops_per_token(args.seq_len)))
+        free = Trainee(arch + " (free memory op)", with_free_memory_op(trainees[0].step), model.parameter_count(),
+                       None, tokens, memory_op_flops=tokens * model.memory_op_flops_per_token(args.seq_len))
+        free.eager_step = trainees[0].step  # whose op's products memory_op_products times alone
+        trainees.append(free)
     return model, trainees
 
 
@@ -383,6 +388,81 @@ def free_memory_op(q, k, v, log_retain, log_momentum, step, state, *_, with_stat
     """A stand-in for ``neural_memory`` (called as it is) that costs nothing: y = q + k + v (every input still gets a
     gradient), the state passed on unchanged."""
     return q + k + v, state if with_state else None
+
+
+_PRODUCTS = {"aten::mm": 0, "aten::bmm": 0, "aten::addmm": 1, "aten::addmm_": 1, "aten::baddbmm": 1,
+             "aten::baddbmm_": 1}
+"""The product ops, each with the index of its first factor among its inputs (after an added tensor, if any)."""
+
+
+def _detached_copies(value, copies: dict):
+    """``value`` (a tensor, or tuples and named tuples of them) copied off the graph, each tensor a leaf that wants
+    a gradient where the original did; one tensor seen twice is one copy (the memory op tells M_0 by identity)."""
+    if isinstance(value, torch.Tensor):
+        if id(value) not in copies:
+            copies[id(value)] = value.detach().clone().requires_grad_(value.requires_grad)
+        return copies[id(value)]
+    if isinstance(value, tuple):
+        items = [_detached_copies(item, copies) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    return value
+
+
+def _time_alone(name: str, shapes: list[list[int]], device: torch.device) -> float:
+    """Seconds of one call of product ``name`` at ``shapes`` on its own: fresh contiguous operands, its output
+    written in place (``out=``), cache hot; the best of three runs of enough calls to take about 10 ms each."""
+    first = _PRODUCTS[name]
+    function = getattr(torch, name.removeprefix("aten::").rstrip("_"))
+    operands = [torch.randn(shape, device=device) for shape in shapes[:first + 2]]
+    out = function(*operands)
+    for _ in range(3):
+        function(*operands, out=out)
+    sync(device)
+    start = time.perf_counter()
+    function(*operands, out=out)
+    sync(device)
+    calls = max(5, min(10_000, int(0.01 / max(time.perf_counter() - start, 1e-7))))
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(calls):
+            function(*operands, out=out)
+        sync(device)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def memory_op_products(step, device: torch.device) -> tuple[float, float]:
+    """(FLOPs, seconds) of the products Titans' memory op runs in one training ``step``, forward and backward, each
+    product timed alone at its shape (``_time_alone``): the least time any form of the op built on torch's
+    products can take, whatever it does between them. The op's calls are recorded during ``step`` and run again
+    on copies of their inputs, each followed by its backward, under ``torch.profiler`` (its product calls are
+    FlopCounterMode's, tests/test_benchmark.py)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    calls, real = [], titans_module.neural_memory
+
+    def recording(*args, **kwargs):
+        calls.append(_detached_copies((args, tuple(kwargs.items())), {}))
+        return real(*args, **kwargs)
+
+    with mock.patch.object(titans_module, "neural_memory", recording):
+        step()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
+        for args, kwargs in calls:
+            y, _ = real(*args, **dict(kwargs))
+            y.backward(torch.ones_like(y))
+    counts: dict[tuple, int] = {}
+    for event in profiler.events():
+        if event.name in _PRODUCTS:
+            key = (event.name, tuple(tuple(shape) for shape in event.input_shapes))
+            counts[key] = counts.get(key, 0) + 1
+    flops = seconds = 0.0
+    for (name, shapes), count in counts.items():
+        left, right = shapes[_PRODUCTS[name]:_PRODUCTS[name] + 2]
+        flops += count * 2 * math.prod(left) * right[-1]
+        seconds += count * _time_alone(name, [list(shape) for shape in shapes], device)
+    return flops, seconds
 
 
 def with_free_memory_op(step):
@@ -788,6 +868,9 @@ def main() -> None:
         if trainee.memory_op_flops is not None:  # the op's FLOP rate: its FLOPs over the time freeing it saves
             op_s = step_s[trainee.label.removesuffix(" (free memory op)")] - step_s[trainee.label]
             result["memory_op_flop_rate"] = trainee.memory_op_flops / op_s if op_s > 0 else None
+            products_flops, products_s = memory_op_products(trainee.eager_step, device)
+            result.update(memory_op_s=op_s, memory_op_products_s=products_s,
+                          memory_op_products_flops=products_flops)
         if trainee.label in models:
             result.update(bench_arch(trainee.label, models[trainee.label], args, device))
         results.append(result)
@@ -807,7 +890,7 @@ def main() -> None:
     if args.compile:
         columns += ["compiled_vs_eager", "compile_s"]
     if args.free_memory_op:
-        columns += ["memory_op_flop_rate"]
+        columns += ["memory_op_flop_rate", "memory_op_s", "memory_op_products_s"]
     if args.generate_tokens:
         columns += ["generate_cached_s", "generate_uncached_s"]
     columns += [f"decode_ms_at_{p}" for p in args.decode_at]

@@ -107,6 +107,7 @@ def test_free_memory_op_times_titans_with_its_memory_op_replaced(tmp_path, monke
     op_flops = 2 * 16 * backbone.memory_op_flops_per_token(16)  # the op's FLOPs over the time freeing it saves
     assert results[2]["memory_op_flop_rate"] == (pytest.approx(op_flops / saved_s) if saved_s > 0 else None)
     assert "memory_op_flop_rate" in run.stdout and "memory_op_flop_rate" not in results[1]
+    assert results[2]["memory_op_s"] == pytest.approx(saved_s) and results[2]["memory_op_products_s"] > 0
 
     calls = []
     real = titans.neural_memory
@@ -268,3 +269,38 @@ def test_nx_ai_problems_are_one_line_and_write_nothing(tmp_path, case):
     assert run.stderr.strip().count("\n") == 0 and run.stderr.startswith("benchmark: error: "), run.stderr
     assert expected[case] in run.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("variant", ["mag", "mac"])
+def test_memory_op_products_are_every_product_the_op_runs_forward_and_backward(variant):
+    """memory_op_products: the FLOPs of the products it times alone are those FlopCounterMode sees in the same op
+    calls, forward and backward (MAC: one call per segment piece, the first from M_0), none counted twice."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    benchmark = runpy.run_path(str(ROOT / "scripts/benchmark.py"), run_name="benchmark")
+    arch = (f"titans_{variant}:n_layer=1,n_embd=32,n_head=2,n_kv_head=1,mem_heads=2,mem_head_dim=16,mem_hidden=24,"
+            "window=8,segment=8,memory_chunk_size=4")
+    backbone = benchmark["build_backbone"](arch, SimpleNamespace(width=None, vocab_size=64), 19)
+    batch = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(0))
+    step = benchmark["loss_step"](benchmark["trainable"](backbone), batch, benchmark["contextlib"].nullcontext())
+    flops, seconds = benchmark["memory_op_products"](step, torch.device("cpu"))
+
+    real, counted = titans.neural_memory, []
+
+    def counting(*args, **kwargs):  # the op's calls of the same step, each with its backward, counted
+        args, kwargs = benchmark["_detached_copies"]((args, kwargs), {})
+        with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.baddbmm_: _baddbmm_flops}) as counter:
+            y, _ = real(*args, **kwargs)
+            y.backward(torch.ones_like(y))
+        counted.append(counter.get_total_flops())
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(titans, "neural_memory", counting)
+        step()
+    assert len(counted) == (3 if variant == "mac" else 1) and flops == sum(counted) and 0 < seconds < 1
+
+
+def _baddbmm_flops(input_shape, batch1_shape, batch2_shape, *_, **__) -> int:
+    b, m, k = batch1_shape
+    return 2 * b * m * k * batch2_shape[-1]
