@@ -37,9 +37,9 @@ first ``xlstm`` model's shape, to the ``--decode_at`` rounds: its own ``step`` a
 replaced by a stand-in that costs nothing (y = q + k + v, the state passed on unchanged), to the same rounds: the
 most that any faster form of that op could give the model. Its row also gives the op's FLOP rate, its training
 products (``Titans.memory_op_flops_per_token``) over the time the stand-in saves, to set against the matmul rate,
-and the op's time (``memory_op_s``) beside the time its products take alone (``memory_op_products_s``: each product
-of one step's op calls, forward and backward, timed on its own at its shape, cache hot; ``memory_op_products``), the
-least that any form of the op built on torch's products can take.
+with the op's time in the step (``memory_op_s``, what the stand-in saves), its calls' time run again alone
+(``memory_op_alone_s``), and the time their products take, each timed on its own at its shape
+(``memory_op_products_s``, ``memory_op_times``): the least that any form of the op built on torch's products can take.
 
 ``--peak_memory`` measures each model's peak training memory instead: one training step in a fresh process per
 (model, loss path) (``--memory_loss fused full``: ``LanguageModel.loss`` or the full ``[B, T, V]`` logits and
@@ -379,7 +379,7 @@ def build_arch(arch: str, args, device: torch.device) -> tuple[torch.nn.Module, 
         # no MFU: its FLOPs are the model's less what the stand-in leaves out
         free = Trainee(arch + " (free memory op)", with_free_memory_op(trainees[0].step), model.parameter_count(),
                        None, tokens, memory_op_flops=tokens * model.memory_op_flops_per_token(args.seq_len))
-        free.eager_step = trainees[0].step  # whose op's products memory_op_products times alone
+        free.eager_step = trainees[0].step  # whose op's calls memory_op_times runs again
         trainees.append(free)
     return model, trainees
 
@@ -432,12 +432,12 @@ def _time_alone(name: str, shapes: list[list[int]], device: torch.device) -> flo
     return best
 
 
-def memory_op_products(step, device: torch.device) -> tuple[float, float]:
-    """(FLOPs, seconds) of the products Titans' memory op runs in one training ``step``, forward and backward, each
-    product timed alone at its shape (``_time_alone``): the least time any form of the op built on torch's
-    products can take, whatever it does between them. The op's calls are recorded during ``step`` and run again
-    on copies of their inputs, each followed by its backward, under ``torch.profiler`` (its product calls are
-    FlopCounterMode's, tests/test_benchmark.py)."""
+def memory_op_times(step, device: torch.device, repeats: int = 5) -> dict:
+    """The memory op's own calls in one training ``step``, forward and backward, run again on copies of their inputs:
+    ``memory_op_alone_s``, their time (median of ``repeats``); ``memory_op_products_s``, the time of their products,
+    each timed alone at its shape (``_time_alone``), the least that any form of the op built on torch's products can
+    take, whatever it does between them; ``memory_op_products_flops``, those products' FLOPs (FlopCounterMode's,
+    tests/test_benchmark.py), found by ``torch.profiler``."""
     from torch.profiler import ProfilerActivity, profile
 
     calls, real = [], titans_module.neural_memory
@@ -448,21 +448,39 @@ def memory_op_products(step, device: torch.device) -> tuple[float, float]:
 
     with mock.patch.object(titans_module, "neural_memory", recording):
         step()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
+    leaves = [x for args, _ in calls for x in args if isinstance(x, torch.Tensor) and x.requires_grad]
+    leaves += [x for args, _ in calls for state in args if isinstance(state, tuple) for x in state
+               if isinstance(x, torch.Tensor) and x.requires_grad]
+
+    def run_calls() -> None:
         for args, kwargs in calls:
             y, _ = real(*args, **dict(kwargs))
             y.backward(torch.ones_like(y))
+        for leaf in leaves:  # as in the step, where the op's inputs are not leaves: nothing accumulates
+            leaf.grad = None
+
+    run_calls()
+    seconds = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        run_calls()
+        sync(device)
+        seconds.append(time.perf_counter() - start)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
+        run_calls()
     counts: dict[tuple, int] = {}
     for event in profiler.events():
         if event.name in _PRODUCTS:
             key = (event.name, tuple(tuple(shape) for shape in event.input_shapes))
             counts[key] = counts.get(key, 0) + 1
-    flops = seconds = 0.0
+    flops = products_s = 0.0
     for (name, shapes), count in counts.items():
         left, right = shapes[_PRODUCTS[name]:_PRODUCTS[name] + 2]
         flops += count * 2 * math.prod(left) * right[-1]
-        seconds += count * _time_alone(name, [list(shape) for shape in shapes], device)
-    return flops, seconds
+        products_s += count * _time_alone(name, [list(shape) for shape in shapes], device)
+    return {"memory_op_alone_s": statistics.median(seconds), "memory_op_products_s": products_s,
+            "memory_op_products_flops": flops}
 
 
 def with_free_memory_op(step):
@@ -868,9 +886,7 @@ def main() -> None:
         if trainee.memory_op_flops is not None:  # the op's FLOP rate: its FLOPs over the time freeing it saves
             op_s = step_s[trainee.label.removesuffix(" (free memory op)")] - step_s[trainee.label]
             result["memory_op_flop_rate"] = trainee.memory_op_flops / op_s if op_s > 0 else None
-            products_flops, products_s = memory_op_products(trainee.eager_step, device)
-            result.update(memory_op_s=op_s, memory_op_products_s=products_s,
-                          memory_op_products_flops=products_flops)
+            result.update(memory_op_s=op_s, **memory_op_times(trainee.eager_step, device))
         if trainee.label in models:
             result.update(bench_arch(trainee.label, models[trainee.label], args, device))
         results.append(result)
@@ -890,7 +906,7 @@ def main() -> None:
     if args.compile:
         columns += ["compiled_vs_eager", "compile_s"]
     if args.free_memory_op:
-        columns += ["memory_op_flop_rate", "memory_op_s", "memory_op_products_s"]
+        columns += ["memory_op_flop_rate", "memory_op_s", "memory_op_alone_s", "memory_op_products_s"]
     if args.generate_tokens:
         columns += ["generate_cached_s", "generate_uncached_s"]
     columns += [f"decode_ms_at_{p}" for p in args.decode_at]
