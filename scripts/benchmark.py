@@ -10,6 +10,7 @@
     python scripts/benchmark.py --archs gpt ltc --compile          # also the torch.compile'd training step
     python scripts/benchmark.py --archs titans_mag --compile ops   # ... with only Titans' memory compiled
     python scripts/benchmark.py --archs gpt titans_mag --free_memory_op   # ... and with its memory op costing nothing
+    python scripts/benchmark.py --archs gpt xlstm --products_alone   # the training step's matrix products timed alone
     python scripts/benchmark.py --archs gpt gpt gta --decode_at 128   # gpt twice: the noise between two copies
     python scripts/benchmark.py --archs xlstm --nx_xlstm /tmp/nxpkgs --batch_size 1 --seq_len 128 --decode_at 128
     python scripts/benchmark.py --archs xlstm titans_mag --profile   # op calls and top ops of a training step
@@ -39,7 +40,9 @@ most that any faster form of that op could give the model. Its row also gives th
 products (``Titans.memory_op_flops_per_token``) over the time the stand-in saves, to set against the matmul rate,
 with the op's time in the step (``memory_op_s``, what the stand-in saves), its calls' time run again alone
 (``memory_op_alone_s``), and the time their products take, each timed on its own at its shape
-(``memory_op_products_s``, ``memory_op_times``): the least that any form of the op built on torch's products can take.
+(``memory_op_products_s``, ``memory_op_times``): the least that any form of the op built on torch's products can
+take. ``--products_alone`` does the same for each model's whole training step: the time its products take, each
+alone at its shape (``products_alone_s``), and their share of the step (``products_share``).
 
 ``--peak_memory`` measures each model's peak training memory instead: one training step in a fresh process per
 (model, loss path) (``--memory_loss fused full``: ``LanguageModel.loss`` or the full ``[B, T, V]`` logits and
@@ -438,8 +441,6 @@ def memory_op_times(step, device: torch.device, repeats: int = 5) -> dict:
     each timed alone at its shape (``_time_alone``), the least that any form of the op built on torch's products can
     take, whatever it does between them; ``memory_op_products_flops``, those products' FLOPs (FlopCounterMode's,
     tests/test_benchmark.py), found by ``torch.profiler``."""
-    from torch.profiler import ProfilerActivity, profile
-
     calls, real = [], titans_module.neural_memory
 
     def recording(*args, **kwargs):
@@ -467,20 +468,29 @@ def memory_op_times(step, device: torch.device, repeats: int = 5) -> dict:
         run_calls()
         sync(device)
         seconds.append(time.perf_counter() - start)
+    flops, products_s = products_alone(run_calls, device)
+    return {"memory_op_alone_s": statistics.median(seconds), "memory_op_products_s": products_s,
+            "memory_op_products_flops": flops}
+
+
+def products_alone(run, device: torch.device) -> tuple[float, float]:
+    """(FLOPs, seconds) of the products one call of ``run`` makes, found by ``torch.profiler`` and each timed alone
+    at its shape (``_time_alone``): the least time those products take, whatever runs between them."""
+    from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
-        run_calls()
+        run()
     counts: dict[tuple, int] = {}
     for event in profiler.events():
         if event.name in _PRODUCTS:
             key = (event.name, tuple(tuple(shape) for shape in event.input_shapes))
             counts[key] = counts.get(key, 0) + 1
-    flops = products_s = 0.0
+    flops = seconds = 0.0
     for (name, shapes), count in counts.items():
         left, right = shapes[_PRODUCTS[name]:_PRODUCTS[name] + 2]
         flops += count * 2 * math.prod(left) * right[-1]
-        products_s += count * _time_alone(name, [list(shape) for shape in shapes], device)
-    return {"memory_op_alone_s": statistics.median(seconds), "memory_op_products_s": products_s,
-            "memory_op_products_flops": flops}
+        seconds += count * _time_alone(name, [list(shape) for shape in shapes], device)
+    return flops, seconds
 
 
 def with_free_memory_op(step):
@@ -781,6 +791,9 @@ def main() -> None:
     parser.add_argument("--free_memory_op", action="store_true",
                         help="also time each Titans model with its chunkwise memory op costing nothing (the most a "
                              "faster op could give)")
+    parser.add_argument("--products_alone", action="store_true",
+                        help="also time the matrix products of each model's training step, each alone at its shape "
+                             "(the least time they take, whatever runs between them)")
     parser.add_argument("--peak_memory", action="store_true",
                         help="measure each model's peak training memory (a fresh process per model and loss path)")
     parser.add_argument("--memory_loss", nargs="+", choices=["fused", "full"], default=["fused"],
@@ -883,6 +896,10 @@ def main() -> None:
         if trainee.label in compile_s:
             result["compile_s"] = compile_s[trainee.label]
             result["compiled_vs_eager"] = step_s[eager] / step_s[trainee.label]
+        if args.products_alone and not trainee.label.endswith((" (compiled)", " (free memory op)")):
+            flops, seconds = products_alone(trainee.step, device)
+            result.update(products_alone_s=seconds, products_flops=flops,
+                          products_share=seconds / step_s[trainee.label])
         if trainee.memory_op_flops is not None:  # the op's FLOP rate: its FLOPs over the time freeing it saves
             op_s = step_s[trainee.label.removesuffix(" (free memory op)")] - step_s[trainee.label]
             result["memory_op_flop_rate"] = trainee.memory_op_flops / op_s if op_s > 0 else None
@@ -905,6 +922,8 @@ def main() -> None:
                "state_bytes_per_token", "state_bytes_per_sequence", "peak_memory_mb"]
     if args.compile:
         columns += ["compiled_vs_eager", "compile_s"]
+    if args.products_alone:
+        columns += ["products_alone_s", "products_share"]
     if args.free_memory_op:
         columns += ["memory_op_flop_rate", "memory_op_s", "memory_op_alone_s", "memory_op_products_s"]
     if args.generate_tokens:

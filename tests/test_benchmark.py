@@ -307,3 +307,29 @@ def test_memory_op_products_are_every_product_the_op_runs_forward_and_backward(v
 def _baddbmm_flops(input_shape, batch1_shape, batch2_shape, *_, **__) -> int:
     b, m, k = batch1_shape
     return 2 * b * m * k * batch2_shape[-1]
+
+
+def test_products_alone_times_every_product_of_a_training_step(tmp_path):
+    """--products_alone: each eager model's step gets its products' time alone and their share of the step; their
+    FLOPs are the matrix products FlopCounterMode sees in a step (the fused head's included)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    out = tmp_path / "products.json"
+    run = _run("--archs", GPT, "--batch_size", "2", "--seq_len", "16", "--repeats", "1", "--threads", "1",
+               "--vocab_size", "96", "--products_alone", "--out", str(out))
+    assert run.returncode == 0, run.stderr
+    [result] = json.loads(out.read_text())["results"]
+    assert 0 < result["products_alone_s"] and result["products_share"] == pytest.approx(
+        result["products_alone_s"] / result["train_step_s"]) and "products_share" in run.stdout
+
+    benchmark = runpy.run_path(str(ROOT / "scripts/benchmark.py"), run_name="benchmark")
+    args = SimpleNamespace(width=None, vocab_size=96, seq_len=16, generate_tokens=0, batch_size=2, dtype="float32",
+                           compile=False, free_memory_op=False)
+    _, (trainee,) = benchmark["build_arch"](GPT, args, torch.device("cpu"))
+    flops, _ = benchmark["products_alone"](trainee.step, torch.device("cpu"))
+    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.baddbmm_: _baddbmm_flops}) as counter:
+        trainee.step()
+    products = {torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm, torch.ops.aten.baddbmm,
+                torch.ops.aten.baddbmm_}
+    counted = sum(n for op, n in counter.get_flop_counts()["Global"].items() if op in products)
+    assert counted > 0 and flops == counted
