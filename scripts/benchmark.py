@@ -411,12 +411,19 @@ def _detached_copies(value, copies: dict):
     return value
 
 
-def _time_alone(name: str, shapes: list[list[int]], device: torch.device) -> float:
-    """Seconds of one call of product ``name`` at ``shapes`` on its own: fresh contiguous operands, its output
-    written in place (``out=``), cache hot; the best of three runs of enough calls to take about 10 ms each."""
+_PROFILED_DTYPES = {"float": torch.float32, "double": torch.float64, "c10::BFloat16": torch.bfloat16,
+                    "c10::Half": torch.float16}
+"""torch.profiler's names of the dtypes a product's operands may have."""
+
+
+def _time_alone(name: str, shapes: list[list[int]], dtypes: list[str], device: torch.device) -> float:
+    """Seconds of one call of product ``name`` at ``shapes`` and ``dtypes`` (as the profiler names them) on its own:
+    fresh contiguous operands, its output written in place (``out=``), cache hot; the best of three runs of enough
+    calls to take about 10 ms each."""
     first = _PRODUCTS[name]
     function = getattr(torch, name.removeprefix("aten::").rstrip("_"))
-    operands = [torch.randn(shape, device=device) for shape in shapes[:first + 2]]
+    operands = [torch.randn(shape, device=device, dtype=_PROFILED_DTYPES[dtype])
+                for shape, dtype in zip(shapes[:first + 2], dtypes)]
     out = function(*operands)
     for _ in range(3):
         function(*operands, out=out)
@@ -483,13 +490,13 @@ def products_alone(run, device: torch.device) -> tuple[float, float]:
     counts: dict[tuple, int] = {}
     for event in profiler.events():
         if event.name in _PRODUCTS:
-            key = (event.name, tuple(tuple(shape) for shape in event.input_shapes))
+            key = (event.name, tuple(tuple(shape) for shape in event.input_shapes), tuple(event.input_dtypes))
             counts[key] = counts.get(key, 0) + 1
     flops = seconds = 0.0
-    for (name, shapes), count in counts.items():
+    for (name, shapes, dtypes), count in counts.items():
         left, right = shapes[_PRODUCTS[name]:_PRODUCTS[name] + 2]
         flops += count * 2 * math.prod(left) * right[-1]
-        seconds += count * _time_alone(name, [list(shape) for shape in shapes], device)
+        seconds += count * _time_alone(name, [list(shape) for shape in shapes], list(dtypes), device)
     return flops, seconds
 
 
