@@ -1,6 +1,6 @@
 """Model FLOPs and the machine's limit: FLOPs per token of any backbone, and the peak FLOP/s that MFU divides by;
 and the timing pieces the measurement scripts share (``scripts/benchmark.py``, ``scripts/gpu_check.py``): a synced
-median timer, a bare training step, the state a decode step is timed from, peak memory.
+median timer, a training step through ltcx's loss, the state a decode step is timed from, peak memory.
 
 MFU (model FLOPs utilisation) = tokens/s x training FLOPs per token / peak FLOP/s of the device.
 """
@@ -16,7 +16,6 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s, from NVIDIA's data sheets; matched in this order against
 # the lower-cased device name. Lightning's table lists some of these at their 2:4-sparsity figure.
@@ -137,16 +136,22 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: 
     return statistics.median(times)
 
 
-def training_step(logits_of: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor,
-                  optimizer: torch.optim.Optimizer, autocast: AbstractContextManager) -> Callable[[], None]:
-    """One bare training step on idx [B, T + 1] (a next-token loss, backward, the optimizer's step), as a
-    function of no arguments: ``logits_of`` maps idx [B, T] to logits [B, T, V] (a backbone's first output, or a
-    compiled function of it); ``autocast`` is entered around the forward and the loss."""
+def loss_step(model: nn.Module, idx: torch.Tensor, optimizer: torch.optim.Optimizer,
+              autocast: AbstractContextManager, path: str = "fused") -> Callable[[], None]:
+    """One training step of ``model`` (an ``ltcx.lm.LanguageModel``) on idx [B, T + 1], as a function of no
+    arguments: ``model.loss`` (the fused head where the backbone allows, as a fit trains; ``path`` "full": the full
+    ``[B, T, V]`` logits and ``F.cross_entropy``, the path before the fused head), backward, the optimizer's step.
+    ``autocast`` (entered around the forward and the loss at every step) is a context manager that can be re-entered,
+    e.g. ``torch.autocast(...)`` or ``contextlib.nullcontext()``."""
+    if path not in ("fused", "full"):
+        raise ValueError(f"path ({path!r}) must be 'fused' or 'full'")
 
     def step() -> None:
         with autocast:
-            logits = logits_of(idx[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
+            if path == "fused":
+                loss = model.loss(idx)
+            else:
+                loss = model._cross_entropy(model(idx[:, :-1])[0], idx[:, 1:])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -104,6 +104,7 @@ from ltcx.throughput import (  # noqa: E402
     sync,
     timed,
 )
+from ltcx.throughput import loss_step as throughput_loss_step  # noqa: E402
 
 
 def fail(message: str) -> None:
@@ -172,22 +173,10 @@ def trainable(backbone: torch.nn.Module, **options) -> LanguageModel:
 
 
 def loss_step(model: LanguageModel, batch: torch.Tensor, autocast, path: str = "fused"):
-    """One step of ``model`` on batch [B, T + 1]: ``LanguageModel.loss`` (fused head; ``path`` "full": the full
-    logits and ``F.cross_entropy``), backward, and the AdamW of ``model.configure_optimizers`` (its two parameter
-    groups, torch's fused kernel where the device has one)."""
-    optimizer = model.configure_optimizers()["optimizer"]
-
-    def step() -> None:
-        with autocast:
-            if path == "fused":
-                loss = model.loss(batch)
-            else:
-                loss = model._cross_entropy(model.backbone(batch[:, :-1])[0], batch[:, 1:])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
+    """``ltcx.throughput.loss_step`` of ``model`` on batch [B, T + 1] (``path`` "full": the full logits and
+    ``F.cross_entropy``) with the AdamW of ``model.configure_optimizers`` (its two parameter groups, torch's fused
+    kernel where the device has one)."""
+    return throughput_loss_step(model, batch, model.configure_optimizers()["optimizer"], autocast, path)
 
 
 class NXAIStepper(torch.nn.Module):

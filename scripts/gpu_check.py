@@ -7,9 +7,11 @@ written as JSON and as a Markdown table to paste into docs/benchmarks.md.
 For each entry of the catalogue (ltcx/models/catalog.py; its configs/<arch>.yaml, vocabulary 50,304), at batch
 24 x 512 under bf16 autocast (what ``precision: bf16-mixed`` trains with):
 
-* training tokens/s (forward, backward, AdamW: ``ltcx.throughput.training_step``) and MFU against the GPU's dense
-  bf16 peak (``ltcx.throughput``), and the peak memory allocated while training;
-* the ``torch.compile``'d (Inductor) training step: its compile time, tokens/s and speed-up over eager;
+* training tokens/s (``LanguageModel.loss`` with its fused head, backward, AdamW: ``ltcx.throughput.loss_step``,
+  as a fit trains) and MFU against the GPU's dense bf16 peak (``ltcx.throughput``); the peak memory allocated while
+  training, and while training through the full ``[B, T, V]`` logits instead (the path before the fused head);
+* the ``torch.compile``'d (Inductor) training step, compiled as ``--model.compile true`` compiles it: its compile
+  time, tokens/s and speed-up over eager;
 * one cached decode step at batch 1 and 16 after 128 and 2,048 tokens ("n/a (context 512)" for a model whose
   learned position embeddings end its context there);
 * which ``scaled_dot_product_attention`` kernel ran, in a training forward and in a decode step: the aten op the
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import os
@@ -51,6 +54,7 @@ import time
 import traceback
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -81,7 +85,8 @@ class Shape:
 
     def fields(self) -> list[str]:
         """Every figure of one model, in the table's order."""
-        return ["params", "context", "train_tokens_per_s", "mfu", "peak_memory_mb", "compile_s",
+        return ["params", "context", "train_tokens_per_s", "mfu", "peak_memory_mb", "peak_memory_full_logits_mb",
+                "compile_s",
                 "compiled_tokens_per_s", "compile_speedup", *self.decode_fields(), "sdpa_train", "sdpa_decode"]
 
 
@@ -183,12 +188,13 @@ def measure_model(arch: str, shape: Shape, device, peak: tuple, record: Recorder
     """Every figure of ``arch`` into ``record``, each measurement guarded."""
     import torch
 
+    from ltcx.lm import LanguageModel
     from ltcx.throughput import (
+        loss_step,
         model_flops_per_token,
         peak_memory_mb,
         sync,
         timed,
-        training_step,
     )
 
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if shape.dtype == "bf16" else nullcontext()
@@ -209,14 +215,15 @@ def measure_model(arch: str, shape: Shape, device, peak: tuple, record: Recorder
     vocab = TINY_VOCAB if shape.tiny else VOCAB
     idx = torch.randint(0, vocab, (shape.batch, shape.seq_len + 1), device=device)
     tokens = shape.batch * shape.seq_len
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    trained = LanguageModel(model, decay_steps=1)  # as a fit trains it (the schedule's end does not change a step)
+    optimizer = trained.configure_optimizers()["optimizer"]
     eager_tokens_per_s = None
 
     with record.measuring("train", "train_tokens_per_s", "mfu", "peak_memory_mb"):
         model.train()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        step = training_step(lambda i: model(i)[0], idx, optimizer, autocast)
+        step = loss_step(trained, idx, optimizer, autocast)
         seconds = timed(step, device, shape.train_repeats, shape.train_warmup, shape.train_budget_s)
         eager_tokens_per_s = tokens / seconds
         flops_per_token = model_flops_per_token(model, shape.seq_len)
@@ -224,6 +231,17 @@ def measure_model(arch: str, shape: Shape, device, peak: tuple, record: Recorder
         record.set(train_tokens_per_s=eager_tokens_per_s, mfu=mfu, peak_memory_mb=peak_memory_mb(device))
         if mfu is None:
             record.result["errors"]["mfu"] = f"no known peak FLOP/s for this device ({peak[1]}): pass --peak_flops"
+
+    with record.measuring("train with full logits", "peak_memory_full_logits_mb"):
+        # the peak before the fused head: the [B, T, V] logits, their float32 copy and F.cross_entropy
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        full = loss_step(trained, idx, optimizer, autocast, path="full")
+        full()
+        full()
+        sync(device)
+        record.set(peak_memory_full_logits_mb=peak_memory_mb(device))
+        release_memory()
 
     with record.measuring("sdpa", "sdpa_train", "sdpa_decode"):
         def training_forward():
@@ -252,9 +270,12 @@ def measure_model(arch: str, shape: Shape, device, peak: tuple, record: Recorder
     with record.measuring("compile", "compile_s", "compiled_tokens_per_s", "compile_speedup"):
         model.train()
         torch._dynamo.reset()
-        # The logits alone, as LanguageModel compiles them (--model.compile true); dynamic=False: one shape.
-        compiled = torch.compile(lambda i: model(i)[0], backend=shape.compile_backend, dynamic=False)
-        step = training_step(compiled, idx, optimizer, autocast)
+        # as a fit with --model.compile true: the backbone's hidden states compiled, the fused head after them;
+        # LanguageModel compiles with torch.compile's default backend (Inductor), --tiny swaps in its own
+        compiled = LanguageModel(model, decay_steps=1, compile=True)
+        with mock.patch.object(torch, "compile", functools.partial(torch.compile, backend=shape.compile_backend)):
+            compiled.configure_model()
+        step = loss_step(compiled, idx, optimizer, autocast)
         sync(device)
         start = time.perf_counter()
         step()  # compiles the forward and the backward
@@ -500,21 +521,25 @@ def markdown(report: dict) -> str:
         "",
         f"Batch {shape['batch']} x {shape['seq_len']}, {shape['dtype']}"
         f"{' autocast (bf16-mixed)' if shape['dtype'] == 'bf16' else ''}, vocabulary {shape['vocab']:,}; "
-        f"training = forward + backward + AdamW; MFU against {meta['peak_flops'] or 0:.3g} FLOP/s "
-        f"({meta['peak_source']}); compiled = `torch.compile` ({shape['compile_backend']}) of the training step; "
+        "training = `LanguageModel.loss` (the fused head) + backward + AdamW, as a fit trains; peak, full logits = "
+        "the same step through the full [B, T, V] logits and `F.cross_entropy`; MFU against "
+        f"{meta['peak_flops'] or 0:.3g} FLOP/s ({meta['peak_source']}); compiled = `torch.compile` "
+        f"({shape['compile_backend']}) of the training step, as `--model.compile true`; "
         f"decode = one cached step, ms, at batch b after p tokens; SDPA = the kernel that ran (profiler), "
         "training forward / decode step.",
         "",
     ]
     decode_heads = [f"decode b{b} @{p} (ms)" for p in positions for b in batches]
-    head = ["model", "parameters", "train tokens/s", "MFU", "peak memory", "compiled tokens/s", "compile speed-up",
+    head = ["model", "parameters", "train tokens/s", "MFU", "peak memory", "peak, full logits", "compiled tokens/s",
+            "compile speed-up",
             "compile time", *decode_heads, "SDPA"]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|---|" + "---:|" * (len(head) - 2) + "---|")
     for result in report["results"]:
         sdpa = f"{cell(result, 'sdpa_train')} / {cell(result, 'sdpa_decode')}"
         row = [result["arch"], cell(result, "params"), cell(result, "train_tokens_per_s"), cell(result, "mfu"),
-               cell(result, "peak_memory_mb", " MiB"), cell(result, "compiled_tokens_per_s"),
+               cell(result, "peak_memory_mb", " MiB"), cell(result, "peak_memory_full_logits_mb", " MiB"),
+               cell(result, "compiled_tokens_per_s"),
                cell(result, "compile_speedup", suffix="x"), cell(result, "compile_s", " s"),
                *(cell(result, f"decode_ms_b{b}_at_{p}") for p in positions for b in batches), sdpa]
         lines.append("| " + " | ".join(row) + " |")

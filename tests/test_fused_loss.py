@@ -4,6 +4,8 @@ chunks, bf16 autocast; and every backbone's forward_hidden + output_head against
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -165,6 +167,29 @@ def test_training_loss_and_gradients_equal_the_full_logits(name):
     torch.testing.assert_close(fused_loss, full.detach(), rtol=1e-6, atol=1e-6)
     for n, p in params.items():
         torch.testing.assert_close(fused[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_the_measurement_scripts_step_takes_the_fused_or_the_full_path():
+    """ltcx.throughput.loss_step (scripts/benchmark.py, scripts/gpu_check.py, the study's timing pass): "fused" is
+    ``LanguageModel.loss``, "full" the full logits' cross-entropy (in float32, as ``_cross_entropy`` computes it); the
+    two take the same step to float32 rounding."""
+    import contextlib
+    import copy
+
+    from ltcx.throughput import loss_step
+
+    model, batch = _lm_and_batch("gpt")
+    twin = copy.deepcopy(model)
+    with mock.patch.object(model, "loss", wraps=model.loss) as loss:
+        loss_step(model, batch, torch.optim.SGD(model.parameters(), lr=0.1), contextlib.nullcontext())()
+    assert loss.call_count == 1
+    with mock.patch.object(twin, "loss") as not_called:
+        loss_step(twin, batch, torch.optim.SGD(twin.parameters(), lr=0.1), contextlib.nullcontext(), "full")()
+    assert not_called.call_count == 0
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    with pytest.raises(ValueError, match="'fused' or 'full'"):
+        loss_step(model, batch, torch.optim.SGD(model.parameters(), lr=0.1), contextlib.nullcontext(), "logits")
 
 
 def test_pair_batches_ignore_targets_and_predict_scores_each_block():

@@ -23,24 +23,11 @@ import torch
 __all__ = ["interleaved_timings", "timing_pass"]
 
 
-def _training_step(model, idx: torch.Tensor, optimizer: torch.optim.Optimizer, autocast) -> Callable[[], None]:
-    """One step of ``model`` on idx [B, T + 1] through its own loss path (``LanguageModel.loss``)."""
-
-    def step() -> None:
-        with autocast():
-            loss = model.loss(idx)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
-
-
 def interleaved_timings(models: dict, batch_size: int, block_size: int, device: torch.device, rounds: int,
                         autocast: Callable = contextlib.nullcontext) -> tuple[dict[str, dict], list[float]]:
     """({name: {"tokens_per_sec", "decode_ms_per_token"}}, the 1-minute load averages seen during the pass) for
     ``models`` ({name: LanguageModel}); their weights change (copies loaded for timing only)."""
-    from ltcx.throughput import prefilled_state, timed
+    from ltcx.throughput import loss_step, prefilled_state, timed
 
     generator = torch.Generator().manual_seed(0)
     train_steps, decode_steps = {}, {}
@@ -48,7 +35,7 @@ def interleaved_timings(models: dict, batch_size: int, block_size: int, device: 
         vocab = model.backbone.config.vocab_size
         idx = torch.randint(0, vocab, (batch_size, block_size + 1), generator=generator).to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        train_steps[name] = _training_step(model, idx, optimizer, autocast)
+        train_steps[name] = loss_step(model, idx, optimizer, autocast())
         with torch.no_grad(), autocast():
             token, state = prefilled_state(model.backbone.eval(), 1, block_size // 2, device)
         decode_steps[name] = lambda b=model.backbone, t=token, s=state: b(t, s)
