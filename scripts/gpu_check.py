@@ -86,8 +86,8 @@ class Shape:
     def fields(self) -> list[str]:
         """Every figure of one model, in the table's order."""
         return ["params", "context", "train_tokens_per_s", "mfu", "peak_memory_mb", "peak_memory_full_logits_mb",
-                "compile_s",
-                "compiled_tokens_per_s", "compile_speedup", *self.decode_fields(), "sdpa_train", "sdpa_decode"]
+                "compile_s", "compiled_tokens_per_s", "compile_speedup", *self.decode_fields(), "sdpa_train",
+                "sdpa_decode"]
 
 
 # -- the worker: the models, one after another -----------------------------------------------------------------
