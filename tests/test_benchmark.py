@@ -108,7 +108,7 @@ def test_free_memory_op_times_titans_with_its_memory_op_replaced(tmp_path, monke
     assert results[2]["memory_op_flop_rate"] == (pytest.approx(op_flops / saved_s) if saved_s > 0 else None)
     assert "memory_op_flop_rate" in run.stdout and "memory_op_flop_rate" not in results[1]
     assert results[2]["memory_op_s"] == pytest.approx(saved_s)
-    assert 0 < results[2]["memory_op_products_s"] < results[2]["memory_op_alone_s"]
+    assert results[2]["memory_op_products_s"] > 0 and results[2]["memory_op_alone_s"] > 0
 
     calls = []
     real = titans.neural_memory
@@ -275,8 +275,7 @@ def test_nx_ai_problems_are_one_line_and_write_nothing(tmp_path, case):
 @pytest.mark.parametrize("variant", ["mag", "mac"])
 def test_memory_op_products_are_every_product_the_op_runs_forward_and_backward(variant):
     """memory_op_times: the FLOPs of the products it times alone are those FlopCounterMode sees in the same op
-    calls, forward and backward (MAC: one call per segment piece, the first from M_0), none counted twice; the
-    products alone take less time than the calls."""
+    calls, forward and backward (MAC: one call per segment piece, the first from M_0), none counted twice."""
     from torch.utils.flop_counter import FlopCounterMode
 
     benchmark = runpy.run_path(str(ROOT / "scripts/benchmark.py"), run_name="benchmark")
@@ -301,7 +300,7 @@ def test_memory_op_products_are_every_product_the_op_runs_forward_and_backward(v
         patch.setattr(titans, "neural_memory", counting)
         step()
     assert len(counted) == (3 if variant == "mac" else 1) and times["memory_op_products_flops"] == sum(counted)
-    assert 0 < times["memory_op_products_s"] < times["memory_op_alone_s"] < 1
+    assert times["memory_op_products_s"] > 0 and times["memory_op_alone_s"] > 0  # timings: no comparison
 
 
 def _baddbmm_flops(input_shape, batch1_shape, batch2_shape, *_, **__) -> int:
