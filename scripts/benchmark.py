@@ -96,6 +96,7 @@ from ltcx.models.catalog import CATALOG, build_configured  # noqa: E402
 from ltcx.models.inference_cache import keeping_derived  # noqa: E402
 from ltcx.models.state import map_state_tensors  # noqa: E402
 from ltcx.throughput import (  # noqa: E402
+    best_rate,
     default_peak_flops,
     measured_matmul_flops,
     model_flops_per_token,
@@ -369,10 +370,9 @@ def build_arch(arch: str, args, device: torch.device) -> tuple[torch.nn.Module, 
                                 flops, tokens))
     if args.free_memory_op and any(isinstance(m, titans_module.NeuralMemory) for m in model.modules()):
         # no MFU: its FLOPs are the model's less what the stand-in leaves out
-        free = Trainee(arch + " (free memory op)", with_free_memory_op(trainees[0].step), model.parameter_count(),
-                       None, tokens, memory_op_flops=tokens * model.memory_op_flops_per_token(args.seq_len))
-        free.eager_step = trainees[0].step  # whose op's calls memory_op_times runs again
-        trainees.append(free)
+        trainees.append(Trainee(arch + " (free memory op)", with_free_memory_op(trainees[0].step),
+                                model.parameter_count(), None, tokens,
+                                memory_op_flops=tokens * model.memory_op_flops_per_token(args.seq_len)))
     return model, trainees
 
 
@@ -408,27 +408,21 @@ _PROFILED_DTYPES = {"float": torch.float32, "double": torch.float64, "c10::BFloa
 def _time_alone(name: str, shapes: list[list[int]], dtypes: list[str], device: torch.device) -> float:
     """Seconds of one call of product ``name`` at ``shapes`` and ``dtypes`` (as the profiler names them) on its own:
     fresh contiguous operands, its output written in place (``out=``), cache hot; the best of three runs of enough
-    calls to take about 10 ms each."""
+    calls to take about 10 ms each (``best_rate``)."""
     first = _PRODUCTS[name]
     function = getattr(torch, name.removeprefix("aten::").rstrip("_"))
     operands = [torch.randn(shape, device=device, dtype=_PROFILED_DTYPES[dtype])
                 for shape, dtype in zip(shapes[:first + 2], dtypes)]
     out = function(*operands)
-    for _ in range(3):
-        function(*operands, out=out)
-    sync(device)
-    start = time.perf_counter()
-    function(*operands, out=out)
-    sync(device)
-    calls = max(5, min(10_000, int(0.01 / max(time.perf_counter() - start, 1e-7))))
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
+    one = timed(lambda: function(*operands, out=out), device, repeats=1, warmup=3)
+    calls = max(5, min(10_000, int(0.01 / max(one, 1e-7))))
+
+    def batch() -> None:
         for _ in range(calls):
             function(*operands, out=out)
         sync(device)
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best
+
+    return 1.0 / best_rate(batch, calls, trials=3, budget_s=float("inf"))
 
 
 def memory_op_times(step, device: torch.device, repeats: int = 5) -> dict:
@@ -437,35 +431,26 @@ def memory_op_times(step, device: torch.device, repeats: int = 5) -> dict:
     each timed alone at its shape (``_time_alone``), the least that any form of the op built on torch's products can
     take, whatever it does between them; ``memory_op_products_flops``, those products' FLOPs (FlopCounterMode's,
     tests/test_benchmark.py), found by ``torch.profiler``."""
-    calls, real = [], titans_module.neural_memory
+    calls, leaves, real = [], [], titans_module.neural_memory
 
     def recording(*args, **kwargs):
-        calls.append(_detached_copies((args, tuple(kwargs.items())), {}))
+        copies: dict = {}
+        calls.append((_detached_copies(args, copies), kwargs))
+        leaves.extend(x for x in copies.values() if x.requires_grad)
         return real(*args, **kwargs)
 
     with mock.patch.object(titans_module, "neural_memory", recording):
         step()
-    leaves = [x for args, _ in calls for x in args if isinstance(x, torch.Tensor) and x.requires_grad]
-    leaves += [x for args, _ in calls for state in args if isinstance(state, tuple) for x in state
-               if isinstance(x, torch.Tensor) and x.requires_grad]
 
     def run_calls() -> None:
         for args, kwargs in calls:
-            y, _ = real(*args, **dict(kwargs))
+            y, _ = real(*args, **kwargs)
             y.backward(torch.ones_like(y))
         for leaf in leaves:  # as in the step, where the op's inputs are not leaves: nothing accumulates
             leaf.grad = None
 
-    run_calls()
-    seconds = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        run_calls()
-        sync(device)
-        seconds.append(time.perf_counter() - start)
     flops, products_s = products_alone(run_calls, device)
-    return {"memory_op_alone_s": statistics.median(seconds), "memory_op_products_s": products_s,
+    return {"memory_op_alone_s": timed(run_calls, device, repeats), "memory_op_products_s": products_s,
             "memory_op_products_flops": flops}
 
 
@@ -880,6 +865,7 @@ def main() -> None:
             sync(device)
             compile_s[trainee.label] = time.perf_counter() - start
     step_s = interleaved_medians(trainees, device, max(5, args.repeats))
+    steps = {trainee.label: trainee.step for trainee in trainees}
     base = trainees[0].tokens / step_s[trainees[0].label]
     results = []
     for trainee in trainees:
@@ -897,9 +883,10 @@ def main() -> None:
             result.update(products_alone_s=seconds, products_flops=flops,
                           products_share=seconds / step_s[trainee.label])
         if trainee.memory_op_flops is not None:  # the op's FLOP rate: its FLOPs over the time freeing it saves
-            op_s = step_s[trainee.label.removesuffix(" (free memory op)")] - step_s[trainee.label]
+            eager = trainee.label.removesuffix(" (free memory op)")
+            op_s = step_s[eager] - step_s[trainee.label]
             result["memory_op_flop_rate"] = trainee.memory_op_flops / op_s if op_s > 0 else None
-            result.update(memory_op_s=op_s, **memory_op_times(trainee.eager_step, device))
+            result.update(memory_op_s=op_s, **memory_op_times(steps[eager], device))
         if trainee.label in models:
             result.update(bench_arch(trainee.label, models[trainee.label], args, device))
         results.append(result)
