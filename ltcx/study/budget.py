@@ -74,11 +74,11 @@ class Match:
 
     @property
     def depth(self) -> int:
-        return self.init_args.get("n_layer", self.init_args.get("num_layers"))
+        return self.init_args.get("n_layer")
 
     @property
     def width(self) -> int:
-        return self.init_args.get("n_embd", self.init_args.get("embedding_dim"))
+        return self.init_args.get("n_embd")
 
     def figure(self, kind: str | None = None) -> float:
         kind = kind or self.kind

@@ -62,7 +62,7 @@ class DefaultRun:
         if "block_size" in init_args:
             init_args["block_size"] = LENGTH  # the context is the training length
         if "init_std" in fields:  # N(0, 1/width): GPT-2's 0.02 keeps a narrow model on MQAR's plateau (docs/recall.md)
-            init_args["init_std"] = round((init_args.get("n_embd") or init_args["embedding_dim"]) ** -0.5, 6)
+            init_args["init_std"] = round(init_args["n_embd"] ** -0.5, 6)
         config, data = TASK_DATA[self.task]
         args = ["fit", "--config", str(config_path(self.arch)), "--config", str(shipped_config(config))]
         for key, value in init_args.items():

@@ -190,8 +190,8 @@ def _pm(interval: dict | None, key: str = "ci95", spec: str = ".4f") -> str:
 def _shape_text(init_args: dict | None) -> str:
     if not init_args:
         return "its YAML's"
-    width = init_args.get("n_embd", init_args.get("embedding_dim"))
-    depth = init_args.get("n_layer", init_args.get("num_layers"))
+    width = init_args.get("n_embd")
+    depth = init_args.get("n_layer")
     return f"{width} x {depth}"
 
 

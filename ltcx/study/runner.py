@@ -190,7 +190,7 @@ def _initialised(arch: str, init_args: dict[str, Any], spec: StudySpec) -> dict[
     if not spec.scaled_init:
         return init_args
     fields = {f.name for f in dataclasses.fields(catalog.get(arch).backbone_class().config_class)}
-    width = init_args.get("n_embd", init_args.get("embedding_dim"))
+    width = init_args.get("n_embd")
     return {**init_args, "init_std": round(width ** -0.5, 6)} if "init_std" in fields and width else init_args
 
 
