@@ -45,7 +45,7 @@ class ModelCheckpoint(pl_callbacks.ModelCheckpoint):
     Args:
         run_folders: save in ``<dirpath>/version_N/`` (else in ``dirpath`` itself, as Lightning does).
         keep_runs: a resumed run continues the runs it was resumed from, each in its own folder, each keeping a
-            full ``last.ckpt`` (347 MB for a 29M-parameter model): keep the ``.ckpt`` files of the last
+            full ``last.ckpt`` (the weights and AdamW's two moments): keep the ``.ckpt`` files of the last
             ``keep_runs`` runs of that chain (this run included) and delete the older ones' once this run has saved
             its first checkpoint. Default 2: this run's and the one it resumed from. None keeps every file.
 

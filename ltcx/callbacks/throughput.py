@@ -40,7 +40,7 @@ class MFUMonitor(L.Callback):
 
     Args:
         peak_flops: FLOP/s of one device. None: the dense bf16 peak of a known GPU (H100/H200 989e12, A100
-            312e12, ...), or on a CPU a float32 matmul rate measured when training starts (about 0.3 s).
+            312e12, ...), or on a CPU a float32 matmul rate measured when training starts.
     """
 
     def __init__(self, peak_flops: float | None = None) -> None:

@@ -70,9 +70,8 @@ def _key(normalised: str) -> int:
 
 _TOKENIZER = None
 
-# A BPE tokenizer's cost grows faster than the length of one pre-tokenized piece (tiktoken, gpt2: a 50 MB line of
-# letters, one piece, ~100 s of CPU; in pieces of 64 Ki characters ~15 s), so a document above LONG_CHARS is
-# tokenized in pieces of at most PIECE_CHARS (``_pieces``).
+# A BPE tokenizer's cost grows faster than the length of one pre-tokenized piece (tiktoken, gpt2: a long line of
+# letters is one piece), so a document above LONG_CHARS is tokenized in pieces of at most PIECE_CHARS (``_pieces``).
 LONG_CHARS = 1 << 20
 PIECE_CHARS = 1 << 16
 _SPACE_AFTER_WORD = re.compile(r" \S")  # searched in the reversed text: a space after a non-whitespace character

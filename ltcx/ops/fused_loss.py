@@ -33,7 +33,7 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 class _ChunkLogits:
     """The logits of one chunk after another, in buffers made once per call: the chunks reuse them, where a fresh
     ``[chunk, V]`` tensor per chunk costs a CPU a fresh mmap (glibc maps allocations this large) and a page fault
-    per 4 KiB of it (the op took 1.07x its time at 1,024 x 50,304, ``docs/benchmarks.md``)."""
+    per page of it."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, chunk: int) -> None:
         rows = min(chunk, hidden.shape[0])

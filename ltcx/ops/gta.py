@@ -41,7 +41,7 @@ def latent_attention(q: torch.Tensor, k: torch.Tensor, latent: torch.Tensor, dro
     key_dim, latent_dim = q.shape[-1], latent.shape[-1]
     if key_dim != latent_dim:
         # The fused (flash) kernels want one width for q, k and v; otherwise the math path materialises
-        # [B, G, T, P + T] weights (and is about 2x slower for a decode step on CPU). Zero columns add
+        # [B, G, T, P + T] weights (and is slower for a decode step on CPU). Zero columns add
         # nothing to q.k, and padded value columns are cut off.
         width = max(key_dim, latent_dim)
         q, k = F.pad(q, (0, width - key_dim)), F.pad(k, (0, width - key_dim))
@@ -71,8 +71,7 @@ def latent_attention_step(q: torch.Tensor, k: torch.Tensor, latent: torch.Tensor
 
     The groups sharing a key head are rows of one product with it (groups are contiguous in g, so
     [B, G, 1, P] views as [B, n_k, G / n_k, P] and as [B, n_c, G / n_c, P]): each cached key and latent is read
-    once per step, not repeated per group nor padded to one width as the SDPA path needs. On this CPU that made
-    a GTA attention layer's decode step 1.15-1.7x faster (batch 1-16, 128-511 cached tokens).
+    once per step, not repeated per group nor padded to one width as the SDPA path needs.
     """
     batch, groups, _, key_dim = q.shape
     n_key, n_latent, latent_dim = k.shape[1], latent.shape[1], latent.shape[-1]

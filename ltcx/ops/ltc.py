@@ -17,7 +17,7 @@ around a fixed centre c,
 
 so that q''_i . k''_j = q_i^T M_{i-j} k_j exactly, and ONE causal scaled_dot_product_attention does
 the rest. Scaling separate coordinates (instead of the seed's q' = q + sum_m (e_m - 1)(q.u_m) u_m,
-whose e^6-sized modal terms cancel against the ordinary part; tests/test_ltc.py shows it ~30x worse
+whose e^6-sized modal terms cancel against the ordinary part; tests/test_ltc.py shows it far worse
 than plain attention in bf16) keeps every term of the dot product at its own magnitude, so bf16
 rounding hurts no more than in plain attention. With c = (block_size - 1) / 2 and
 tau >= tau_min = block_size / 12 the exponents stay within +-6.

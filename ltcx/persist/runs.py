@@ -59,8 +59,8 @@ def callback_state(path: str | os.PathLike, key: str) -> dict[str, Any] | None:
     """The state the callback of state key ``key`` saved in the checkpoint at ``path``; None where there is none or
     the file can not be read (damaged, not a checkpoint, asking for code).
 
-    Read as data (``weights_only=True``) and lazily (``mmap=True``: the tensors are mapped, never read), so a 350 MB
-    checkpoint costs its small pickle; its digest is not checked, that would read every tensor.
+    Read as data (``weights_only=True``) and lazily (``mmap=True``: the tensors are mapped, never read), so a large
+    checkpoint costs only its small pickle; its digest is not checked, that would read every tensor.
     """
     try:
         checkpoint = torch.load(os.fspath(path), map_location="cpu", weights_only=True, mmap=True)
