@@ -213,9 +213,13 @@ def test_config_rules_name_the_field(overrides, message):
     assert message in str(error.value)
 
 
-def test_lmm_and_mal_need_no_memory_width_match():
-    tiny("lmm", mem_heads=2, mem_head_dim=8)
-    tiny("mal", mem_heads=2, mem_head_dim=8)
+@pytest.mark.parametrize("variant", ["lmm", "mal"])
+def test_lmm_and_mal_need_no_memory_width_match(variant):
+    """Only MAG and MAC gate the attention output with the memory's; LMM and MAL run with a narrower memory."""
+    model = tiny(variant, mem_heads=2, mem_head_dim=8).eval()
+    assert model.config.memory_width == 16 != model.config.n_embd
+    logits, _ = model(torch.randint(0, VOCAB, (2, 9)))
+    assert logits.shape == (2, 9, VOCAB) and torch.isfinite(logits).all()
 
 
 def test_diverging_memory_is_non_finite_not_silent():
