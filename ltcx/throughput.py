@@ -1,6 +1,7 @@
 """Model FLOPs and the machine's limit: FLOPs per token of any backbone, and the peak FLOP/s that MFU divides by;
 and the timing pieces the measurement scripts share (``scripts/benchmark.py``, ``scripts/gpu_check.py``): a synced
-median timer, a training step through ltcx's loss, the state a decode step is timed from, peak memory.
+median timer, a training step through ltcx's loss, the state a decode step is timed from, peak memory, and the
+number of device kernels one training step launches (``kernels_per_step``).
 
 MFU (model FLOPs utilisation) = tokens/s x training FLOPs per token / peak FLOP/s of the device.
 """
@@ -11,11 +12,13 @@ import functools
 import resource
 import statistics
 import time
-from contextlib import AbstractContextManager
-from typing import Any, Callable
+from collections import Counter
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s, from NVIDIA's data sheets; matched in this order against
 # the lower-cased device name. Lightning's table lists some of these at their 2:4-sparsity figure.
@@ -118,22 +121,39 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1,
-          budget_s: float | None = None) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs, each between two device syncs;
-    with ``budget_s``, no new run starts once that many seconds of timed runs have gone by (one run at least)."""
+class Timing(NamedTuple):
+    """Median seconds of a call: ``wall_s`` between two device syncs, ``cpu_s`` of this process's CPU time (all its
+    threads: what other jobs on a shared machine change far less than the wall time)."""
+
+    wall_s: float
+    cpu_s: float
+
+
+def timings(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1,
+            budget_s: float | None = None) -> Timing:
+    """Median wall and process CPU seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs, each between two
+    device syncs; with ``budget_s``, no new run starts once that many seconds of timed runs have gone by (one run at
+    least)."""
     for _ in range(warmup):
         fn()
-    times: list[float] = []
+    walls: list[float] = []
+    cpus: list[float] = []
     for _ in range(max(1, repeats)):
         sync(device)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         fn()
         sync(device)
-        times.append(time.perf_counter() - start)
-        if budget_s is not None and sum(times) >= budget_s:
+        walls.append(time.perf_counter() - start)
+        cpus.append(time.process_time() - cpu_start)
+        if budget_s is not None and sum(walls) >= budget_s:
             break
-    return statistics.median(times)
+    return Timing(statistics.median(walls), statistics.median(cpus))
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1,
+          budget_s: float | None = None) -> float:
+    """Median wall seconds of ``fn()``: ``timings(...).wall_s``."""
+    return timings(fn, device, repeats, warmup, budget_s).wall_s
 
 
 def loss_step(model: nn.Module, idx: torch.Tensor, optimizer: torch.optim.Optimizer,
@@ -176,3 +196,66 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # process peak RSS (Linux: KiB)
+
+
+# -- kernels per training step --------------------------------------------------------------------------------
+
+NO_KERNEL_OPS = frozenset({
+    "_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_",
+    "detach_", "_has_compatible_shallow_copy_type", "is_same_size", "sym_size", "sym_stride", "sym_numel",
+    "sym_storage_offset", "record_stream", "_foreach_zero_grad"})
+"""aten ops that dispatch but launch no device kernel although their schema is not a view's: allocation without
+initialisation, shape metadata, and ``_unsafe_view`` (a view whose schema does not say so)."""
+
+
+def launches_kernel(func: torch._ops.OpOverload) -> bool:
+    """Whether aten op ``func`` launches a device kernel when it runs: not when it is a view or an alias (its schema
+    returns an alias of an input without writing it: ``view``, ``t``, ``transpose``, ``expand``, ``as_strided``,
+    ``slice``, ``select``, ``permute``, ``split``, ``unbind``, ``detach``, ``alias``, ``lift_fresh``, ...), nor when
+    it is among ``NO_KERNEL_OPS``, nor when it neither returns a tensor nor writes one (``promote_types``,
+``result_type``: host work). Everything else counts, one kernel per call: in-place ops, copies (``clone``,
+    ``copy_``, ``_to_copy``, which only dispatches when the dtype or device changes), fills (``zeros``, ``fill_``),
+    ``.item()`` (a copy to the host), and a fused or ``_foreach`` op as one (on CUDA it launches one kernel per
+    group of tensors, so a few)."""
+    if func.is_view or func.overloadpacket.__name__ in NO_KERNEL_OPS:
+        return False
+    schema = func._schema
+    returns_tensor = any(isinstance(r.type, (torch.TensorType, torch.ListType, torch.OptionalType))
+                         and "Tensor" in str(r.type) for r in schema.returns)
+    # an op with no tensor out and none written (promote_types, result_type) computes on the host only
+    return returns_tensor or schema.is_mutable or func.overloadpacket.__name__ == "_local_scalar_dense"
+
+
+class KernelCounter(TorchDispatchMode):
+    """Counts, by op name, the aten ops dispatched inside it that ``launches_kernel`` (autograd's backward included:
+    the mode follows the engine). ``counts``: a Counter {op name: calls}; ``total``: their sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if launches_kernel(func):
+            self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def kernels_per_step(model: nn.Module, idx: torch.Tensor, optimizer: torch.optim.Optimizer | None = None,
+                     autocast: AbstractContextManager | None = None) -> Counter[str]:
+    """{aten op: calls} of the device kernels one training step of ``model`` (an ``ltcx.lm.LanguageModel``) on idx
+    [B, T + 1] launches, eager: ``loss_step`` (``model.loss``, backward, the optimizer's step; ``optimizer``: the
+    AdamW of ``model.configure_optimizers()`` by default), counted by ``KernelCounter`` on the second of two steps, so
+    that the optimizer's lazily built state and a backbone's derived weights are not counted. Deterministic for a
+    given model, shape and torch version; ``sum(...values())`` is the total."""
+    if optimizer is None:
+        configured = model.configure_optimizers()
+        optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
+    step = loss_step(model, idx, optimizer, autocast if autocast is not None else nullcontext())
+    step()
+    with KernelCounter() as counter:
+        step()
+    return counter.counts
