@@ -1,5 +1,16 @@
 from setuptools import find_packages, setup
 
+# What some commands need beyond training, generation and export (requirements-dev.txt pins them for the tests).
+EXTRAS = {
+    # `ltcx lm-eval` (lm-evaluation-harness tasks); accelerate: lm_eval's own hf model
+    "eval": ["lm_eval>=0.4.13,<0.5", "accelerate>=0.26"],
+    "slurm": ["submitit>=1.5"],  # `ltcx study --launcher slurm`
+    # `mlstm_backend: kernels`: NX-AI's TFLA Triton kernels for the xLSTM's mLSTM on CUDA (Triton comes with
+    # PyTorch's CUDA build); Python >= 3.11. NXAI Community License (attribution; a commercial licence above
+    # EUR 100M yearly revenue), so it is not in requirements.txt.
+    "kernels": ["mlstm_kernels>=2.0.6,<3"],
+}
+
 setup(
     name="ltcx",
     version="0.1.0",
@@ -27,13 +38,6 @@ setup(
         "safetensors>=0.4",  # `ltcx export` and its loader
         "matplotlib>=3.5",  # `ltcx evaluate`'s plot
     ],
-    extras_require={
-        # `ltcx lm-eval` (lm-evaluation-harness tasks): pip install -e .[eval]
-        "eval": ["lm_eval>=0.4.13,<0.5", "accelerate>=0.26"],  # accelerate: lm_eval's own hf model
-        # `mlstm_backend: kernels`: NX-AI's TFLA Triton kernels for the xLSTM's mLSTM on CUDA (Triton comes with
-        # PyTorch's CUDA build); Python >= 3.11. NXAI Community License (attribution; a commercial licence above
-        # EUR 100M yearly revenue), so it is not in requirements.txt.
-        "kernels": ["mlstm_kernels>=2.0.6,<3"],
-    },
+    extras_require={**EXTRAS, "dev": ["pytest>=8", "pytest-xdist>=3", "ruff>=0.5", *EXTRAS["eval"], *EXTRAS["slurm"]]},
     entry_points={"console_scripts": ["ltcx=ltcx.cli:main"]},
 )
