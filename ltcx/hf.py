@@ -26,6 +26,7 @@ from ltcx.errors import LtcxError
 from ltcx.models import catalog
 from ltcx.models.inference_cache import keeping_derived
 from ltcx.models.registry import class_path, resolve_backbone
+from ltcx.persist.file_fits import current_names
 
 __all__ = ["LtcxCache", "LtcxConfig", "LtcxForCausalLM", "MODEL_TYPE", "hf_model"]
 
@@ -48,7 +49,10 @@ class LtcxConfig(PretrainedConfig):
                 raise LtcxError(f"this ltcx config names code of its own ({key}), which ltcx never runs: an ltcx "
                                 "model's code is the installed ltcx package; remove the key or re-export the model")
         if architecture is not None:
-            _entry(architecture, backbone_config or {})
+            entry = _entry(architecture, backbone_config or {})
+            # a config.json written before a backbone field was renamed: this version's names
+            stored = {"backbone_class": entry.class_path, "backbone_config": backbone_config or {}}
+            backbone_config = current_names("config.json", stored)["backbone_config"]
         self.architecture = architecture
         self.backbone_config = dict(backbone_config or {})
         self.tokenizer_vocab_size = tokenizer_vocab_size

@@ -172,7 +172,7 @@ def test_peak_memory_runs_each_model_and_loss_path_in_its_own_process(tmp_path):
         assert r["peak_rss_mb"] >= r["rss_before_mb"] > 0
 
 
-XLSTM = "xlstm:embedding_dim=32,num_layers=2,num_heads=2,slstm_num_heads=2,chunk_size=8,slstm_at=[1]"
+XLSTM = "xlstm:n_embd=32,n_layer=2,n_head=2,slstm_n_head=2,chunk_size=8,slstm_at=[1]"
 
 # NX-AI's xlstm package's interface (the config classes, xLSTMLMModel(config), reset_parameters, step(idx, state));
 # it records the config it was given and holds ltcx's model of that shape, so the parameter counts agree.
@@ -228,9 +228,9 @@ class xLSTMLMModel(torch.nn.Module):
         super().__init__()
         pathlib.Path(__file__).parents[1].joinpath("nx_config.json").write_text(json.dumps(asdict(config)))
         from ltcx.models.xlstm import XLSTM
-        self.inner = XLSTM(embedding_dim=config.embedding_dim, num_layers=config.num_blocks,
-                           slstm_at=config.slstm_at, num_heads=config.mlstm_block.mlstm.num_heads,
-                           slstm_num_heads=config.slstm_block.slstm.num_heads, vocab_size=config.vocab_size)
+        self.inner = XLSTM(n_embd=config.embedding_dim, n_layer=config.num_blocks,
+                           slstm_at=config.slstm_at, n_head=config.mlstm_block.mlstm.num_heads,
+                           slstm_n_head=config.slstm_block.slstm.num_heads, vocab_size=config.vocab_size)
 
     def reset_parameters(self):
         pass

@@ -64,7 +64,7 @@ def test_non_embedding_parameters_leave_out_embedding_tables_and_a_head_tied_to_
     assert non_embedding_parameters(gpt) == sum(p.numel() for p in gpt.parameters()) - 64 * c.n_embd \
         - c.block_size * c.n_embd  # tokens and learned positions out; the tied head is the token table
     untied = CATALOG["xlstm"].build_tiny(64, "slstm_first_untied")
-    width = untied.config.embedding_dim
+    width = untied.config.n_embd
     assert non_embedding_parameters(untied) == sum(p.numel() for p in untied.parameters()) - 64 * width
     assert untied.head.weight.numel() == 64 * width  # an untied head counts
     titans = CATALOG["titans_mag"].build_tiny(64)
@@ -78,7 +78,7 @@ def test_the_rule_at_the_yamls_width_and_depth_is_the_yaml(name):
     entry = CATALOG[name]
     yaml_args = yaml.safe_load(config_path(name).read_text())["model.backbone"]["init_args"]
     yaml_args = {**yaml_args, "vocab_size": VOCAB, **({"block_size": SEQ_LEN} if "block_size" in yaml_args else {})}
-    width = yaml_args.get("n_embd", yaml_args.get("embedding_dim"))
+    width = yaml_args["n_embd"]
     rule = entry.scaled(width, entry.scaling.depth, SEQ_LEN)
     for knob in entry.scaling.knobs.values():
         rule[knob.field] = yaml_args.get(knob.field)  # null: the default (4 n_embd)
@@ -93,7 +93,7 @@ def test_the_xlstm_chunk_follows_its_mlstm_head_width(width):
     entry = CATALOG["xlstm"]
     rule = entry.scaled(width, 8, SEQ_LEN)
     config = entry.backbone_class().config_class(**rule, vocab_size=VOCAB)
-    assert rule["chunk_size"] == (128 if config.mlstm_inner_dim // config.num_heads > 128 else 64)
+    assert rule["chunk_size"] == (128 if config.mlstm_inner_dim // config.n_head > 128 else 64)
     assert entry.scaled(width, 8, 32)["chunk_size"] == 32
 
 
@@ -186,7 +186,7 @@ def test_the_quick_recall_shapes_are_the_catalogues_rule_with_heads_of_32():
     expected = {
         "gpt": gpt, "ltc": {**gpt, "num_decay_modes": 32},
         "gta": dict(n_layer=2, n_embd=64, n_head=2, n_query_group=1, block_size=32, key_dim=32, latent_dim=32, **init),
-        "xlstm": dict(num_layers=2, embedding_dim=64, signature=[1, 1], num_heads=2, slstm_num_heads=2, chunk_size=32),
+        "xlstm": dict(n_layer=2, n_embd=64, signature=[1, 1], n_head=2, slstm_n_head=2, chunk_size=32),
         "titans_mag": dict(n_layer=2, n_embd=64, n_head=2, n_kv_head=1, mlp_hidden=128, mem_heads=2, mem_head_dim=32,
                            mem_hidden=64, **init),
     }

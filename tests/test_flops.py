@@ -125,7 +125,7 @@ def test_ltc_counts_within_the_per_call_fold(controller):
 
 @pytest.mark.parametrize("backend,length", [("chunkwise", 32), ("chunkwise", 21), ("parallel", 21)])
 def test_xlstm_counts_exactly(backend, length):
-    model = XLSTM(vocab_size=96, embedding_dim=32, num_layers=3, slstm_at=[1], num_heads=2, slstm_num_heads=2,
+    model = XLSTM(vocab_size=96, n_embd=32, n_layer=3, slstm_at=[1], n_head=2, slstm_n_head=2,
                   chunk_size=8, mlstm_backend=backend).eval()
     counted = counted_forward_flops_per_token(model, 2, length) - uncounted_forward_flops_per_token(model, 2, length)
     assert counted == pytest.approx(model.forward_flops_per_token(length), rel=1e-12)

@@ -181,7 +181,7 @@ def test_kernels_float32_within_ltcx_tolerance(f_bias):
 
 
 def _tiny_model(dtype=torch.float64, **overrides) -> XLSTM:
-    kw = dict(vocab_size=37, embedding_dim=32, num_layers=3, slstm_at=[1], num_heads=2, slstm_num_heads=2,
+    kw = dict(vocab_size=37, n_embd=32, n_layer=3, slstm_at=[1], n_head=2, slstm_n_head=2,
               chunk_size=4, qkv_proj_blocksize=4)
     kw.update(overrides)
     torch.manual_seed(0)
@@ -251,8 +251,8 @@ def test_a_checkpoint_resumes_on_another_mlstm_backend():
     stored = _tiny_model(mlstm_backend="chunkwise", chunk_size=4)
     meta = {"backbone_class": class_path(XLSTM), "backbone_config": stored.config_dict()}
     check_same_backbone(meta, _tiny_model(mlstm_backend="kernels", chunk_size=16), "last.ckpt")
-    with pytest.raises(LtcxError, match=r"is of another model \(embedding_dim: 32 in the file, 64 configured\)"):
-        check_same_backbone(meta, _tiny_model(mlstm_backend="kernels", embedding_dim=64), "last.ckpt")
+    with pytest.raises(LtcxError, match=r"is of another model \(n_embd: 32 in the file, 64 configured\)"):
+        check_same_backbone(meta, _tiny_model(mlstm_backend="kernels", n_embd=64), "last.ckpt")
 
 
 @needs_package

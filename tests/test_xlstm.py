@@ -51,7 +51,7 @@ def _assert_states_close(a, b, **tol):
 
 
 def _tiny_model(dtype=torch.float64, **overrides) -> XLSTM:
-    kw = dict(vocab_size=37, embedding_dim=32, num_layers=3, slstm_at=[1], num_heads=2, slstm_num_heads=2,
+    kw = dict(vocab_size=37, n_embd=32, n_layer=3, slstm_at=[1], n_head=2, slstm_n_head=2,
               chunk_size=4, qkv_proj_blocksize=4)
     kw.update(overrides)
     torch.manual_seed(0)
@@ -393,7 +393,7 @@ def test_mlstm_block_equals_its_equations_written_out():
     with torch.no_grad():
         for p in block.parameters():
             p.add_(0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))
-    B, T, E, H = 2, 7, block.norm.normalized_shape[0], block.num_heads
+    B, T, E, H = 2, 7, block.norm.normalized_shape[0], block.n_head
     x = torch.randn(B, T, E, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     with torch.no_grad():
         got, _ = block(x)
@@ -438,7 +438,7 @@ def test_slstm_block_equals_its_equations_written_out():
     with torch.no_grad():
         for p in block.parameters():
             p.add_(0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))
-    B, T, E, H, Dh = 2, 7, block.norm.normalized_shape[0], block.num_heads, block.head_dim
+    B, T, E, H, Dh = 2, 7, block.norm.normalized_shape[0], block.n_head, block.head_dim
     x = torch.randn(B, T, E, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     with torch.no_grad():
         got, _ = block(x)
@@ -550,7 +550,7 @@ def test_loss_falls_on_a_copy_task():
     the copy in a few hundred CPU steps, without NaN."""
     torch.manual_seed(0)
     V, P, B = 16, 5, 32
-    model = XLSTM(vocab_size=V, embedding_dim=32, num_layers=2, slstm_at=[1], num_heads=2, slstm_num_heads=2,
+    model = XLSTM(vocab_size=V, n_embd=32, n_layer=2, slstm_at=[1], n_head=2, slstm_n_head=2,
                   chunk_size=8)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
     losses = []
@@ -572,35 +572,34 @@ def test_loss_falls_on_a_copy_task():
 
 def test_config_validation_messages():
     cases = [
-        (dict(embedding_dim=32, num_heads=3), r"num_heads \(3\) must divide the mLSTM inner dimension \(64"),
-        (dict(embedding_dim=30, slstm_num_heads=4, num_heads=4),
-         r"slstm_num_heads \(4\) must divide embedding_dim \(30\)"),
+        (dict(n_embd=32, n_head=3), r"n_head \(3\) must divide the mLSTM inner dimension \(64"),
+        (dict(n_embd=30, slstm_n_head=4, n_head=4), r"slstm_n_head \(4\) must divide n_embd \(30\)"),
         (dict(signature=(0, 0)), r"signature \(\[0, 0\]\) must be two non-negative integers"),
-        (dict(num_layers=3, slstm_at=[3]), r"slstm_at \(\[3\]\) must hold block positions in \[0, num_layers=3\)"),
+        (dict(n_layer=3, slstm_at=[3]), r"slstm_at \(\[3\]\) must hold block positions in \[0, n_layer=3\)"),
         (dict(slstm_at=[1, 1]), r"slstm_at \(\[1, 1\]\) must not repeat"),
         (dict(chunk_size=0), r"chunk_size \(0\) must be a positive integer"),
         (dict(forget_gate="relu"), r"forget_gate \('relu'\) must be one of"),
         (dict(mlstm_backend="cuda"), r"mlstm_backend \('cuda'\) must be one of"),
-        (dict(embedding_dim=32, qkv_proj_blocksize=5), r"qkv_proj_blocksize \(5\) must divide"),
+        (dict(n_embd=32, qkv_proj_blocksize=5), r"qkv_proj_blocksize \(5\) must divide"),
         (dict(dropout=1.0), r"dropout \(1.0\) must be in \[0, 1\)"),
         (dict(vocab_size=0), r"vocab_size \(0\) must be a positive integer"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ConfigError, match=message):
             XLSTMConfig(**kwargs)
-    with pytest.raises(ValueError, match="num_heads"):  # ConfigError is a ValueError
-        XLSTM(embedding_dim=32, num_heads=3)
+    with pytest.raises(ValueError, match="n_head"):  # ConfigError is a ValueError
+        XLSTM(n_embd=32, n_head=3)
 
 
 def test_block_pattern_from_signature_or_positions():
-    assert XLSTMConfig(num_layers=8, signature=(7, 1)).block_types == ["m"] * 7 + ["s"]
-    assert XLSTMConfig(num_layers=10, signature=[3, 1]).block_types == list("mmmsmmmsmm")
-    assert XLSTMConfig(num_layers=4, slstm_at=[0, 2]).block_types == list("smsm")
-    assert XLSTMConfig(num_layers=3, signature=(0, 1)).block_types == list("sss")
+    assert XLSTMConfig(n_layer=8, signature=(7, 1)).block_types == ["m"] * 7 + ["s"]
+    assert XLSTMConfig(n_layer=10, signature=[3, 1]).block_types == list("mmmsmmmsmm")
+    assert XLSTMConfig(n_layer=4, slstm_at=[0, 2]).block_types == list("smsm")
+    assert XLSTMConfig(n_layer=3, signature=(0, 1)).block_types == list("sss")
 
 
 def test_weight_decay_groups_and_init():
-    model = XLSTM(vocab_size=50, embedding_dim=32, num_layers=3, slstm_at=[2], num_heads=2, slstm_num_heads=2)
+    model = XLSTM(vocab_size=50, n_embd=32, n_layer=3, slstm_at=[2], n_head=2, slstm_n_head=2)
     names = dict(model.named_parameters())
     no_decay = model.no_weight_decay_param_names()
     assert no_decay <= names.keys()
@@ -623,7 +622,7 @@ def test_initialisation_follows_the_reference_implementation():
     power law from +5 to -7 (steeper exponent in deeper blocks), mLSTM forget biases 3..6."""
     torch.manual_seed(0)
     E, L = 256, 4
-    model = XLSTM(vocab_size=512, embedding_dim=E, num_layers=L, slstm_at=[1, 3], num_heads=4, slstm_num_heads=4)
+    model = XLSTM(vocab_size=512, n_embd=E, n_layer=L, slstm_at=[1, 3], n_head=4, slstm_n_head=4)
     small, wang = math.sqrt(2 / (5 * E)), 2 / L / math.sqrt(E)
     m, s = model.blocks[0], model.blocks[3]
     groups = {
@@ -649,14 +648,14 @@ def test_initialisation_follows_the_reference_implementation():
     assert m.igate.bias.abs().max() < 0.5  # N(0, 0.1)
     # the up-projections are rounded up to multiples of 64, as in the reference
     assert model.config.mlstm_inner_dim == 512 and model.config.ffn_dim == 384
-    assert XLSTMConfig(embedding_dim=404).mlstm_inner_dim == 832 and XLSTMConfig(embedding_dim=404).ffn_dim == 576
-    assert XLSTMConfig(embedding_dim=408, proj_round_to=8).ffn_dim == 544
+    assert XLSTMConfig(n_embd=404).mlstm_inner_dim == 832 and XLSTMConfig(n_embd=404).ffn_dim == 576
+    assert XLSTMConfig(n_embd=408, proj_round_to=8).ffn_dim == 544
 
 
 def test_reference_config_parameter_count():
     """configs/xlstm.yaml: 7:1 mLSTM:sLSTM, width 404 (inner 832, feed-forward 576), 8 blocks, vocab 50,304,
     tied embeddings -> 28,664,616 parameters (GQA baseline: 28,758,912)."""
     with torch.device("meta"):
-        model = XLSTM(vocab_size=50304, embedding_dim=404, num_layers=8, signature=(7, 1))
+        model = XLSTM(vocab_size=50304, n_embd=404, n_layer=8, signature=(7, 1))
     assert model.config.block_types == ["m"] * 7 + ["s"]
     assert model.parameter_count() == 28_664_616

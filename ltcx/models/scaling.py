@@ -56,7 +56,6 @@ class ScalingRule:
     shape: Callable[..., dict[str, Any]]
     widths: Callable[[int], list[int]]
     depth: int
-    depth_field: str = "n_layer"
     knobs: dict[str, Knob] = field(default_factory=dict)
 
 
@@ -124,7 +123,7 @@ def xlstm(width: int, n_layer: int, seq_len: int, head_dim: int | None = None) -
     else:
         pattern = dict(slstm_at=[round((i + 1) * n_layer / slstm) - 1 for i in range(slstm)])
     chunk = 128 if mlstm_head > 128 else 64
-    return dict(embedding_dim=width, num_layers=n_layer, **pattern, num_heads=heads, slstm_num_heads=heads,
+    return dict(n_embd=width, n_layer=n_layer, **pattern, n_head=heads, slstm_n_head=heads,
                 chunk_size=min(chunk, seq_len), mlstm_backend="chunkwise", forget_gate="sigmoid", tie_embeddings=True)
 
 

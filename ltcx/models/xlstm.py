@@ -18,12 +18,12 @@ E is the embedding width everywhere, also for the block-diagonal projections (no
 * small init N(0, sqrt(2 / (5 E))) (Nguyen & Salazar 2019, "Transformers without tears"): the token
   embedding (and an untied head), the mLSTM up-projection and q/k/v, the sLSTM input weights of all four
   gates, the feed-forward up-projection;
-* wang init N(0, 2 / (num_layers sqrt(E))) (GPT-J/NeoX): every projection back into the residual stream
+* wang init N(0, 2 / (n_layer sqrt(E))) (GPT-J/NeoX): every projection back into the residual stream
   (mLSTM down-projection, feed-forward down-projection);
 * mLSTM gates: weights 0, forget-gate biases linspace(3, 6) over the heads, input-gate biases N(0, 0.1);
 * sLSTM: recurrent matrices R = 0 (``recurrent_weight_init="zeros"``); gate biases 0 except the forget
   gate's "powerlaw_blockdependent" profile over each head's units u = 0..d-1,
-  b_f(u) = 5 - 12 (u / (d - 1))^(0.3 + 1.3 l / (num_layers - 1)) for the block at position l: from
+  b_f(u) = 5 - 12 (u / (d - 1))^(0.3 + 1.3 l / (n_layer - 1)) for the block at position l: from
   +5 (f ~ 0.993, long memory) down to -7 (f ~ 0.001); the exponent grows with depth, so deeper
   blocks keep more units at long memory;
 * norms 1 (no biases), learnable skip 1, causal conv weights U(+-1/sqrt(K)) (PyTorch's Conv1d default), conv
@@ -77,18 +77,18 @@ class XLSTMConfig:
 
     vocab_size: int = 50304
     """Number of token ids (the CLI sets it from the tokenizer)."""
-    embedding_dim: int = 384
+    n_embd: int = 384
     """Residual stream width E."""
-    num_layers: int = 8
+    n_layer: int = 8
     """Total number of blocks (mLSTM + sLSTM)."""
     signature: tuple[int, int] = (7, 1)
     """Ratio (mLSTM, sLSTM) of blocks, tiled over the layers, e.g. (7, 1); ignored if slstm_at is set."""
     slstm_at: list[int] | None = None
     """Explicit 0-based positions of the sLSTM blocks (overrides signature); the rest are mLSTM."""
-    num_heads: int = 4
-    """Heads of each mLSTM cell (must divide mlstm_proj_factor * embedding_dim)."""
-    slstm_num_heads: int = 4
-    """Heads of each sLSTM cell (must divide embedding_dim); recurrence mixes within heads only."""
+    n_head: int = 4
+    """Heads of each mLSTM cell (must divide mlstm_proj_factor * n_embd)."""
+    slstm_n_head: int = 4
+    """Heads of each sLSTM cell (must divide n_embd); recurrence mixes within heads only."""
     mlstm_proj_factor: float = 2.0
     """Up-projection factor of the mLSTM block (the paper uses 2)."""
     slstm_ffn_factor: float = 4.0 / 3.0
@@ -126,24 +126,24 @@ class XLSTMConfig:
 
     @property
     def mlstm_inner_dim(self) -> int:
-        """Width of the mLSTM path: mlstm_proj_factor * embedding_dim rounded up to proj_round_to."""
-        return self._round_up(self.mlstm_proj_factor * self.embedding_dim)
+        """Width of the mLSTM path: mlstm_proj_factor * n_embd rounded up to proj_round_to."""
+        return self._round_up(self.mlstm_proj_factor * self.n_embd)
 
     @property
     def ffn_dim(self) -> int:
-        """Hidden width of the sLSTM block's feed-forward: slstm_ffn_factor * embedding_dim rounded up to
+        """Hidden width of the sLSTM block's feed-forward: slstm_ffn_factor * n_embd rounded up to
         proj_round_to."""
-        return self._round_up(self.slstm_ffn_factor * self.embedding_dim)
+        return self._round_up(self.slstm_ffn_factor * self.n_embd)
 
     @property
     def block_types(self) -> list[str]:
-        """'m' or 's' for each of the num_layers blocks."""
+        """'m' or 's' for each of the n_layer blocks."""
         if self.slstm_at is not None:
             at = set(self.slstm_at)
-            return ["s" if i in at else "m" for i in range(self.num_layers)]
+            return ["s" if i in at else "m" for i in range(self.n_layer)]
         m, s = self.signature
         pattern = ["m"] * m + ["s"] * s
-        return [pattern[i % len(pattern)] for i in range(self.num_layers)]
+        return [pattern[i % len(pattern)] for i in range(self.n_layer)]
 
     def _validate(self) -> None:
         def positive(name: str) -> None:
@@ -151,7 +151,7 @@ class XLSTMConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} ({value!r}) must be a positive integer")
 
-        for name in ("vocab_size", "embedding_dim", "num_layers", "num_heads", "slstm_num_heads", "proj_round_to",
+        for name in ("vocab_size", "n_embd", "n_layer", "n_head", "slstm_n_head", "proj_round_to",
                      "qkv_proj_blocksize", "conv_kernel_size", "chunk_size"):
             positive(name)
         if len(self.signature) != 2 or any(not isinstance(x, int) or x < 0 for x in self.signature) \
@@ -161,10 +161,10 @@ class XLSTMConfig:
                 "(mLSTM blocks, sLSTM blocks) with a positive sum, e.g. [7, 1]"
             )
         if self.slstm_at is not None:
-            bad = [i for i in self.slstm_at if not isinstance(i, int) or not 0 <= i < self.num_layers]
+            bad = [i for i in self.slstm_at if not isinstance(i, int) or not 0 <= i < self.n_layer]
             if bad:
                 raise ConfigError(
-                    f"slstm_at ({self.slstm_at}) must hold block positions in [0, num_layers={self.num_layers})"
+                    f"slstm_at ({self.slstm_at}) must hold block positions in [0, n_layer={self.n_layer})"
                 )
             if len(set(self.slstm_at)) != len(self.slstm_at):
                 raise ConfigError(f"slstm_at ({self.slstm_at}) must not repeat a position")
@@ -173,18 +173,18 @@ class XLSTMConfig:
         if not self.slstm_ffn_factor > 0:
             raise ConfigError(f"slstm_ffn_factor ({self.slstm_ffn_factor}) must be > 0")
         inner = self.mlstm_inner_dim
-        if inner < 1 or inner % self.num_heads:
+        if inner < 1 or inner % self.n_head:
             raise ConfigError(
-                f"num_heads ({self.num_heads}) must divide the mLSTM inner dimension ({inner} = mlstm_proj_factor "
-                f"{self.mlstm_proj_factor} x embedding_dim {self.embedding_dim}, rounded up to {self.proj_round_to})"
+                f"n_head ({self.n_head}) must divide the mLSTM inner dimension ({inner} = mlstm_proj_factor "
+                f"{self.mlstm_proj_factor} x n_embd {self.n_embd}, rounded up to {self.proj_round_to})"
             )
         if inner % self.qkv_proj_blocksize:
             raise ConfigError(
                 f"qkv_proj_blocksize ({self.qkv_proj_blocksize}) must divide the mLSTM inner dimension ({inner})"
             )
-        if self.embedding_dim % self.slstm_num_heads:
+        if self.n_embd % self.slstm_n_head:
             raise ConfigError(
-                f"slstm_num_heads ({self.slstm_num_heads}) must divide embedding_dim ({self.embedding_dim})"
+                f"slstm_n_head ({self.slstm_n_head}) must divide n_embd ({self.n_embd})"
             )
         if self.mlstm_backend not in MLSTM_BACKENDS:
             raise ConfigError(f"mlstm_backend ({self.mlstm_backend!r}) must be one of {list(MLSTM_BACKENDS)}")
@@ -261,11 +261,11 @@ class HeadwiseLinear(nn.Module):
 class MultiHeadNorm(nn.Module):
     """Group norm with one group per head, applied per token: ``[..., H, Dh] -> [..., H*Dh]``."""
 
-    def __init__(self, num_heads: int, head_dim: int, bias: bool = False, eps: float = 1e-5) -> None:
+    def __init__(self, n_head: int, head_dim: int, bias: bool = False, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(num_heads * head_dim))
-        self.bias = nn.Parameter(torch.zeros(num_heads * head_dim)) if bias else None
+        self.weight = nn.Parameter(torch.ones(n_head * head_dim))
+        self.bias = nn.Parameter(torch.zeros(n_head * head_dim)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
         y = F.layer_norm(x, x.shape[-1:], eps=self.eps).flatten(-2) * self.weight
@@ -328,8 +328,8 @@ class MLSTMBlock(nn.Module):
 
     def __init__(self, cfg: XLSTMConfig) -> None:
         super().__init__()
-        E, I, H = cfg.embedding_dim, cfg.mlstm_inner_dim, cfg.num_heads  # noqa: E741 (I: the inner dimension)
-        self.num_heads, self.head_dim = H, I // H
+        E, I, H = cfg.n_embd, cfg.mlstm_inner_dim, cfg.n_head  # noqa: E741 (I: the inner dimension)
+        self.n_head, self.head_dim = H, I // H
         self.chunk_size, self.backend, self.forget_gate = cfg.chunk_size, cfg.mlstm_backend, cfg.forget_gate
         self.norm = nn.LayerNorm(E, bias=cfg.bias)
         self.proj_up = nn.Linear(E, 2 * I, bias=cfg.bias)
@@ -348,7 +348,7 @@ class MLSTMBlock(nn.Module):
         # size)
         for weight in (self.proj_up.weight, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight):
             nn.init.normal_(weight, std=_small_init_std(E))
-        nn.init.normal_(self.proj_down.weight, std=_wang_init_std(E, cfg.num_layers))
+        nn.init.normal_(self.proj_down.weight, std=_wang_init_std(E, cfg.n_layer))
         # gates start input-independent: input gate ~ 0, forget gate biases spread over 3..6 per head
         nn.init.zeros_(self.igate.weight)
         nn.init.normal_(self.igate.bias, std=0.1)
@@ -370,7 +370,7 @@ class MLSTMBlock(nn.Module):
 
     def forward(self, x: Tensor, state: tuple | None = None, with_state: bool = True) -> tuple[Tensor, tuple | None]:
         B, T, _ = x.shape
-        H, Dh = self.num_heads, self.head_dim
+        H, Dh = self.n_head, self.head_dim
         cell, buffer = (None, None) if state is None else (tuple(state[:3]), state[3])
         x_m, z = self.proj_up(self.norm(x)).chunk(2, dim=-1)  # [B, T, I] each
         x_c, buffer = self.conv(x_m, buffer)
@@ -403,9 +403,9 @@ class SLSTMBlock(nn.Module):
 
     def __init__(self, cfg: XLSTMConfig, block_index: int) -> None:
         super().__init__()
-        E, H = cfg.embedding_dim, cfg.slstm_num_heads
+        E, H = cfg.n_embd, cfg.slstm_n_head
         Dh = E // H
-        self.num_heads, self.head_dim, self.forget_gate = H, Dh, cfg.forget_gate
+        self.n_head, self.head_dim, self.forget_gate = H, Dh, cfg.forget_gate
         self.norm = nn.LayerNorm(E, bias=cfg.bias)
         self.conv = CausalConv1d(E, cfg.conv_kernel_size)
         # headwise input weights: [0] maps the conv path to (i, f), [1] the normed input to (z, o)
@@ -423,13 +423,13 @@ class SLSTMBlock(nn.Module):
         nn.init.normal_(self.w_in, std=_small_init_std(E))
         nn.init.zeros_(self.R)
         with torch.no_grad():
-            self.gate_bias[1].copy_(slstm_forget_bias(Dh, block_index, cfg.num_layers).expand(H, Dh))
+            self.gate_bias[1].copy_(slstm_forget_bias(Dh, block_index, cfg.n_layer).expand(H, Dh))
         nn.init.normal_(self.ffn_up.weight, std=_small_init_std(E))
-        nn.init.normal_(self.ffn_down.weight, std=_wang_init_std(E, cfg.num_layers))
+        nn.init.normal_(self.ffn_down.weight, std=_wang_init_std(E, cfg.n_layer))
 
     def forward(self, x: Tensor, state: tuple | None = None, with_state: bool = True) -> tuple[Tensor, tuple | None]:
         B, T, E = x.shape
-        H, Dh = self.num_heads, self.head_dim
+        H, Dh = self.n_head, self.head_dim
         cell, buffer = (None, None) if state is None else (tuple(state[:4]), state[4])
         xn = self.norm(x)
         x_c, buffer = self.conv(xn, buffer)
@@ -467,11 +467,15 @@ class XLSTM(ConfiguredModule):
     # what a resumed run may change (ltcx/persist/file_fits.py): dropout, and how the mLSTM is computed (the same
     # function of the same weights), e.g. to continue a chunkwise run on NX-AI's kernels
     resumable_fields = frozenset({"dropout", "mlstm_backend", "chunk_size"})
+    # old name -> field: the names a checkpoint or export written before the xLSTM took the house's names holds
+    # (ltcx/persist/file_fits.py's current_names reads them as the fields)
+    renamed_fields = {"embedding_dim": "n_embd", "num_layers": "n_layer", "num_heads": "n_head",
+                      "slstm_num_heads": "slstm_n_head"}
 
     def __init__(self, **fields) -> None:
         super().__init__()
         cfg = self.config = self.config_class(**fields)
-        E = cfg.embedding_dim
+        E = cfg.n_embd
         self.embedding = nn.Embedding(cfg.vocab_size, E)
         self.dropout = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(
@@ -544,8 +548,8 @@ class XLSTM(ConfiguredModule):
         * head: 2 E V (tied with the embedding: counted once).
         """
         cfg = self.config
-        E, inner, V, T = cfg.embedding_dim, cfg.mlstm_inner_dim, cfg.vocab_size, seq_len
-        d = inner // cfg.num_heads
+        E, inner, V, T = cfg.n_embd, cfg.mlstm_inner_dim, cfg.vocab_size, seq_len
+        d = inner // cfg.n_head
         if cfg.mlstm_backend == "kernels":
             S = padded_length(T)
             L = min(S, KERNEL_CHUNK)
@@ -558,9 +562,9 @@ class XLSTM(ConfiguredModule):
             cell += 4 * rest * rest * d + 4 * rest * d * d + 2 * rest * d
         if cfg.mlstm_backend != "kernels" and T <= L:  # one block from the empty state: no q C, q n
             cell = 4 * T * T * d + 2 * T * d * d
-        mlstm = 2 * E * 2 * inner + 3 * 2 * inner * cfg.qkv_proj_blocksize + 2 * 2 * 3 * inner * cfg.num_heads \
-            + 2 * inner * E + cfg.num_heads * cell / T
-        d_s = E // cfg.slstm_num_heads
+        mlstm = 2 * E * 2 * inner + 3 * 2 * inner * cfg.qkv_proj_blocksize + 2 * 2 * 3 * inner * cfg.n_head \
+            + 2 * inner * E + cfg.n_head * cell / T
+        d_s = E // cfg.slstm_n_head
         slstm = 2 * (2 * E * 2 * d_s) + 4 * (2 * E * d_s) + 2 * E * 2 * cfg.ffn_dim + 2 * cfg.ffn_dim * E
         blocks = sum(mlstm if t == "m" else slstm for t in cfg.block_types)
         return blocks + 2 * E * V
@@ -583,10 +587,10 @@ class XLSTM(ConfiguredModule):
         cfg = self.config
         numbers = model_dtype(self, dtype)
         cell, buffer = state_dtype(numbers).itemsize, numbers.itemsize
-        inner, heads, kernel = cfg.mlstm_inner_dim, cfg.num_heads, cfg.conv_kernel_size - 1
+        inner, heads, kernel = cfg.mlstm_inner_dim, cfg.n_head, cfg.conv_kernel_size - 1
         d = inner // heads
         mlstm = heads * (d * d + d + 1) * cell + kernel * inner * buffer
-        slstm = 4 * cfg.embedding_dim * cell + kernel * cfg.embedding_dim * buffer
+        slstm = 4 * cfg.n_embd * cell + kernel * cfg.n_embd * buffer
         return sum(mlstm if t == "m" else slstm for t in cfg.block_types)
 
     def reorder_cache(self, state: Any, index: Tensor) -> Any:

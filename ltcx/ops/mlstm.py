@@ -62,12 +62,12 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def mlstm_init_state(
-    batch_size: int, num_heads: int, head_dim: int, device=None, dtype: torch.dtype = torch.float32
+    batch_size: int, n_head: int, head_dim: int, device=None, dtype: torch.dtype = torch.float32
 ) -> MLSTMState:
     """The empty state: C = 0 ``[B, H, D, D]``, n = 0 ``[B, H, D]``, m = -inf ``[B, H]``."""
-    C = torch.zeros(batch_size, num_heads, head_dim, head_dim, device=device, dtype=dtype)
-    n = torch.zeros(batch_size, num_heads, head_dim, device=device, dtype=dtype)
-    m = torch.full((batch_size, num_heads), float("-inf"), device=device, dtype=dtype)
+    C = torch.zeros(batch_size, n_head, head_dim, head_dim, device=device, dtype=dtype)
+    n = torch.zeros(batch_size, n_head, head_dim, device=device, dtype=dtype)
+    m = torch.full((batch_size, n_head), float("-inf"), device=device, dtype=dtype)
     return C, n, m
 
 

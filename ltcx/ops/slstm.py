@@ -30,10 +30,10 @@ SLSTMState = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
 def slstm_init_state(
-    batch_size: int, num_heads: int, head_dim: int, device=None, dtype: torch.dtype = torch.float32
+    batch_size: int, n_head: int, head_dim: int, device=None, dtype: torch.dtype = torch.float32
 ) -> SLSTMState:
     """The empty state: c = n = h = 0 and m = -inf, each ``[B, H, Dh]``."""
-    shape = (batch_size, num_heads, head_dim)
+    shape = (batch_size, n_head, head_dim)
     zeros = torch.zeros(shape, device=device, dtype=dtype)
     return zeros, zeros.clone(), zeros.clone(), torch.full(shape, float("-inf"), device=device, dtype=dtype)
 

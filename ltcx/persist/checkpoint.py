@@ -21,7 +21,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ltcx.errors import LtcxError, missing_checkpoint
 from ltcx.persist.digest import check_digest, with_digest
-from ltcx.persist.file_fits import check_backbone_fits, check_counts
+from ltcx.persist.file_fits import check_backbone_fits, check_counts, current_names
 from ltcx.persist.files import atomic_save
 
 __all__ = ["read_checkpoint", "check_checkpoint_sizes", "non_finite_weights", "SafeCheckpointIO"]
@@ -54,9 +54,13 @@ def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
         ) from None
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("ltcx"), dict):
         raise LtcxError(f"checkpoint '{name}' was not written by ltcx (no 'ltcx' entry); train with `ltcx fit`")
+    # A file written before a backbone field was renamed is read in this version's names; the digest covers the file
+    # as written.
+    meta = current_names(f"checkpoint '{name}'", checkpoint["ltcx"])
     # Before the digest, which reads every tensor's bytes: sizes are checked before anything is allocated.
-    check_checkpoint_sizes(name, checkpoint)
+    check_checkpoint_sizes(name, {**checkpoint, "ltcx": meta})
     check_digest(name, checkpoint)
+    checkpoint["ltcx"] = meta
     return checkpoint
 
 

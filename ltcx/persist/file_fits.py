@@ -19,8 +19,8 @@ import torch.nn as nn
 from ltcx.errors import ANOTHER_VERSION, LtcxError
 from ltcx.models.registry import class_path, resolve_backbone
 
-__all__ = ["weight_differences", "check_weights_fit", "check_backbone_fits", "memory_limit", "unknown_settings",
-           "check_same_backbone", "check_setting_types", "check_counts", "resumable_fields",
+__all__ = ["current_names", "weight_differences", "check_weights_fit", "check_backbone_fits", "memory_limit",
+           "unknown_settings", "check_same_backbone", "check_setting_types", "check_counts", "resumable_fields",
            "RESUMABLE_BACKBONE_FIELDS"]
 
 
@@ -58,6 +58,26 @@ def unknown_settings(stored: Mapping[str, Any], accepted: Any) -> list[str]:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return []
     return sorted(name for name in stored if name not in parameters and not name.startswith("_"))
+
+
+def current_names(source: str, meta: Mapping[str, Any]) -> dict[str, Any]:
+    """``meta`` (a checkpoint's ``ltcx`` entry, an export's config) with its ``backbone_config`` in this version's
+    field names: a field its backbone class renamed (``renamed_fields``: old name -> field) is read under its new
+    name, so that files written before the rename load, resume and export. A config holding a field under both
+    names is one ``LtcxError`` line; an unknown class is left to the build, which names it."""
+    config = meta.get("backbone_config")
+    try:
+        renamed = getattr(resolve_backbone(meta.get("backbone_class")), "renamed_fields", {})
+    except LtcxError:
+        return dict(meta)
+    if not isinstance(config, dict) or not renamed.keys() & config.keys():
+        return dict(meta)
+    both = [old for old in config if old in renamed and renamed[old] in config]
+    if both:
+        old, new = both[0], renamed[both[0]]
+        raise LtcxError(f"{source} has backbone_config {old} and {new}, the old and the new name of one setting: "
+                        f"keep only {new}")
+    return {**meta, "backbone_config": {renamed.get(key, key): value for key, value in config.items()}}
 
 
 def check_weights_fit(source: str, stored: Mapping[str, Any], expected: Mapping[str, Any]) -> None:

@@ -25,6 +25,7 @@ from ltcx.persist.file_fits import (
     check_counts,
     check_setting_types,
     check_weights_fit,
+    current_names,
     unknown_settings,
 )
 from ltcx.persist.runs import checkpoint_in_folder
@@ -119,6 +120,7 @@ def load_exported(folder: str | Path, *, model_class: type[M], map_location: str
         raise LtcxError(f"{source}: {EXPORT_CONFIG} could not be read ({error})") from None
     if not isinstance(config, dict) or config.get("format") != EXPORT_FORMAT:
         raise LtcxError(f"{source}: {EXPORT_CONFIG} was not written by `ltcx export` (format {EXPORT_FORMAT})")
+    config = current_names(source, config)  # written before a backbone field was renamed: this version's names
     check_counts(source, {f"{EXPORT_CONFIG}'s {key}": (config.get(key), least)
                           for key, least in (("global_step", 0), ("tokens_seen", 0), ("train_block_size", 1))})
     prefixes = (f"{EXPORT_CONFIG}'s hyper_parameters.", f"{EXPORT_CONFIG}'s backbone_config.")
