@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from facts import assert_mentions
 from helpers import unit_docs
 from ltcx.data import DataError, TextDataModule, in_holdout, in_test_holdout, pack_blocks
 from ltcx.errors import ConfigError, LtcxError
@@ -291,8 +292,9 @@ def test_resume_from_stream_positions_tokenizes_only_what_follows(tmp_path, num_
             assert len(encoded) <= 4, (n, len(encoded))
     dm = make_dm(path, **{**kw, "num_workers": num_workers + 2})
     dm.load_state_dict(saved[3])
-    with pytest.raises(ConfigError, match=r"resume with the same devices x num_nodes and data.num_workers"):
+    with pytest.raises(ConfigError) as info:
         dm.train_dataloader()
+    assert_mentions(str(info.value), "same devices x num_nodes", "data.num_workers")
 
 
 def test_state_dict_counts_consumed_batches(tmp_path):
@@ -320,9 +322,7 @@ def test_error_missing_path(tmp_path):
     for path in (tmp_path / "nope.txt", tmp_path / "*.jsonl", tmp_path):
         with pytest.raises(LtcxError) as info:
             make_dm(path)
-        assert one_line(info) == (
-            f"no data files match '{path}': pass --data.path a file, folder or glob of .txt/.jsonl/.parquet files"
-        )
+        assert_mentions(one_line(info), f"no data files match '{path}'", "--data.path", ".txt/.jsonl/.parquet")
 
 
 def test_error_empty_file_and_blank_text(tmp_path):
@@ -335,25 +335,22 @@ def test_error_empty_file_and_blank_text(tmp_path):
     write_jsonl(blank, ["", "   ", "\n"])
     with pytest.raises(LtcxError) as info:
         make_dm(blank)
-    assert "no text in the train split" in one_line(info)
-    assert "every document in column 'text' is empty" in str(info.value)
+    assert_mentions(one_line(info), "no text", "train split", "column 'text'", "empty")
 
 
 def test_error_unknown_column(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", ["some text"], column="content")
     with pytest.raises(LtcxError) as info:
         make_dm(path)
-    assert one_line(info) == (
-        f"column 'text' not found in the train split of data files '{path}' (columns: 'id', 'content'): "
-        "set --data.text_column"
-    )
+    assert_mentions(one_line(info), "column 'text' not found", "train split", f"data files '{path}'",
+                    "columns: 'id', 'content'", "--data.text_column")
     assert make_dm(path, text_column="content", val_batches=0)  # and the fix works
 
 
 def test_error_mixed_types(tmp_path):
     write_txt(tmp_path / "a.txt", ["x"])
     write_jsonl(tmp_path / "b.jsonl", ["y"])
-    with pytest.raises(LtcxError, match=r"data files of different types .* \(\.jsonl, \.txt\)"):
+    with pytest.raises(LtcxError, match=r"different types.*\(\.jsonl, \.txt\)"):
         make_dm(tmp_path)
 
 
@@ -396,22 +393,23 @@ def test_error_data_too_small_for_a_rank(tmp_path, num_workers):
 
     kind, msg = first_batch_error()
     assert kind is DataError and issubclass(kind, LtcxError)
-    assert msg == (
-        f"data set too small: rank 1 of 2{' (dataloader worker 0 of 2)' if num_workers else ''} got no block of "
-        f"{B + 1} tokens; use more data, a smaller block_size or fewer devices/workers"
-    )
+    assert_mentions(msg, "data set too small", "rank 1 of 2", f"block of {B + 1} tokens", "more data", "block_size",
+                    "fewer devices/workers", *(["dataloader worker 0 of 2"] if num_workers else []))
+    assert num_workers or "worker 0" not in msg
 
 
 def test_error_validation_too_small(tmp_path):
     dm = make_dm(write_txt(tmp_path / "a.txt", ["tiny"]), holdout_fraction=0.999999, test_fraction=0.0,
                  val_batches=1)
-    with pytest.raises(DataError, match=r"validation data too small: rank 0 of 1 got no block of 17 tokens"):
+    with pytest.raises(DataError, match="validation data too small") as info:
         list(dm.val_dataset())
+    assert_mentions(str(info.value), "rank 0 of 1", "block of 17 tokens")
 
 
 def test_error_bad_arguments():
-    with pytest.raises(ConfigError, match=r"data.block_size=0 must be >= 1: fix --data.block_size"):
+    with pytest.raises(ConfigError) as info:
         TextDataModule(block_size=0)
+    assert_mentions(str(info.value), "data.block_size=0", ">= 1", "--data.block_size")
     with pytest.raises(ConfigError, match="txt_sample_by"):
         TextDataModule(txt_sample_by="sentence")
 
@@ -504,8 +502,9 @@ def test_hub_code_path_splits(tmp_path, monkeypatch, hf_offline):
     assert held and [doc_of(b) for b in dm.val_dataset()] == held[:1]
     assert sorted(doc_of(b) for b in dm.train_dataset(infinite=False)) == sorted(
         d for d in unit_docs(40) if trains_on(d, 0.2))
-    with pytest.raises(ConfigError, match=r"no split 'training' \(splits: train, validation\): set --data.train_split"):
+    with pytest.raises(ConfigError) as info:
         make_dm(repo, train_split="training")
+    assert_mentions(str(info.value), "no split 'training'", "splits: train, validation", "--data.train_split")
 
 
 # ---------------------------------------------------------------- the built-in sample
