@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from facts import assert_mentions
 from helpers import (
     ROOT,
     fit_args,
@@ -101,15 +102,15 @@ def test_the_devices_check_on_gpus(devices, ok):
     if ok:
         check_devices(devices, on_cpu=False)
     else:
-        with pytest.raises(ConfigError, match=r"must be a number of GPUs \(such as 2\), -1 \(every GPU\), auto, or "
-                                              r"GPU indices \(0,1 or \[0, 1\]\): fix --trainer.devices"):
+        with pytest.raises(ConfigError) as error:
             check_devices(devices, on_cpu=False)
+        assert_mentions(str(error.value), "number of GPUs", "-1", "auto", "GPU indices", "--trainer.devices")
 
 
 def test_nan_learning_rate_from_yaml_is_refused(tmp_path, fit_env, capsys):
     """YAML's .nan is a float that reaches LanguageModel, whose check refuses it (NaN fails 0 < lr < inf)."""
     line = one_error_line(fit_args(fit_env, "--model.learning_rate", ".nan"), capsys)
-    assert line == "ltcx: error: model.learning_rate (nan) must be a positive number: fix --model.learning_rate"
+    assert_mentions(line, "model.learning_rate (nan)", "positive number", "--model.learning_rate")
 
 
 
@@ -160,8 +161,7 @@ def test_generate_flag_errors_print_nothing_else(capsys, checkpoint, flags, mess
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 def test_generate_device_cuda_without_cuda(capsys, checkpoint):
     line = one_error_line(["generate", "--ckpt_path", str(checkpoint), "--device", "cuda"], capsys)
-    assert line == ("ltcx: error: --device cuda: this machine has no usable CUDA device (torch sees none); "
-                    "use --device cpu")
+    assert_mentions(line, "--device cuda", "no usable CUDA device", "--device cpu")
 
 
 
@@ -172,18 +172,19 @@ def test_generate_reads_a_good_checkpoint(capsys, checkpoint):
     assert type(model.backbone) is GPT and meta["tokenizer"] == "bytes"
 
 
-@pytest.mark.parametrize("key,value,message", [
-    ("betas", (2.0, 3.0), "model.betas [2.0, 3.0], which must be two numbers in [0, 1), such as [0.9, 0.95]"),
-    ("eps", -1.0, "model.eps -1.0, which must be a positive number, such as 1e-8"),
+@pytest.mark.parametrize("key,value,facts", [
+    ("betas", (2.0, 3.0), ("model.betas [2.0, 3.0]", "two numbers in [0, 1)", "[0.9, 0.95]")),
+    ("eps", -1.0, ("model.eps -1.0", "positive number", "1e-8")),
 ])
-def test_generate_names_the_file_whose_settings_break_their_rule(tmp_path, capsys, checkpoint, key, value, message):
+def test_generate_names_the_file_whose_settings_break_their_rule(tmp_path, capsys, checkpoint, key, value, facts):
     """Not LanguageModel's line, which names a flag generate does not have (`fix --model.betas`)."""
     state = torch.load(checkpoint, weights_only=True)
     state["hyper_parameters"][key] = value
     path = tmp_path / "bad.ckpt"
     atomic_save(state, path)
     line = one_error_line(["generate", "--ckpt_path", str(path), "--prompt", "ab"], capsys)
-    assert line == f"ltcx: error: checkpoint '{path}' has {message}: fix it in the file or use another one"
+    assert_mentions(line, f"checkpoint '{path}'", *facts, "fix it in the file", "use another one")
+    assert "--model." not in line
 
 
 
@@ -199,7 +200,7 @@ def test_an_optimizer_section_in_a_yaml_is_refused(tmp_path, fit_env, capsys):
     config = tmp_path / "sgd.yaml"
     config.write_text("optimizer:\n  class_path: torch.optim.SGD\n  init_args:\n    lr: 0.1\n")
     line = one_error_line(fit_args(fit_env, "--config", str(config)), capsys)
-    assert "--optimizer and --lr_scheduler are not ltcx options" in line
+    assert_mentions(line, "--optimizer", "--lr_scheduler", "not ltcx options")
 
 
 
