@@ -176,7 +176,7 @@ def test_the_quick_recall_shapes_are_the_catalogues_rule_with_heads_of_32():
     (``scaled_init``) but for the xLSTM, whose own init scales with the width, and its 2 layers."""
     import dataclasses
 
-    from ltcx.study.runner import plan_shapes
+    from ltcx.study.plan import plan_shapes
     from ltcx.study.spec import find_spec, load_spec
 
     spec = load_spec(find_spec("quick-recall"))

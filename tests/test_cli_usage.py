@@ -319,11 +319,11 @@ def test_a_checkpoint_folder_means_its_latest_runs_last_ckpt(tmp_path, capsys):
 @pytest.mark.parametrize("cores,devices,threads", [(1, "1", 1), (4, "2", 2), (64, "1", None)])
 def test_threads_fit_the_usable_cores(tmp_path, monkeypatch, capsys, cores, devices, threads):
     """A CPU quota torch does not see (cores=1 of 2) or DDP processes sharing the cores cap torch's threads."""
-    import ltcx.cli.threads
+    import ltcx.runtime
 
     monkeypatch.setattr(sys, "argv", ["ltcx"])
     monkeypatch.setenv("OMP_NUM_THREADS", "")
-    monkeypatch.setattr(ltcx.cli.threads, "usable_cores", lambda: cores)
+    monkeypatch.setattr(ltcx.runtime, "usable_cores", lambda: cores)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 64 if cores == 4 else 2)
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)

@@ -26,8 +26,8 @@ import torch
 import yaml
 
 from helpers import ROOT, one_error_line
-from ltcx.cli.threads import usable_cores
 from ltcx.errors import ConfigError
+from ltcx.runtime import usable_cores
 from ltcx.study import launch
 from ltcx.study.spec import load_spec
 
@@ -248,9 +248,9 @@ def test_the_report_is_written_again_from_the_folder_alone(tiny, capsys):
 def test_a_run_forked_from_the_fork_server_holds_its_claim_and_equals_a_fresh_interpreters(tmp_path, monkeypatch):
     """Without a GPU a study's runs start as forks of the pre-imported fork server (ltcx/study/prestart.py). A tiny
     MQAR fit forked keeps its run's claim when the launcher lets go of its own descriptor, on the thread count of its
-    slot; the same fit in a fresh interpreter (``runner._child`` with the server off) ends with the same checkpoint to
-    the bit: weights, optimizer state and step."""
-    from ltcx.study import prestart, runner
+    slot; the same fit in a fresh interpreter (``processes.run_child`` with the server off) ends with the same
+    checkpoint to the bit: weights, optimizer state and step."""
+    from ltcx.study import prestart, processes
 
     assert prestart.available()  # no GPU on this machine
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
@@ -286,7 +286,7 @@ def test_a_run_forked_from_the_fork_server_holds_its_claim_and_equals_a_fresh_in
     fresh.mkdir()
     monkeypatch.setenv("LTCX_STUDY_FORKSERVER", "0")
     assert not prestart.available()
-    assert runner._child(args(fresh), fresh / "run.log", "fresh", env=env) == 0, (fresh / "run.log").read_text()
+    assert processes.run_child(args(fresh), fresh / "run.log", "fresh", env=env) == 0, (fresh / "run.log").read_text()
     saved = [torch.load(next(root.rglob("last.ckpt")), map_location="cpu", weights_only=False)
              for root in (forked, fresh)]
     assert saved[0]["global_step"] == saved[1]["global_step"] == 4
@@ -358,7 +358,7 @@ def test_cpu_runs_with_cpus_per_run_fill_the_cores_and_a_typed_kind_replaces_the
     from ltcx.cli import main
 
     monkeypatch.setattr(launch, "visible_gpus", lambda: [])
-    monkeypatch.setattr("ltcx.cli.threads.usable_cores", lambda: 3)
+    monkeypatch.setattr("ltcx.runtime.usable_cores", lambda: 3)
     spec = write_spec(tmp_path, launcher={"kind": "devices", "gpus_per_run": 0, "cpus_per_run": 1})
     out = str(tmp_path / "results")
     main(["study", "--spec", str(spec), "--out", out, "--dry_run"])

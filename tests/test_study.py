@@ -19,7 +19,7 @@ from helpers import ROOT, one_error_line
 from ltcx.errors import ConfigError
 from ltcx.study import ladder
 from ltcx.study.report import markdown, summarize, tables, write_report
-from ltcx.study.runner import select_learning_rates
+from ltcx.study.results import select_learning_rates
 from ltcx.study.spec import find_spec, load_spec, preset_names
 
 GOOD = dict(archs=["gpt", "xlstm"], configs=["data/mqar"], size_by="width", sizes=[16, 32], block_size=16,
@@ -56,7 +56,7 @@ def write_spec(folder: Path, **changes) -> Path:
     (dict(archs=["gpt", "mine.yaml"]), "key 'archs': no such model YAML 'mine.yaml'"),
 ])
 def test_a_bad_spec_is_one_line_naming_the_key(tmp_path, changes, message):
-    from ltcx.study.runner import plan_shapes
+    from ltcx.study.plan import plan_shapes
 
     path = write_spec(tmp_path, **changes)
     with pytest.raises(ConfigError) as error:
@@ -86,13 +86,14 @@ def test_every_preset_loads_and_is_found_by_name(tmp_path, monkeypatch):
     from ltcx.models.catalog import CATALOG
 
     assert sorted(quick.archs) == sorted(CATALOG) and len(quick.seeds) == 3 and len(quick.learning_rates) >= 3
-    from ltcx.study.runner import plan_shapes
+    from ltcx.study.plan import plan_shapes
 
     zoology = load_spec(find_spec("zoology"))  # Zoology's 2,176 runs: 17 of its 20 cells hold their pairs
     assert len(plan_shapes(zoology)) * len(zoology.learning_rates) == 2176
     reference = load_spec(find_spec("reference"))
     assert reference.archs == ["gpt", "ltc"] and reference.steps == 23404 and reference.batch_size == 24
-    from ltcx.study.runner import fit_args, make_run, plan_shapes
+    from ltcx.study.plan import make_run, plan_shapes
+    from ltcx.study.processes import fit_args
 
     run = make_run(reference, plan_shapes(reference)[1], 6e-4, 0)
     args = fit_args(reference, run, tmp_path)
@@ -114,7 +115,8 @@ def test_the_dry_run_prints_every_run_and_writes_nothing(tmp_path, capsys):
 def test_a_grid_plans_every_cell_the_data_accepts_each_with_its_own_rate_and_length(tmp_path):
     """MQAR's grid as recall studies use it: lengths x pairs, a cell whose pairs do not fit its length left out
     (block_size < 4 x pairs, the data module's own check); each cell's runs get its length and its pairs."""
-    from ltcx.study.runner import common_args, make_run, plan_shapes, run_steps
+    from ltcx.study.plan import make_run, plan_shapes, run_steps
+    from ltcx.study.processes import common_args
 
     spec = load_spec(write_spec(tmp_path, archs=["gpt"], sizes=[16], grid={"block_size": [16, 32],
                                                                             "num_kv_pairs": [2, 8]}))
@@ -139,7 +141,8 @@ def test_a_grid_plans_every_cell_the_data_accepts_each_with_its_own_rate_and_len
 def test_a_model_yaml_of_ones_own_is_an_architecture_named_by_its_stem(tmp_path):
     """A variant (compare a GPT with one key-value head against the catalogue's) is trained from its own YAML."""
     from ltcx.models.catalog import config_path
-    from ltcx.study.runner import common_args, make_run, plan_shapes
+    from ltcx.study.plan import make_run, plan_shapes
+    from ltcx.study.processes import common_args
 
     variant = tmp_path / "gpt_mqa.yaml"
     variant.write_text(f"config: {config_path('gpt')}\nmodel.backbone.init_args.n_kv_head: 1\n")
@@ -157,7 +160,7 @@ def test_a_model_yaml_of_ones_own_is_an_architecture_named_by_its_stem(tmp_path)
 
 
 def planted(arch, size, lr, seed, val, test, params=1000, flops=6000.0, tokens=100, cell=()):
-    from ltcx.study.runner import CELL_NAMES
+    from ltcx.study.plan import CELL_NAMES
 
     label = "-".join([f"size{size}", *(f"{CELL_NAMES.get(k, k)}{v}" for k, v in cell)])
     return {"arch": arch, "size": size, "size_label": label, "cell": dict(cell), "lr": lr, "seed": seed, "steps": 10,
@@ -165,6 +168,42 @@ def planted(arch, size, lr, seed, val, test, params=1000, flops=6000.0, tokens=1
             "val": {} if val is None else {"val/loss": val}, "test": {"test/loss": test},
             "curves": {"val/loss": [[50, val or 9.0], [100, val or 9.0]]}, "params": params,
             "flops_per_token": flops, "state_bytes": 64 * size}
+
+
+@pytest.fixture
+def toy_entry():
+    """A new catalogue entry (the GPT under another name): no list in the study is edited for it."""
+    import dataclasses
+
+    from ltcx.models.catalog import CATALOG, add_to_catalog, remove_from_catalog
+
+    entry = add_to_catalog(dataclasses.replace(CATALOG["gpt"], name="toy", variants={}))
+    yield entry
+    remove_from_catalog("toy")
+
+
+def test_a_new_catalogue_entry_reaches_every_list_of_architectures(toy_entry, tmp_path, monkeypatch):
+    from ltcx.study import budget
+    from ltcx.study import long_context as cpu_default
+    from ltcx.study.plan import make_run, plan_shapes
+    from ltcx.study.processes import fit_args
+
+    spec = load_spec(write_spec(tmp_path, archs=["gpt", "toy"], sizes=[16]))  # a study may name it
+    shapes = plan_shapes(spec)
+    assert [shape.arch for shape in shapes] == ["gpt", "toy"] and shapes[1].init_args == shapes[0].init_args
+    args = fit_args(spec, make_run(spec, shapes[1], 1e-3, 0), tmp_path)
+    assert args[args.index("--config") + 1] == str(ROOT / "configs/gpt.yaml")
+    with pytest.raises(ConfigError) as error:  # a name the catalogue lacks is answered with its names
+        load_spec(write_spec(tmp_path, archs=["gpt", "mamba"]))
+    assert "toy" in str(error.value)
+    assert ("toy", "toy", "tiny") in cpu_default.archs()  # the long-context default
+    assert {run.task for run in cpu_default.plan() if run.arch == "toy"} == set(cpu_default.TASK_DATA)
+    matched = []  # budget's table of every architecture
+    monkeypatch.setattr(budget, "match_shape", lambda name, *args, **kwargs: matched.append(name) or reference)
+    monkeypatch.setattr(budget, "matched_table", lambda rows: str(list(rows)))
+    reference = type("Match", (), {"figure": lambda self, kind: 1.0, "parameters": 1})()
+    budget.main(["1e5"])
+    assert "toy" in matched
 
 
 def test_the_rate_is_chosen_on_validation_and_the_results_are_tests():

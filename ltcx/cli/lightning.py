@@ -33,8 +33,6 @@ from ltcx.cli.one_line_errors import OneLineErrors
 from ltcx.cli.predict import write_predictions
 from ltcx.cli.resume import checkpoint_model_config, model_keys
 from ltcx.cli.run_folders import find_last_checkpoint, name_after_architecture, resolve_under_root
-from ltcx.cli.test_metrics import write_test_metrics
-from ltcx.cli.threads import set_cpu_threads
 from ltcx.data import RecallDataModule, TextDataModule  # noqa: F401 - the --data classes fit --help lists
 from ltcx.ddp import launcher_outlives_workers, peer_stopped_line, watch_workers
 from ltcx.errors import ConfigError, LtcxError
@@ -42,6 +40,7 @@ from ltcx.lm import LanguageModel
 from ltcx.persist.checkpoint import SafeCheckpointIO, read_checkpoint
 from ltcx.persist.file_fits import check_same_backbone, check_weights_fit
 from ltcx.persist.runs import checkpoint_in_folder
+from ltcx.runtime import set_cpu_threads, write_test_metrics
 
 DESCRIPTION = (
     "ltcx: train and evaluate language models (`ltcx generate --help` samples from a checkpoint, `ltcx export --help` "
@@ -98,8 +97,7 @@ class LtcxArgumentParser(OneLineErrors, LightningArgumentParser):
 
 def subcommands_built(subcommand: str | None) -> dict[str, set[str]]:
     """LightningCLI's subcommands whose parsers are built: its four, or only ``subcommand`` where the command line is
-    known to start with it (``cli_main``): each parser takes a quarter of the 0.2 CPU-s that building all four does,
-    and a run uses one."""
+    known to start with it (``cli_main``): a run uses one, and each costs start-up time."""
     every = LightningCLI.subcommands()
     return every if subcommand is None else {subcommand: every[subcommand]}
 

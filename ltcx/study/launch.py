@@ -75,7 +75,7 @@ def check_options(where: str, options: Any) -> dict[str, Any]:
 class Job:
     """One run to train; with ``test``, its ``ltcx test`` after (a final run)."""
 
-    run: Any  # runner.Run
+    run: Any  # plan.Run
     test: bool = False
 
 
@@ -258,7 +258,7 @@ def _duration(seconds: float) -> str:
 
 class Launcher:
     """Maps a phase's jobs to workers; ``map`` returns their results in order (None for a failed job, listed in
-    ``failed``). ``work(spec, job, out, say, env=, where=)`` does one job under its claim (``runner.execute_job``:
+    ``failed``). ``work(spec, job, out, say, env=, where=)`` does one job under its claim (``processes.execute_job``:
     its result, or ``CLAIMED``). This base class runs the jobs here one after another; subclasses say where."""
 
     kind = "local"
@@ -355,7 +355,7 @@ class Devices(Launcher):
     def __init__(self, spec, out: Path, say: Callable[[str], None], work: Callable[..., Any],
                  workers: int | None = None, gpus_per_run: int = 1, cpus_per_run: int | None = None) -> None:
         super().__init__(spec, out, say, work)
-        from ltcx.cli.threads import usable_cores
+        from ltcx.runtime import usable_cores
 
         cores, gpus = usable_cores(), visible_gpus()
         per_run = max(1, gpus_per_run)

@@ -21,16 +21,14 @@ from pathlib import Path
 from ltcx.errors import LtcxError
 from ltcx.study.report import write_json
 
-__all__ = ["LENGTH", "STEPS", "DefaultRun", "plan", "train_cpu_default"]
+__all__ = ["LENGTH", "STEPS", "DefaultRun", "archs", "plan", "train_cpu_default"]
 
 LENGTH = 32  # the training length L (evaluated at L, 2L, 4L, 8L)
 STEPS = 1000  # quick-recall's: a 2-layer GPT leaves MQAR's plateau after several hundred (docs/recall.md)
 BATCH_SIZE = 32
 LEARNING_RATE = 3e-3
-# (label, catalogue name, variant): every entry's tiny shape, and the GPT with rotary positions
-ARCHS = [("gpt", "gpt", "tiny"), ("gpt-rope", "gpt", "rope"), ("ltc", "ltc", "tiny"), ("gta", "gta", "tiny"),
-         ("xlstm", "xlstm", "tiny"), ("titans_mag", "titans_mag", "tiny"), ("titans_mac", "titans_mac", "tiny"),
-         ("titans_mal", "titans_mal", "tiny"), ("titans_lmm", "titans_lmm", "tiny")]
+# (label, catalogue name, variant) of the runs beside an entry's tiny shape: the GPT with rotary positions
+ALSO = {"gpt": [("gpt-rope", "gpt", "rope")]}
 # a needle and question short enough for L = 32 (RULER's wording needs L >= 63): 2 digits, 18 tokens of haystack
 TASK_DATA = {
     "needle": ("data/niah", {"num_digits": 2, "haystack": "sample", "needle": "key {passkey}. ", "question": " key?"}),
@@ -77,16 +75,25 @@ class DefaultRun:
                 "--trainer.default_root_dir", str(root)]
 
 
+def archs() -> list[tuple[str, str, str]]:
+    """(label, catalogue name, variant) of each model of the CPU default: every catalogue entry's tiny shape, in the
+    catalogue's order, each followed by its ``ALSO``."""
+    from ltcx.models.catalog import CATALOG
+
+    return [model for name in CATALOG for model in [(name, name, "tiny"), *ALSO.get(name, [])]]
+
+
 def plan() -> list[DefaultRun]:
     """Every run of the CPU default, architecture by architecture."""
-    return [DefaultRun(label, arch, variant, task) for label, arch, variant in ARCHS for task in TASK_DATA]
+    return [DefaultRun(label, arch, variant, task) for label, arch, variant in archs() for task in TASK_DATA]
 
 
 def train_cpu_default(out: Path, say: Callable[[str], None] = print) -> list[tuple[str, Path]]:
     """Train every run of ``plan()`` under ``out/runs/`` (a finished one is kept, a stopped one resumed): the
     ``(label, last checkpoint)`` of each (the label is the architecture's: its task is in its checkpoint). A failed
     run is one line naming its log."""
-    from ltcx.study.runner import _child, last_line, latest_checkpoint
+    from ltcx.study.processes import run_child
+    from ltcx.study.results import last_line, latest_checkpoint
 
     trained = []
     for run in plan():
@@ -101,7 +108,7 @@ def train_cpu_default(out: Path, say: Callable[[str], None] = print) -> list[tup
             args += ["--ckpt_path", str(checkpoint)]
         root.mkdir(parents=True, exist_ok=True)
         say(f"{run.name}: training {STEPS} steps at length {LENGTH} ({'resumed' if checkpoint else 'new'})")
-        code = _child(args, root / "run.log", run.name)
+        code = run_child(args, root / "run.log", run.name)
         final = latest_checkpoint(root)
         if code != 0 or final is None:
             raise LtcxError(f"{run.name} failed (exit {code}): {last_line(root / 'run.log')} (see {root / 'run.log'}; "

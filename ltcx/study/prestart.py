@@ -6,7 +6,8 @@ scipy.signal and transformers) and torch._dynamo before its first step; the quic
 The fork server imports all that once (and measures the CPU's matmul rate for MFU once: ``ltcx/study/preload.py``),
 and each run is a fork of it: a new process with nothing of any other run in it, which starts training in under a
 second. Each run is still its own process, with its own log, exit code, claim
-and signals, as a subprocess (``runner._child``); a test holds a forked run to a fresh one bit for bit.
+and signals, as a subprocess (``processes.run_child``); a test holds a forked run to a fresh one bit for bit. The
+command line is imported by name in the fork server (``ltcx/runtime.py``), never by the study.
 
 Used only where the machine shows no GPU: a fork must not inherit an initialised CUDA driver, and a GPU run is long
 enough that its start does not matter. ``LTCX_STUDY_FORKSERVER=0`` starts every run as a fresh interpreter.
@@ -20,12 +21,14 @@ import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import signal
-import sys
 from multiprocessing import reduction
+
+from ltcx import runtime
 
 __all__ = ["ForkedRun", "available", "start", "stop"]
 
-PRELOAD = ["ltcx.study.preload"]  # what a run imports before its first step, and the CPU's matmul rate
+# what a run imports before its first step, and the CPU's matmul rate
+PRELOAD = [*runtime.LIGHTNING_MODULES, "ltcx.study.preload"]
 _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(PRELOAD)
 
@@ -55,7 +58,7 @@ class _Inherited:
 def _run(args: list[str], log: str, env: dict[str, str], kept: list[int]) -> None:
     """In the forked child: the run's environment (all of it) and log, then ``ltcx args``; exits with its code
     (``kept``: the inherited descriptors, open until the process ends)."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})  # as runner._child blocks it for a subprocess
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})  # as processes.run_child blocks it for a subprocess
     os.environ.clear()
     os.environ.update(env)  # the launcher's environment now, as a subprocess gets it, not the server's at its start
     if env.get("OMP_NUM_THREADS"):
@@ -67,17 +70,14 @@ def _run(args: list[str], log: str, env: dict[str, str], kept: list[int]) -> Non
     os.dup2(stream, 1)
     os.dup2(stream, 2)
     os.close(stream)
-    sys.argv = ["ltcx", *args]  # as ``runner.ltcx_command`` runs it: the command line is sys.argv
-    from ltcx.cli import main
-
     try:
-        main()
+        runtime.run_ltcx(args)
     finally:  # what an interpreter runs at its exit (a DDP launcher rank waits for its workers there), which a
         atexit._run_exitfuncs()  # multiprocessing child, ending in os._exit, would skip
 
 
 class ForkedRun:
-    """A run forked from the fork server, what ``runner._child`` and ``launch.stop_children`` ask of a
+    """A run forked from the fork server, what ``processes.run_child`` and ``launch.stop_children`` ask of a
     ``subprocess.Popen``: its ``pid``, ``wait()`` for its exit code (-N: killed by signal N), and ``wait_exited()``
     (it is the fork server's child, not this process's, so ``os.waitid`` cannot wait for it)."""
 

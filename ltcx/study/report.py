@@ -3,7 +3,7 @@
 (one file: the tables and the figures embedded as base64, nothing fetched).
 
 What is chosen and what is reported are kept apart: the learning rate comes from the validation split of the
-tuning seed (``runner.select_learning_rates``); every number of the results table, the paired differences and the
+tuning seed (``results.select_learning_rates``); every number of the results table, the paired differences and the
 ladder come from the test split (``test/<metric>``) of the runs at that rate.
 """
 
@@ -41,7 +41,7 @@ def _interval(values: list[float]) -> dict | None:
 
 
 def summarize(spec: StudySpec, tuning: list[dict], final: list[dict], chosen: dict, timing: dict | None = None) -> dict:
-    """Every number of the study from its results (``runner.train``'s dicts; ``final`` with their ``test``) and the
+    """Every number of the study from its results (``processes.train``'s dicts; ``final`` with their ``test``) and the
     timing pass's record (``ltcx/study/timing.py``; its rows are keyed ``"<arch> <size label>"``)."""
     metric = spec.metric
     test_key, val_key = f"test/{metric}", f"val/{metric}"

@@ -95,9 +95,9 @@ class StudySpec:
         return METRICS[self.metric]
 
     def defining(self) -> dict[str, Any]:
-        """What decides the runs' results: a results folder holds one study (``runner`` compares this on resume).
-        The timing pass and the anchor are read from the finished runs, so changing them redoes no run; the launcher
-        says where runs train, not what they are."""
+        """What decides the runs' results: a results folder holds one study (``results.check_folder`` compares this
+        on resume). The timing pass and the anchor are read from the finished runs, so changing them redoes no run;
+        the launcher says where runs train, not what they are."""
         return {k: v for k, v in dataclasses.asdict(self).items()
                 if k not in ("name", "description", "source", "timing_rounds", "anchor", "launcher")}
 

@@ -76,9 +76,9 @@ def timing_pass(out: Path, checkpoints: dict[str, tuple[Path, int]], batch_size:
     ``out/timing.json``, or reuse that record when it timed the same files at the same settings (and not ``retime``).
     Models of different block sizes are timed in separate interleaved groups (a ratio is read within a group). An
     interrupted pass leaves no record and is redone whole: its ratios must come from one process."""
-    from ltcx.cli.threads import usable_cores
     from ltcx.lm import LanguageModel
     from ltcx.persist import load_language_model
+    from ltcx.runtime import usable_cores
     from ltcx.study.report import write_json
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
