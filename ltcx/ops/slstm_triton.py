@@ -113,9 +113,9 @@ def _scan_forward_kernel(
         h = tl.load(h0 + state_offs, mask=mask, other=0.0)
         m = tl.load(m0 + state_offs, mask=mask, other=0.0)
     else:  # the empty state; m = -inf only where a unit is real (padded lanes stay finite)
-        c = tl.zeros((BLOCK_B, BLOCK_D), dtype=hs.dtype.element_ty)
+        c = tl.full((BLOCK_B, BLOCK_D), 0.0, hs.dtype.element_ty)
         n = tl.where(mask, 0.0, 1.0).to(hs.dtype.element_ty)
-        h = tl.zeros((BLOCK_B, BLOCK_D), dtype=hs.dtype.element_ty)
+        h = tl.full((BLOCK_B, BLOCK_D), 0.0, hs.dtype.element_ty)
         m = tl.where(mask, float("-inf"), 0.0).to(hs.dtype.element_ty)
 
     buf_offs = rb[:, None] * Dh + rd[None, :]  # within one step of a [H, T + 1, B, Dh] buffer
@@ -187,9 +187,9 @@ def _scan_backward_kernel(
 
     state_offs = rb[:, None] * (H * Dh) + head * Dh + rd[None, :]
     # the gradients of c and n carried back from the step after, and of h through the next step's product
-    g_cn_c = tl.zeros((BLOCK_B, BLOCK_D), dtype=dt)
-    g_cn_n = tl.zeros((BLOCK_B, BLOCK_D), dtype=dt)
-    g_h_next = tl.zeros((BLOCK_B, BLOCK_D), dtype=dt)
+    g_cn_c = tl.full((BLOCK_B, BLOCK_D), 0.0, dt)
+    g_cn_n = tl.full((BLOCK_B, BLOCK_D), 0.0, dt)
+    g_h_next = tl.full((BLOCK_B, BLOCK_D), 0.0, dt)
     if HAS_G_C:
         g_cn_c = tl.load(g_c + state_offs, mask=mask, other=0.0)
     if HAS_G_N:
