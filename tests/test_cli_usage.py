@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from facts import assert_mentions
 from helpers import ROOT, TINY_MODEL, fit_args, lean_fit_args, one_error_line, write_checkpoint, write_corpus
 from ltcx.cli import LtcxCLI, main
 from ltcx.data import TextDataModule
@@ -52,7 +53,7 @@ def test_bf16_without_cuda_falls_back(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["ltcx"])
     cli = parsed(["--data.path", str(write_corpus(tmp_path / "corpus", 5, 2))])
     assert cli.config.trainer.precision == "32-true"
-    assert "ltcx: no CUDA device, so trainer.precision bf16-mixed -> 32-true" in capsys.readouterr().err
+    assert_mentions(capsys.readouterr().err, "no CUDA device", "trainer.precision bf16-mixed -> 32-true")
 
 
 # -- 5: extending a finished run keeps the checkpoint's learning-rate schedule ----------------------------------
@@ -149,9 +150,8 @@ def test_generate_labels_each_sample_with_its_prompt_and_says_when_it_stopped_at
     assert labels == ['--- sample 1 of 2, prompt "The cat"', '--- sample 2 of 2, prompt "The cat"',
                       f"--- sample 1 of 2, prompt {long}", f"--- sample 2 of 2, prompt {long}"]
     notices = [line for line in captured.err.splitlines() if "end-of-text" in line]
-    assert notices[0] == ('ltcx: sample 1 of 2, prompt "The cat": stopped at end-of-text after 2 new tokens '
-                          "(--max_new_tokens 10); pass --no_stop_at_eot to continue past it")
-    assert len(notices) == 4 and all("stopped at end-of-text after 2 new tokens" in line for line in notices)
+    assert_mentions(notices[0], 'sample 1 of 2, prompt "The cat"', "--max_new_tokens 10", "--no_stop_at_eot")
+    assert len(notices) == 4 and all("after 2 new tokens" in line for line in notices)
     main(["generate", "--ckpt_path", str(checkpoint), "--prompt", "ab", "--prompt", "cd", "--max_new_tokens", "5",
           "--no_stop_at_eot"])
     captured = capsys.readouterr()
@@ -199,7 +199,9 @@ def test_export_is_weights_only_and_reloads_in_one_call(tmp_path, capsys):
     path = write_checkpoint(tmp_path / "model.ckpt")
     out = tmp_path / "shared/gpt-bytes"
     main(["export", "--ckpt_path", str(path), "--out", str(out)])
-    assert capsys.readouterr().out == f"ltcx: exported to {out}/ (config.json, model.safetensors)\n"
+    printed = capsys.readouterr().out
+    assert printed.count("\n") == 1
+    assert_mentions(printed, f"exported to {out}/", "config.json", "model.safetensors")
     assert sorted(p.name for p in out.parent.iterdir()) == ["gpt-bytes"]  # no temp folder left
     config = json.loads((out / "config.json").read_text())
     assert config["backbone_class"] == "ltcx.models.gpt.GPT" and config["tokenizer"] == "bytes"
@@ -217,11 +219,11 @@ def test_export_is_weights_only_and_reloads_in_one_call(tmp_path, capsys):
     assert generated[0] == generated[1] and generated[0].startswith("ab")
 
     line = one_error_line(["export", "--ckpt_path", str(path), "--out", str(out)], capsys)
-    assert line == f"ltcx: error: '{out}' already exists and is not an empty folder: pass --out a new folder"
+    assert_mentions(line, f"'{out}' already exists", "--out a new folder")
     config["backbone_class"] = "os.system"
     (out / "config.json").write_text(json.dumps(config))
     line = one_error_line(["generate", "--ckpt_path", str(out), "--prompt", "a"], capsys)
-    assert "backbone class 'os.system' is not a registered ltcx backbone" in line
+    assert_mentions(line, "backbone class 'os.system'", "not a registered ltcx backbone")
 
 
 def test_samples_reach_every_logger_that_holds_text_else_a_file(tmp_path):
@@ -280,8 +282,7 @@ def test_missing_local_path_is_the_local_files_error(tmp_path, fit_env, capsys, 
     at = args.index("--data.path")
     del args[at:at + 2]
     line = one_error_line([*args, *extra], capsys)
-    assert line == (f"ltcx: error: no data files match '{shown}': pass --data.path a file, folder or glob of "
-                    ".txt/.jsonl/.parquet files")
+    assert_mentions(line, f"no data files match '{shown}'", "--data.path", ".txt/.jsonl/.parquet")
     assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
 
 
@@ -299,7 +300,7 @@ def test_num_threads_sets_torch_threads_and_omp_for_ddp_processes(tmp_path, monk
         torch.set_num_threads(before)
     monkeypatch.chdir(tmp_path)
     line = one_error_line(["fit", "--config", str(ROOT / "configs/gpt.yaml"), "--num_threads", "0"], capsys)
-    assert line == "ltcx: error: num_threads (0) must be >= 1 (null: one per core): fix --num_threads"
+    assert_mentions(line, "num_threads (0)", ">= 1", "null: one per core", "--num_threads")
 
 
 def test_a_checkpoint_folder_means_its_latest_runs_last_ckpt(tmp_path, capsys):
@@ -312,18 +313,18 @@ def test_a_checkpoint_folder_means_its_latest_runs_last_ckpt(tmp_path, capsys):
     assert load_language_model(folder, model_class=LanguageModel)[1]["tokenizer"] == "gpt2"
     write_checkpoint(folder / "version_10/last-v1.ckpt")
     line = one_error_line(["generate", "--ckpt_path", str(folder)], capsys)
-    assert line == (f"ltcx: error: '{folder}' is a folder with several runs' last checkpoints ({folder}/version_10/"
-                    f"last-v1.ckpt, {folder}/version_10/last.ckpt): pass --ckpt_path the .ckpt file")
+    assert_mentions(line, f"'{folder}'", "several runs' last checkpoints", f"{folder}/version_10/last-v1.ckpt",
+                    f"{folder}/version_10/last.ckpt", "--ckpt_path the .ckpt file")
 
 
 @pytest.mark.parametrize("cores,devices,threads", [(1, "1", 1), (4, "2", 2), (64, "1", None)])
 def test_threads_fit_the_usable_cores(tmp_path, monkeypatch, capsys, cores, devices, threads):
     """A CPU quota torch does not see (cores=1 of 2) or DDP processes sharing the cores cap torch's threads."""
-    import ltcx.runtime
+    import ltcx.cli.threads
 
     monkeypatch.setattr(sys, "argv", ["ltcx"])
     monkeypatch.setenv("OMP_NUM_THREADS", "")
-    monkeypatch.setattr(ltcx.runtime, "usable_cores", lambda: cores)
+    monkeypatch.setattr(ltcx.cli.threads, "usable_cores", lambda: cores)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 64 if cores == 4 else 2)
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
@@ -394,10 +395,9 @@ def test_every_argparse_command_names_the_program_it_was_started_as(argv0, name,
 
 def test_an_argparse_command_names_the_flag_a_typo_meant(capsys):
     line = one_error_line(["generate", "--ckpt_path", "x", "--promt", "Once"], capsys)
-    assert line == ("ltcx: error: unrecognized arguments: --promt Once (did you mean --prompt?); "
-                    "see `ltcx generate --help`"), line
+    assert_mentions(line, "unrecognized arguments: --promt", "--prompt?", "`ltcx generate --help`")
 
 
 def test_a_check_across_flags_is_the_parsers_own_error_line(capsys):
     line = one_error_line(["study", "--spec", "quick-recall", "--dry_run", "--report_only"], capsys)
-    assert line == "ltcx: error: --dry_run and --report_only exclude each other: give one; see `ltcx study --help`"
+    assert_mentions(line, "--dry_run and --report_only", "exclude each other", "`ltcx study --help`")
