@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from facts import assert_mentions
 from helpers import ROOT, one_error_line, write_checkpoint
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -210,8 +211,7 @@ def test_lm_eval_unknown_task_is_one_line(tmp_path, capsys, no_default_tasks):
     line = one_error_line(["lm-eval", "--ckpt_path", str(write_checkpoint(tmp_path / "gpt.ckpt")),
                            "--tasks", "ltcx_tiny_choice,hellaswag_typo", "--include_path",
                            str(write_tasks(tmp_path / "tasks"))], capsys)
-    assert line == ("ltcx: error: lm_eval knows no task 'hellaswag_typo': check the name (`lm_eval ls tasks` lists "
-                    "them) or pass --include_path a folder holding its YAML file")
+    assert_mentions(line, "no task 'hellaswag_typo'", "`lm_eval ls tasks`", "--include_path")
 
 
 def test_lm_eval_missing_task_data_file_is_named(tmp_path, capsys, no_default_tasks):
@@ -220,8 +220,8 @@ def test_lm_eval_missing_task_data_file_is_named(tmp_path, capsys, no_default_ta
     (tasks / "choice.jsonl").unlink()
     line = one_error_line(["lm-eval", "--ckpt_path", str(write_checkpoint(tmp_path / "gpt.ckpt")),
                            "--tasks", "ltcx_tiny_choice", "--include_path", str(tasks)], capsys)
-    assert line == (f"ltcx: error: lm_eval task 'ltcx_tiny_choice' reads data file '{tasks / 'choice.jsonl'}', which "
-                    "does not exist: fix data_files (dataset_kwargs) in its YAML file, or write the file")
+    assert_mentions(line, "task 'ltcx_tiny_choice'", f"data file '{tasks / 'choice.jsonl'}'", "does not exist",
+                    "data_files (dataset_kwargs)", "write the file")
 
 
 def test_lm_eval_unreadable_task_data_is_one_line(tmp_path, capsys, no_default_tasks):
@@ -246,9 +246,7 @@ def test_lm_eval_malformed_task_yaml_names_the_file_and_line(tmp_path, capsys, n
         str(tasks / "choice.yaml")]
     line = one_error_line(["lm-eval", "--ckpt_path", str(write_checkpoint(tmp_path / "gpt.ckpt")), "--tasks", *named],
                           capsys)
-    assert line == (f"ltcx: error: task YAML file '{tasks / 'choice.yaml'}' is malformed (line 3, column 6: mapping "
-                    "values are not allowed in this context): fix it (lm_eval skips a file it can not read, and its "
-                    "task is unknown)")
+    assert_mentions(line, f"task YAML file '{tasks / 'choice.yaml'}'", "malformed", "line 3, column 6", "fix it")
 
 
 def test_lm_eval_unknown_task_beside_a_malformed_yaml_is_unknown_and_says_what_was_skipped(tmp_path, capsys,
@@ -257,9 +255,8 @@ def test_lm_eval_unknown_task_beside_a_malformed_yaml_is_unknown_and_says_what_w
     (tasks / "other.yaml").write_text(BROKEN_YAML.replace("ltcx_tiny_choice", "ltcx_other"))
     line = one_error_line(["lm-eval", "--ckpt_path", str(write_checkpoint(tmp_path / "gpt.ckpt")),
                            "--tasks", "ltcx_typo", "--include_path", str(tasks)], capsys)
-    assert line == ("ltcx: error: lm_eval knows no task 'ltcx_typo': check the name (`lm_eval ls tasks` lists them) "
-                    "or pass --include_path a folder holding its YAML file (lm_eval skipped the malformed task YAML "
-                    f"file '{tasks / 'other.yaml'}': line 3, column 6: mapping values are not allowed in this context)")
+    assert_mentions(line, "no task 'ltcx_typo'", "`lm_eval ls tasks`", "--include_path",
+                    f"malformed task YAML file '{tasks / 'other.yaml'}'", "line 3, column 6")
 
 
 @pytest.fixture
@@ -310,9 +307,8 @@ def hub_task(folder: Path) -> Path:
 def test_lm_eval_hub_task_offline_fails_at_once(tmp_path, capsys, no_default_tasks, no_backoff):
     line = one_error_line(["lm-eval", "--ckpt_path", str(write_checkpoint(tmp_path / "gpt.ckpt")),
                            "--tasks", "ltcx_hub_choice", "--include_path", str(hub_task(tmp_path / "tasks"))], capsys)
-    assert line == ("ltcx: error: cannot load lm_eval task(s) ltcx_hub_choice (not in datasets' cache and offline "
-                    "mode is set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)): run where the Hugging Face hub is "
-                    "reachable once (datasets caches the data) or use a local task (--include_path)")
+    assert_mentions(line, "cannot load lm_eval task(s) ltcx_hub_choice", "offline", "HF_HUB_OFFLINE",
+                    "Hugging Face hub is reachable", "--include_path")
 
 
 def test_lm_eval_unreachable_hub_is_found_by_one_short_probe(tmp_path, capsys, monkeypatch, no_default_tasks,
@@ -339,8 +335,7 @@ def test_lm_eval_unreachable_hub_is_found_by_one_short_probe(tmp_path, capsys, m
 def test_lm_eval_without_the_package_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` raises ImportError
     line = one_error_line(["lm-eval", "--ckpt_path", "x", "--tasks", "hellaswag"], capsys)
-    assert line == ("ltcx: error: ltcx lm-eval needs the lm_eval package: pip install lm_eval==0.4.13 "
-                    "(or pip install -e .[eval])")
+    assert_mentions(line, "needs the lm_eval package", "pip install lm_eval==0.4.13", "pip install -e .[eval]")
 
 
 def test_other_commands_do_not_import_lm_eval():
