@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from facts import assert_mentions
 from helpers import ROOT, lean_fit_args, one_error_line, write_corpus
 from ltcx.cli import main
 from ltcx.errors import LtcxError
@@ -22,8 +23,7 @@ from ltcx.persist import DIGEST_KEY, atomic_save, export_model
 
 ABSURD = [("n_layer", 100000), ("n_embd", 10**7), ("vocab_size", 10**9), ("vocab_size", 10**18)]
 BYTES = ["--data.tokenizer", "bytes"]  # the small checkpoint's tokenizer
-OTHER_CONFIG = ("it was saved by another version of ltcx or another config: load it with the version that wrote it, "
-                "or start a new run")
+OTHER_CONFIG = ("another version of ltcx or another config", "the version that wrote it", "start a new run")
 
 
 class Built(BaseException):
@@ -100,9 +100,9 @@ def absurd_file(files, tmp_path: Path, kind: str, setting: str, value: int) -> t
 
 
 def assert_too_large(line: str, source: str) -> None:
-    assert line.startswith(f"{source} does not fit the model: its backbone_config builds more weights than the "
-                           "file holds ("), line
-    assert line.endswith(f" values); {OTHER_CONFIG}"), line
+    assert line.startswith(source), line
+    assert_mentions(line, "does not fit", "backbone_config builds more weights than the file holds", " values",
+                    *OTHER_CONFIG)
 
 
 @pytest.mark.parametrize("setting,value", ABSURD)
@@ -153,8 +153,8 @@ def test_weights_of_the_file_named_by_the_check_before_building(tmp_path, files,
     path = edited_checkpoint(files[0], tmp_path / "two.ckpt",
                              lambda c: c["ltcx"]["backbone_config"].update(n_layer=2))
     line = one_error_line(["generate", "--ckpt_path", str(path)], capsys)
-    assert line == (f"ltcx: error: checkpoint '{path}' does not fit the model: backbone.blocks.1.ln_1.weight [32] is "
-                    f"not in the file (and 6 more); {OTHER_CONFIG}")
+    assert_mentions(line, f"checkpoint '{path}'", "does not fit", "backbone.blocks.1.ln_1.weight [32]",
+                    "not in the file", "and 6 more", *OTHER_CONFIG)
     assert nothing_built == []
 
 
@@ -176,9 +176,8 @@ def test_a_model_larger_than_memory_is_refused_before_building(tmp_path, files, 
     monkeypatch.setattr("ltcx.persist.file_fits.memory_limit", lambda: 64 * 2**30)
     line = one_error_line(["generate", "--ckpt_path", str(path)], capsys)
     count = sum(math.prod(s) for k, s in shapes.items() if k != "backbone.lm_head.weight")  # tied to the embedding
-    assert line == (f"ltcx: error: checkpoint '{path}' holds a model of {count:,} parameters, "
-                    f"{count * 4 / 2**30:,.1f} GiB in float32, more than the 64.0 GiB of memory here: load it on a "
-                    "machine with more memory")
+    assert_mentions(line, f"checkpoint '{path}'", f"{count:,} parameters", f"{count * 4 / 2**30:,.1f} GiB in float32",
+                    "64.0 GiB of memory here", "a machine with more memory")
     assert nothing_built == []
 
 
@@ -228,8 +227,8 @@ def test_an_export_count_that_is_no_count_is_named(tmp_path, files, capsys, key,
 def test_an_export_digest_that_is_no_digest_is_named(tmp_path, files, capsys):
     out = edited_export(files[1], tmp_path / "exported", lambda c: c.update(weights_sha256=5))
     line = one_error_line(["generate", "--ckpt_path", str(out)], capsys)
-    assert line == (f"ltcx: error: exported model '{out}' has config.json's weights_sha256 5, which is not a SHA-256 "
-                    "(64 hex digits): export it again from its checkpoint")
+    assert_mentions(line, f"exported model '{out}'", "config.json's weights_sha256 5", "SHA-256 (64 hex digits)",
+                    "export it again from its checkpoint")
 
 
 CHECKPOINT_COUNTS = [
@@ -253,7 +252,6 @@ def test_a_checkpoint_count_that_is_no_count_is_named(tmp_path, fit_env, files, 
                      "--out", str(tmp_path / "evaluation")],
         "fit": resume_args(tmp_path, files[2], "--trainer.max_steps", "5", "--ckpt_path", str(path)),
     }[entry]
-    assert one_error_line(args, capsys) == (
-        f"ltcx: error: checkpoint '{path}' has {key} {value!r}, which is not an integer >= {least}: fix it in the "
-        "file or use another one")
+    assert_mentions(one_error_line(args, capsys), f"checkpoint '{path}'", f"{key} {value!r}", f"integer >= {least}",
+                    "fix it in the file", "use another one")
     assert {p for p in tmp_path.rglob("*") if p.name != "lean.yaml"} == before
