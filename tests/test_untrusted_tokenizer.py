@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from facts import assert_mentions
 from helpers import GPT_CONFIG, ROOT, one_error_line, write_checkpoint
 from ltcx.cli import main
 from ltcx.errors import LtcxError
@@ -71,12 +72,11 @@ def test_custom_tokenizer_code_never_runs_nor_asks(tmp_path, where):
     errors = [line for line in result.stderr.splitlines() if line.startswith("ltcx: error: ")]
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
     if where == "--tokenizer":
-        assert errors[0] == (f"ltcx: error: tokenizer '{folder}' needs its own Python code (auto_map in its "
-                             "tokenizer_config.json), which ltcx never runs: use 'gpt2', 'bytes', or a Hugging Face "
-                             "tokenizer that loads without custom code")
+        assert_mentions(errors[0], f"tokenizer '{folder}'", "its own Python code", "auto_map", "never runs",
+                        "'gpt2', 'bytes'", "without custom code")
     else:
-        assert f"names tokenizer '{folder}', which is a path on this machine: " in errors[0]
-        assert errors[0].endswith("if you trust it, pass --tokenizer FOLDER yourself")
+        assert_mentions(errors[0], f"names tokenizer '{folder}'", "a path on this machine",
+                        "pass --tokenizer FOLDER yourself")
     assert not marker.exists()
 
 
@@ -111,13 +111,11 @@ def test_export_never_records_a_tokenizer_folder(tmp_path, capsys):
     folder = str(custom_code_tokenizer(tmp_path / "tok", tmp_path / "pwned"))
     checkpoint = write_checkpoint(tmp_path / "local-tokenizer.ckpt", tokenizer=folder)
     line = one_error_line(["export", "--ckpt_path", str(checkpoint), "--out", str(tmp_path / "out")], capsys)
-    assert line == (f"ltcx: error: checkpoint '{checkpoint}' names tokenizer '{folder}', which is a path on this "
-                    "machine: an export names only gpt2, bytes or a Hugging Face hub id: pass --tokenizer with the "
-                    "tokenizer's hub id")
+    assert_mentions(line, f"checkpoint '{checkpoint}'", f"tokenizer '{folder}'", "a path on this machine",
+                    "gpt2, bytes or a Hugging Face hub id", "--tokenizer with the tokenizer's hub id")
     line = one_error_line(["export", "--ckpt_path", str(checkpoint), "--out", str(tmp_path / "out"),
                            "--tokenizer", folder], capsys)
-    assert line == (f"ltcx: error: --tokenizer '{folder}', which is a path on this machine: an export names only "
-                    "gpt2, bytes or a Hugging Face hub id")
+    assert_mentions(line, f"--tokenizer '{folder}'", "a path on this machine", "gpt2, bytes or a Hugging Face hub id")
     assert not (tmp_path / "out").exists()
     export_model(checkpoint, tmp_path / "out", tokenizer="some-org/my-tokenizer", model_class=LanguageModel)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["tokenizer"] == "some-org/my-tokenizer"
