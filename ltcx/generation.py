@@ -1,9 +1,12 @@
-"""Sampling for every backbone, driven by its state: prefill the prompt once, then one token a step."""
+"""Sampling for every backbone, driven by its state: prefill the prompt once, then one token a step. Tokens in,
+tokens out (``generate``), text in, text out (``generate_texts``), and either (``continue_prompt``, what
+``LanguageModel.generate`` runs)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -75,7 +78,7 @@ def check_generation_args(
         raise LtcxError(f"top_k ({top_k}) must be >= 1")
     if top_p is not None and not 0 < top_p <= 1:
         raise LtcxError(f"top_p ({top_p}) must be in (0, 1]")
-    context = getattr(backbone, "max_seq_len", None)
+    context = backbone.max_seq_len
     if context is not None and prompt_len + max_new_tokens > context:
         raise LtcxError(
             f"prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) is {prompt_len + max_new_tokens}"
@@ -161,3 +164,58 @@ def generate_texts(
                 ids = ids[: ids.index(tokenizer.eot_id, len(encoded[row]))]
             texts[row] = tokenizer.decode(ids)
     return texts  # type: ignore[return-value]
+
+
+def generation_tokenizer(tokenizer: Any, saved_name: Any, data_tokenizer: Any, model_vocab: int | None,
+                         required: bool) -> Any:
+    """The tokenizer to generate with: ``tokenizer`` (a ``Tokenizer`` or a name for ``get_tokenizer``); else the one
+    the model's file named (``saved_name``: only gpt2, bytes or a hub id, never a folder a file names); else the data
+    module's. Checked against the model's vocabulary; None when none is known and ``required`` is false."""
+    from ltcx.tokenizers import get_tokenizer, stored_tokenizer_name, vocab_fits
+
+    if tokenizer is None and saved_name is not None:
+        tokenizer = stored_tokenizer_name(
+            saved_name, "the file this model was loaded from names tokenizer",
+            "ltcx loads no tokenizer folder a file names; if you trust it, pass generate(..., tokenizer=FOLDER)",
+        )
+    if tokenizer is None:
+        tokenizer = data_tokenizer
+    if tokenizer is None:
+        if required:
+            raise LtcxError("generate() from text needs a tokenizer and this model knows none (it was not loaded "
+                            "from an ltcx checkpoint or export): pass tokenizer='gpt2' (the one it was trained with)")
+        return None
+    if isinstance(tokenizer, str):
+        tokenizer = get_tokenizer(tokenizer)
+    if model_vocab is not None and not vocab_fits(tokenizer.vocab_size, model_vocab):
+        raise LtcxError(f"tokenizer {tokenizer.name!r} ({tokenizer.vocab_size} ids) does not fit the model's "
+                        f"vocabulary of {model_vocab}: pass the tokenizer it was trained with")
+    return tokenizer
+
+
+def continue_prompt(backbone: nn.Module, prompt: str | list[str] | torch.Tensor, max_new_tokens: int,
+                    tokenizer: Any = None, saved_name: Any = None, data_tokenizer: Any = None,
+                    stop_at_eot: bool = True, **sampling) -> str | list[str] | torch.Tensor:
+    """``prompt`` continued by up to ``max_new_tokens`` tokens: a str -> a str, a list of str -> a list of str (each
+    cut before the end-of-text token), token ids [B, T0] -> ids [B, T0 + n] (rows that stopped earlier padded with
+    the end-of-text id). The tokenizer is ``generation_tokenizer``'s choice: text needs one; ids use it to stop at
+    end-of-text and to keep to the tokenizer's ids in a padded vocabulary."""
+    model_vocab = getattr(getattr(backbone, "config", None), "vocab_size", None)
+
+    def find_tokenizer(required: bool) -> Any:
+        return generation_tokenizer(tokenizer, saved_name, data_tokenizer, model_vocab, required)
+
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 2 or prompt.dtype != torch.long:
+            raise LtcxError(f"prompt ids must be a LongTensor [B, T], not {prompt.dtype} of shape "
+                            f"{list(prompt.shape)}: use ids[None] for one sequence")
+        found = find_tokenizer(False)
+        device = next(backbone.parameters()).device
+        return generate(backbone, prompt.to(device), max_new_tokens,
+                        stop_token=found.eot_id if found is not None and stop_at_eot else None,
+                        vocab_limit=found.vocab_size if found is not None else None, **sampling)
+    texts = [prompt] if isinstance(prompt, str) else list(prompt)
+    if not texts or not all(isinstance(text, str) for text in texts):
+        raise LtcxError("prompt must be a str, a non-empty list of str or a LongTensor of ids [B, T]")
+    completed = generate_texts(backbone, find_tokenizer(True), texts, max_new_tokens, stop_at_eot, **sampling)
+    return completed[0] if isinstance(prompt, str) else completed

@@ -10,11 +10,12 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from pathlib import Path
 
 from ltcx.errors import ConfigError
 
-__all__ = ["COMMAND_LINE", "LIGHTNING_MODULES", "TEST_METRICS", "ltcx_command", "run_ltcx", "set_cpu_threads",
-           "usable_cores", "write_test_metrics"]
+__all__ = ["COMMAND_LINE", "LIGHTNING_MODULES", "TEST_METRICS", "ltcx_command", "program_name", "run_ltcx",
+           "set_cpu_threads", "usable_cores", "write_test_metrics"]
 
 COMMAND_LINE = "ltcx.cli"  # the module whose main() is `ltcx`
 LIGHTNING_MODULES = ("ltcx.cli.lightning",)  # what a Lightning command (fit, test) imports before its first step
@@ -22,6 +23,15 @@ TEST_METRICS = "test_metrics.json"
 
 
 # ----------------------------------------------------------------------------- running ltcx
+
+
+def program_name() -> str:
+    """The program's name as the parsers print it: ``python -m ltcx`` (ltcx's own ``__main__.py``), ``run.py``, else
+    ``ltcx`` (the console script, and any other program that calls ``main``, a test runner's included)."""
+    started = Path(sys.argv[0] if sys.argv and sys.argv[0] else "ltcx")
+    if started.name == "__main__.py" and started.parent.name == "ltcx":
+        return "python -m ltcx"
+    return "run.py" if started.name == "run.py" else "ltcx"
 
 
 def ltcx_command() -> list[str]:

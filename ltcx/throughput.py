@@ -163,6 +163,8 @@ def loss_step(model: nn.Module, idx: torch.Tensor, optimizer: torch.optim.Optimi
     ``[B, T, V]`` logits and ``F.cross_entropy``, the path before the fused head), backward, the optimizer's step.
     ``autocast`` (entered around the forward and the loss at every step) is a context manager that can be re-entered,
     e.g. ``torch.autocast(...)`` or ``contextlib.nullcontext()``."""
+    from ltcx.metrics import cross_entropy
+
     if path not in ("fused", "full"):
         raise ValueError(f"path ({path!r}) must be 'fused' or 'full'")
 
@@ -171,7 +173,7 @@ def loss_step(model: nn.Module, idx: torch.Tensor, optimizer: torch.optim.Optimi
             if path == "fused":
                 loss = model.loss(idx)
             else:
-                loss = model._cross_entropy(model(idx[:, :-1])[0], idx[:, 1:])
+                loss = cross_entropy(model(idx[:, :-1])[0], idx[:, 1:])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -20,8 +20,7 @@ import torch
 import torch.nn as nn
 
 from ltcx.errors import ConfigError
-from ltcx.models.config import ConfiguredModule
-from ltcx.models.state import reorder_state
+from ltcx.models.base import Backbone
 
 
 @dataclass
@@ -51,11 +50,10 @@ class Mix(nn.Module):
         return x + torch.tanh(self.proj(torch.cat([x, sums / counts[:, None]], -1))), sums[:, -1]
 
 
-class Bigram(ConfiguredModule):
+class Bigram(Backbone):
     """A toy backbone. State: per block the running sum of its inputs [B, C], and the count of tokens seen."""
 
     config_class = BigramConfig
-    max_seq_len = None
 
     def __init__(self, **fields) -> None:
         super().__init__()
@@ -64,7 +62,7 @@ class Bigram(ConfiguredModule):
         self.blocks = nn.ModuleList(Mix(config.n_embd) for _ in range(config.n_layer))
         self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
 
-    def forward(self, idx, state=None):
+    def forward_hidden(self, idx, state=None, with_state=True):
         x = self.wte(idx)
         count = 0 if state is None else state[1]
         totals = [torch.zeros_like(x[:, 0])] * len(self.blocks) if state is None else state[0]
@@ -72,23 +70,15 @@ class Bigram(ConfiguredModule):
         for block, total in zip(self.blocks, totals):
             x, total = block(x, total, count)
             new_totals.append(total)
-        return self.head(x), (tuple(new_totals), count + idx.shape[1])
+        return x, (tuple(new_totals), count + idx.shape[1]) if with_state else None
 
-    def reorder_cache(self, state, index):
-        return reorder_state(state[0], index), state[1]
-
-    def parameter_count(self, exclude_position_embeddings: bool = True) -> int:
-        return sum(p.numel() for p in self.parameters())
+    def output_head(self):
+        return self.head
 
     def forward_flops_per_token(self, seq_len: int) -> float:
         return 2 * sum(p.numel() for name, p in self.named_parameters() if name.endswith("weight") and p.dim() == 2
                        and not name.startswith("wte"))
 
-    def flops_per_token(self, seq_len: int) -> float:
-        return 3 * self.forward_flops_per_token(seq_len)
-
-    def no_weight_decay_param_names(self) -> set[str]:
-        return set()
 '''
 
 TOY_YAML = """# A toy backbone (the recipe test's).

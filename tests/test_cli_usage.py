@@ -15,8 +15,9 @@ from facts import assert_mentions
 from helpers import ROOT, TINY_MODEL, fit_args, lean_fit_args, one_error_line, write_checkpoint, write_corpus
 from ltcx.cli import LtcxCLI, main
 from ltcx.data import TextDataModule
-from ltcx.lm import LanguageModel, lr_at_step
+from ltcx.lm import LanguageModel
 from ltcx.models.gpt import GPT
+from ltcx.optim import lr_at_step
 from ltcx.persist import load_language_model
 
 
@@ -320,11 +321,11 @@ def test_a_checkpoint_folder_means_its_latest_runs_last_ckpt(tmp_path, capsys):
 @pytest.mark.parametrize("cores,devices,threads", [(1, "1", 1), (4, "2", 2), (64, "1", None)])
 def test_threads_fit_the_usable_cores(tmp_path, monkeypatch, capsys, cores, devices, threads):
     """A CPU quota torch does not see (cores=1 of 2) or DDP processes sharing the cores cap torch's threads."""
-    import ltcx.cli.threads
+    import ltcx.runtime
 
     monkeypatch.setattr(sys, "argv", ["ltcx"])
     monkeypatch.setenv("OMP_NUM_THREADS", "")
-    monkeypatch.setattr(ltcx.cli.threads, "usable_cores", lambda: cores)
+    monkeypatch.setattr(ltcx.runtime, "usable_cores", lambda: cores)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 64 if cores == 4 else 2)
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
@@ -336,21 +337,6 @@ def test_threads_fit_the_usable_cores(tmp_path, monkeypatch, capsys, cores, devi
     assert (os.environ["OMP_NUM_THREADS"] == str(threads)) if threads else os.environ["OMP_NUM_THREADS"] == ""
     if threads:
         assert f"torch thread(s) each, not {64 if cores == 4 else 2}" in capsys.readouterr().err
-
-
-def test_thread_speed_script_runs(capsys):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("thread_speed", ROOT / "scripts/thread_speed.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    before = torch.get_num_threads()
-    try:
-        medians = module.main(["--threads", "1", "--repeats", "1", "--batch_size", "1", "--seq_len", "4"])
-    finally:
-        torch.set_num_threads(before)
-    assert list(medians) == [1] and medians[1] > 0
-    assert "1 thread(s): median step" in capsys.readouterr().out
 
 
 # -- a command builds its own parser only ----------------------------------------------------------------------

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from helpers import assert_generates, read_events, relative_error, run_in_pieces, write_corpus
 from ltcx.generation import generate
 from ltcx.lm import LanguageModel
+from ltcx.models.base import Backbone
 from ltcx.models.catalog import CATALOG, Architecture, add_to_catalog, config_path, remove_from_catalog
 from ltcx.models.state import map_state_tensors
 
@@ -176,10 +177,8 @@ def check_hidden_without_state(entry: Architecture, variant: str = "tiny") -> No
     """``forward_hidden(idx, state, with_state=False)`` (the losses', which discard the state) returns no state and
     the hidden states and gradients of ``forward_hidden(idx, state)``, bit for bit, in training mode: at lengths
     that end on and inside a chunk (Titans' memory, the xLSTM's mLSTM), from the start and continuing a state. A
-    backbone without ``forward_hidden`` (scored from its logits) has nothing to check."""
+    """
     model = tiny(entry, torch.float64, variant=variant).train()
-    if not callable(getattr(model, "forward_hidden", None)):
-        return
     idx = tokens(B, T + 16, seed=9)
     with torch.no_grad():
         _, state = model.forward_hidden(idx[:, :3])
@@ -289,17 +288,24 @@ def check_compiled_backbone(entry: Architecture, backend: str, monkeypatch, gene
     the compiled backbone and picks the eager tokens."""
     torch._dynamo.reset()
     real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", functools.partial(real_compile, backend=backend, dynamic=False))
+    graphs = []
+
+    def counting_backend(graph, example_inputs):
+        graphs.append(graph)
+        return torch._dynamo.lookup_backend(backend)(graph, example_inputs)
+
+    monkeypatch.setattr(torch, "compile", functools.partial(real_compile, backend=counting_backend, dynamic=False))
     torch.manual_seed(0)
     eager = LanguageModel(entry.build_tiny(VOCAB))
     compiled = LanguageModel(entry.build_tiny(VOCAB))
     compiled.load_state_dict(eager.state_dict())
     compiled.hparams.compile = True
     compiled.configure_model()  # what --model.compile true does
-    assert "_compiled_logits" in compiled.__dict__
+    assert list(compiled.state_dict()) == list(eager.state_dict())  # compiled in place: the same keys
     batch = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     for model in (eager, compiled):
         model.loss(batch).backward()
+    assert graphs, "the compiled model's loss ran no compiled graph"
     torch.testing.assert_close(compiled.loss(batch), eager.loss(batch), rtol=COMPILE_RTOL, atol=COMPILE_ATOL)
     eager_grads = dict(eager.named_parameters())
     for param_name, param in compiled.named_parameters():
@@ -453,7 +459,7 @@ def test_cli_fit_resume_and_generate(name, tmp_path, monkeypatch, capsys):
 # -- a new architecture gets the contract by construction ---------------------------------------------------
 
 
-class ToyBackbone(nn.Module):
+class ToyBackbone(Backbone):
     """A backbone keeping the contract in a few lines: logits from the current token's embedding plus the mean of
     the embeddings so far (bigram + cumulative mean). State: (running sum [B, C], count)."""
 
@@ -464,24 +470,22 @@ class ToyBackbone(nn.Module):
         self.mix = nn.Linear(2 * n_embd, n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
 
-    max_seq_len = None
-
-    def forward(self, idx, state=None):
+    def forward_hidden(self, idx, state=None, with_state=True):
         x = self.wte(idx)
         total, count = state if state is not None else (torch.zeros_like(x[:, 0]), 0)
         sums = total.unsqueeze(1) + x.cumsum(1)
         counts = count + torch.arange(1, idx.shape[1] + 1, device=idx.device, dtype=x.dtype)
         h = torch.tanh(self.mix(torch.cat([x, sums / counts[:, None]], dim=-1)))
-        return self.head(h), (sums[:, -1], count + idx.shape[1])
+        return h, (sums[:, -1], count + idx.shape[1]) if with_state else None
+
+    def output_head(self):
+        return self.head
 
     def config_dict(self) -> dict:
         return {"vocab_size": self.vocab_size, "n_embd": self.n_embd}
 
     def reorder_cache(self, state, index):
         return state[0].index_select(0, index), state[1]
-
-    def parameter_count(self, exclude_position_embeddings: bool = True) -> int:
-        return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, seq_len: int) -> int:
         return 6 * self.parameter_count()
@@ -493,8 +497,8 @@ class ToyBackbone(nn.Module):
 class ForgetfulToy(ToyBackbone):
     """Breaks the contract: drops the state it is given (each piece starts afresh)."""
 
-    def forward(self, idx, state=None):
-        return super().forward(idx, None)
+    def forward_hidden(self, idx, state=None, with_state=True):
+        return super().forward_hidden(idx, None, with_state)
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ltcx.batches import IGNORE_INDEX
+from ltcx.metrics import cross_entropy
 from ltcx.models import catalog
 from ltcx.ops.fused_loss import chunked_linear_cross_entropy
 from ltcx.ops.naive.fused_loss import linear_cross_entropy_reference
@@ -150,13 +151,12 @@ def _lm_and_batch(name="gpt"):
 
 
 def _full_logits_loss(model, inputs, targets):
-    return model._cross_entropy(model.backbone(inputs)[0], targets)
+    return cross_entropy(model.backbone(inputs)[0], targets)
 
 
 @pytest.mark.parametrize("name", ["gpt", "xlstm"])
 def test_training_loss_and_gradients_equal_the_full_logits(name):
     model, batch = _lm_and_batch(name)
-    assert model._fuses_head()
     params = dict(model.named_parameters())
     model.loss(batch).backward()
     fused = {n: p.grad.clone() for n, p in params.items()}
@@ -171,8 +171,8 @@ def test_training_loss_and_gradients_equal_the_full_logits(name):
 
 def test_the_measurement_scripts_step_takes_the_fused_or_the_full_path():
     """ltcx.throughput.loss_step (scripts/benchmark.py, scripts/gpu_check.py, the study's timing pass): "fused" is
-    ``LanguageModel.loss``, "full" the full logits' cross-entropy (in float32, as ``_cross_entropy`` computes it); the
-    two take the same step to float32 rounding."""
+    ``LanguageModel.loss``, "full" the full logits' cross-entropy (in float32, ``ltcx.metrics.cross_entropy``); the two
+    take the same step to float32 rounding."""
     import contextlib
     import copy
 
@@ -206,22 +206,18 @@ def test_pair_batches_ignore_targets_and_predict_scores_each_block():
         assert float(model.predict_step((inputs, targets), 0)[2]) == 0.0
 
 
-def test_a_backbone_without_forward_hidden_keeps_the_logits_path():
-    """A backbone keeping only the contract (an architecture added from outside) is scored from its logits."""
+def test_a_module_that_is_not_a_backbone_is_refused_naming_the_base_class():
+    """The loss, generation and FSDP rely on ``Backbone``'s contract: a bare module keeping only ``forward`` is
+    refused before anything runs."""
+    from ltcx.errors import ConfigError
     from ltcx.lm import LanguageModel
 
     class LogitsOnly(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = torch.nn.Embedding(11, 11)
-
         def forward(self, idx, state=None):
-            return self.embed(idx), None
+            return torch.zeros(*idx.shape, 11), None
 
-    model = LanguageModel(LogitsOnly())
-    batch = torch.randint(0, 11, (2, 6))
-    assert not model._fuses_head()
-    torch.testing.assert_close(model.loss(batch), _full_logits_loss(model, batch[:, :-1], batch[:, 1:]))
+    with pytest.raises(ConfigError, match=r"LogitsOnly.*ltcx\.models\.base\.Backbone"):
+        LanguageModel(LogitsOnly())
 
 
 def test_no_tokens_is_a_zero_loss_with_zero_gradients():

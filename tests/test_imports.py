@@ -24,9 +24,10 @@ def packages_above(module: str) -> list[str]:
 def imported_modules(path: Path, modules: set[str], root: Path = ROOT) -> set[str]:
     """The modules of ``modules`` that ``path`` imports anywhere in its code (``from ltcx.x import y`` is ``ltcx.x.y``
     when that is a module, else ``ltcx.x``), with the packages above each: importing ``ltcx.cli.study`` runs
-    ``ltcx/cli/__init__.py`` too. The packages above ``path`` itself are left out: Python runs their ``__init__``
-    before ``path`` whatever ``path`` imports, so an edge to them would tie every package that imports its own
-    modules (``ltcx.cli`` dispatching to ``ltcx.cli.study``) in a cycle with each of them."""
+    ``ltcx/cli/__init__.py`` too. The packages above ``path`` itself count only when ``path`` names them: Python runs
+    their ``__init__`` before ``path`` whatever ``path`` imports, so an implied edge to them would tie every package
+    that imports its own modules (``ltcx.cli`` dispatching to ``ltcx.cli.study``) in a cycle with each of them, but a
+    module importing from its own package's ``__init__`` while that ``__init__`` imports it is a cycle."""
     name = module_name(path, root)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     own = set(packages_above(name))
@@ -45,7 +46,7 @@ def imported_modules(path: Path, modules: set[str], root: Path = ROOT) -> set[st
         for target in targets:
             while target and target not in modules:  # ltcx.x.y.attr -> ltcx.x.y
                 target = target.rpartition(".")[0]
-            found |= {target, *packages_above(target)} - own
+            found |= {target} | (set(packages_above(target)) - own)
     return found - {name, ""}
 
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from ltcx.errors import LtcxError
-from ltcx.lm import LanguageModel, lr_at_step, weight_decay_groups
+from ltcx.lm import LanguageModel
 from ltcx.models.gpt import GPT
+from ltcx.optim import lr_at_step, weight_decay_groups
 from ltcx.persist import load_language_model
 
 

@@ -14,10 +14,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from helpers import one_error_line, read_events, run_cli
+from ltcx.batches import IGNORE_INDEX, split_batch
 from ltcx.data import RecallDataModule
 from ltcx.data.mqar import RecallBatches, mqar_batch, query_gap_probabilities
 from ltcx.errors import ConfigError
-from ltcx.lm import IGNORE_INDEX, LanguageModel, split_batch
+from ltcx.lm import LanguageModel
 from ltcx.models.catalog import CATALOG
 from ltcx.models.gpt import GPT
 

@@ -9,8 +9,9 @@ from helpers import lean_fit_args, one_error_line
 from ltcx.cli import main
 from ltcx.cli.resume import checkpoint_backbone
 from ltcx.errors import LtcxError
-from ltcx.lm import LanguageModel, lr_at_step
+from ltcx.lm import LanguageModel
 from ltcx.models.catalog import CATALOG
+from ltcx.optim import lr_at_step
 from ltcx.persist import atomic_save, read_checkpoint
 from ltcx.study.budget import match_shape
 

@@ -364,6 +364,7 @@ def test_the_timing_pass_interleaves_the_models_round_by_round(monkeypatch):
     import torch
 
     from ltcx.lm import LanguageModel
+    from ltcx.models.base import Backbone
     from ltcx.models.catalog import build_tiny
     from ltcx.study import timing
 
@@ -371,15 +372,18 @@ def test_the_timing_pass_interleaves_the_models_round_by_round(monkeypatch):
     monkeypatch.setattr(timing.os, "getloadavg", lambda: (next(loads), 0.0, 0.0))
     calls = []
 
-    class Recorded(torch.nn.Module):
+    class Recorded(Backbone):
         def __init__(self, name):
             super().__init__()
             self.name, self.inner = name, build_tiny(name, 64)
             self.config = self.inner.config
 
-        def forward(self, idx, state=None):
+        def forward_hidden(self, idx, state=None, with_state=True):
             calls.append((self.name, "train" if torch.is_grad_enabled() else "decode", idx.shape[1]))
-            return self.inner(idx, state)
+            return self.inner.forward_hidden(idx, state, with_state)
+
+        def output_head(self):
+            return self.inner.output_head()
 
     torch.manual_seed(0)
     models = {name: LanguageModel(backbone=Recorded(name)) for name in ("gpt", "ltc")}

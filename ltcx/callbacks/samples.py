@@ -61,7 +61,7 @@ class SampleGeneration(L.Callback):
             return
         tokenizer = trainer.datamodule.tokenizer_obj
         budget = self.max_new_tokens
-        context = getattr(backbone, "max_seq_len", None)
+        context = backbone.max_seq_len
         if context is not None:  # every prompt must fit with its completion
             budget = min(budget, context - max(len(tokenizer.encode(p)) for p in self.prompts))
         was_training = backbone.training

@@ -9,8 +9,9 @@ and ``lm-eval``.
     ltcx lm-eval --ckpt_path checkpoints/gpt --tasks hellaswag     # lm-evaluation-harness tasks
 
 ``lightning`` is the LightningCLI subclass and its hooks, ``generate``, ``export``, ``prepare``, ``evaluate`` and
-``harness`` (``lm-eval``) the argparse front-ends, ``threads`` sizes torch's CPU threads, ``allocator`` keeps the
-memory a step frees for the next step, ``run_folders`` resolves the trainer's folders and ``--ckpt_path last``,
+``harness`` (``lm-eval``) the argparse front-ends (``ltcx/runtime.py`` sizes torch's CPU threads), ``allocator``
+keeps the memory a step frees for the next step, ``run_folders`` resolves the trainer's folders and ``--ckpt_path
+last``,
 ``predict`` writes ``predict``'s losses, ``console`` prints a run's first and last lines and quiets Lightning's
 start-up lines. Each command imports what it needs when it runs: ``ltcx --help``, an unknown command, the argparse
 commands' ``--help`` and argument errors, and a Lightning command's missing ``--config`` or ``--ckpt_path`` file
@@ -23,6 +24,7 @@ import signal
 import sys
 
 from ltcx.errors import LtcxError, StoppedOnAllRanks
+from ltcx.runtime import program_name
 
 __all__ = ["main", "program_name", "USAGE"]
 
@@ -115,17 +117,6 @@ def main(argv: list[str] | None = None) -> None:
         if type(stop).__name__ == "SIGTERMException":
             sys.exit(stop.code or 128 + signal.SIGTERM)
         raise
-
-
-def program_name() -> str:
-    """The program's name as the parsers print it: ``python -m ltcx`` (ltcx's own ``__main__.py``), ``run.py``, else
-    ``ltcx`` (the console script, and any other program that calls ``main``, a test runner's included)."""
-    from pathlib import Path
-
-    started = Path(sys.argv[0] if sys.argv and sys.argv[0] else "ltcx")
-    if started.name == "__main__.py" and started.parent.name == "ltcx":
-        return "python -m ltcx"
-    return "run.py" if started.name == "run.py" else "ltcx"
 
 
 def _rank() -> int:

@@ -3,15 +3,14 @@
 By default glibc maps each block above a threshold (128 KiB at start, raised as such blocks are freed) as pages of its
 own and returns them on ``free``, and gives the top of its heap back past a threshold that moves with it. A training
 step frees and allocates its activations again every step, in a mix of sizes that the moving thresholds do not settle
-on, and each page given back is zero-filled again by the kernel at its next first touch (a minor page fault): at the
-29M xLSTM config (batch 8 x 512, one thread) 0.1-1.7 s of system time a step (docs/benchmarks.md).
+on, and each page given back is zero-filled again by the kernel at its next first touch (a minor page fault): system
+time in every step.
 
 ``keep_freed_memory`` fixes both thresholds: blocks under 32 MiB (glibc's largest mapping threshold) come from the
-heap, and the heap keeps up to 2 GiB free at its top, for the same peak memory (the faults per step with and without
-it: docs/benchmarks.md, "CPU: memory kept between steps"). Blocks of 32 MiB and more (the tied embedding's
-gradient, the fused loss's logits at the 29M configs) are still mapped on their own. A user's own malloc settings
-(``MALLOC_*`` variables, ``GLIBC_TUNABLES``) are left as they are; an allocator preloaded in glibc's place (jemalloc,
-tcmalloc) does not read these.
+heap, and the heap keeps up to 2 GiB free at its top, for the same peak memory. Blocks of 32 MiB and more (the tied
+embedding's gradient, the fused loss's logits at the 29M configs) are still mapped on their own. A user's own malloc
+settings (``MALLOC_*`` variables, ``GLIBC_TUNABLES``) are left as they are; an allocator preloaded in glibc's place
+(jemalloc, tcmalloc) does not read these.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def evaluate_main(argv: list[str]) -> None:
         "--task", choices=TASKS, default="position_loss",
         help="position_loss: loss by position on a text (--data.path); long_context: each model's needle or MQAR "
         "accuracy at 1, 2, 4, 8 x its training length (the task its checkpoint trained on), long_context.json, "
-        "long_context.png and needle_heatmaps.png (docs/long_context.md)",
+        "long_context.png and needle_heatmaps.png (docs/evaluation.md)",
     )
     parser.add_argument(
         "--ckpt_path", action="append", default=[],
@@ -126,7 +126,7 @@ def evaluate_main(argv: list[str]) -> None:
     for path in args.ckpt_path:
         model, meta, tokenizer = load_model_and_tokenizer(path, args.tokenizer, model_class=LanguageModel)
         backbone = model.backbone
-        limit = getattr(backbone, "max_seq_len", None)
+        limit = backbone.max_seq_len
         train_context = meta.get("train_block_size") or limit
         if factor is not None and not train_context:
             raise LtcxError(

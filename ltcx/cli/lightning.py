@@ -27,7 +27,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from ltcx.callbacks import LineProgress, StepRichProgressBar, StepTQDMProgressBar
 from ltcx.callbacks.preemption import Preemption
-from ltcx.cli import program_name
 from ltcx.cli.console import print_run_end, print_run_start, quiet_lightning
 from ltcx.cli.one_line_errors import OneLineErrors
 from ltcx.cli.predict import write_predictions
@@ -40,7 +39,7 @@ from ltcx.lm import LanguageModel
 from ltcx.persist.checkpoint import SafeCheckpointIO, read_checkpoint
 from ltcx.persist.file_fits import check_same_backbone, check_weights_fit
 from ltcx.persist.runs import checkpoint_in_folder
-from ltcx.runtime import set_cpu_threads, write_test_metrics
+from ltcx.runtime import program_name, set_cpu_threads, write_test_metrics
 
 DESCRIPTION = (
     "ltcx: train and evaluate language models (`ltcx generate --help` samples from a checkpoint, `ltcx export --help` "

@@ -9,8 +9,8 @@ import argparse
 import difflib
 import re
 
-from ltcx.cli import program_name
 from ltcx.errors import LtcxError
+from ltcx.runtime import program_name
 
 # LightningCLI's --optimizer / --lr_scheduler would silently replace ltcx's AdamW and its warmup + cosine schedule
 # (and the schedule's end kept in checkpoints): ltcx does not offer them.

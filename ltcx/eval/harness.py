@@ -65,7 +65,7 @@ class LtcxLM(TemplateLM):
         self.batch_size = batch_size
         self.piece_len = piece_len
         self.name = name
-        self.max_length: int | None = getattr(backbone, "max_seq_len", None)  # None: no context limit
+        self.max_length: int | None = backbone.max_seq_len  # None: no context limit
 
     # -- what TemplateLM needs ---------------------------------------------------------------------
     @property

@@ -51,7 +51,7 @@ class ScoreGrid:
 
 def lengths_within_context(backbone: nn.Module, lengths: Sequence[int]) -> tuple[list[int], str | None]:
     """The lengths a backbone can read whole, and the one line naming where it stops (None: all of them)."""
-    limit = getattr(backbone, "max_seq_len", None)
+    limit = backbone.max_seq_len
     kept = [n for n in lengths if limit is None or n <= limit]
     if len(kept) == len(lengths):
         return kept, None

@@ -15,8 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ltcx.errors import ConfigError, LtcxError
-from ltcx.models.config import ConfiguredModule
-from ltcx.models.state import model_dtype, reorder_state
+from ltcx.models.base import Backbone
+from ltcx.models.state import model_dtype
 from ltcx.ops.attention import apply_rope, causal_gqa_attention
 
 POSITIONS = ("learned", "rope")
@@ -52,8 +52,7 @@ class GPTConfig:
     """hidden width of each block's MLP; None means 4 n_embd."""
     init_std: float = 0.02
     """standard deviation of the normal draw of every matrix and embedding (residual output projections: init_std
-    / sqrt(2 n_layer)); 0.02 is GPT-2's, made for width 768. Narrow models learn faster from about n_embd ** -0.5
-    (docs/recall.md, Initialisation)."""
+    / sqrt(2 n_layer)); 0.02 is GPT-2's, made for width 768; narrow models may want about n_embd ** -0.5."""
     activation: str = "gelu"
     """the MLP's GELU: gelu (exact, erf) or gelu_tanh (the tanh approximation GPT-2's weights were trained with)."""
     position: str = "learned"
@@ -186,7 +185,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x)), cache
 
 
-class GPT(ConfiguredModule):
+class GPT(Backbone):
     """GPT language model with grouped-query attention.
 
     Keeps the backbone contract: ``logits [B, T, V], state = model(idx [B, T], state=None)``, where the
@@ -268,11 +267,6 @@ class GPT(ConfiguredModule):
         attention = 2 * c.n_head * head_dim * (seq_len + 1)
         return 2 * (c.n_layer * layer_weights + c.n_embd * c.vocab_size) + c.n_layer * attention
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward = 3 x forward, the backward computing the gradients of
-        both operands of each product); see ``forward_flops_per_token``."""
-        return 3 * self.forward_flops_per_token(seq_len)
-
     def state_bytes(self, tokens: int, dtype: torch.dtype | None = None) -> int:
         """Bytes of the inference state after ``tokens`` tokens at batch 1, the model in ``dtype`` (None: its
         parameters'): each layer's KV cache, keys and values [1, G, tokens, D], 2 L G D tokens numbers. Reads the
@@ -282,17 +276,8 @@ class GPT(ConfiguredModule):
                  f"tokens ({tokens}) must be in [0, block_size={c.block_size}]")
         return 2 * c.n_layer * c.n_kv_head * c.head_dim * tokens * model_dtype(self, dtype).itemsize
 
-    def no_weight_decay_param_names(self) -> set[str]:
-        """Matrices that AdamW should not decay (besides every 1-D parameter): none for nanoGPT."""
-        return set()
-
-    def forward(self, idx: torch.Tensor, state: tuple | None = None) -> tuple[torch.Tensor, tuple]:
-        """idx [B, T] token ids following the ``state`` positions -> (logits [B, T, V], new state)."""
-        hidden, new_state = self.forward_hidden(idx, state)
-        return self.lm_head(hidden), new_state
-
     def output_head(self) -> nn.Linear:
-        """The head ``forward`` applies to ``forward_hidden``'s states (a loss may fuse it: ltcx/ops/fused_loss.py)."""
+        """The tied head ``forward`` applies to ``forward_hidden``'s states."""
         return self.lm_head
 
     def forward_hidden(self, idx: torch.Tensor, state: tuple | None = None,
@@ -315,7 +300,3 @@ class GPT(ConfiguredModule):
             x, cache = block(x, None if state is None else state[i])
             new_state.append(cache)
         return self.ln_f(x), tuple(new_state) if with_state else None
-
-    def reorder_cache(self, state: tuple, index: torch.Tensor) -> tuple:
-        """Reorder, repeat or drop batch rows of a state (beam search): row b becomes old row index[b]."""
-        return reorder_state(state, index)

@@ -5,20 +5,17 @@ ltcx's own backbones are known by class path and imported on first use (only the
 imported); any other class must be registered explicitly:
 
     @register_backbone
-    class MyModel(nn.Module): ...
+    class MyModel(Backbone): ...      # ltcx.models.base.Backbone
 """
 
 from __future__ import annotations
 
-import abc
 import importlib
-
-import torch.nn as nn
 
 from ltcx.errors import LtcxError
 from ltcx.models.catalog import builtin_class_paths
 
-__all__ = ["Backbone", "register_backbone", "resolve_backbone"]
+__all__ = ["BackboneType", "class_path", "known_backbones", "register_backbone", "resolve_backbone"]
 
 # ltcx's own backbones: class path -> (module, class name), imported lazily. Derived from the catalogue's own
 # entries (not those a test adds with add_to_catalog), so only ltcx's model modules are ever imported.
@@ -33,8 +30,8 @@ def class_path(cls: type) -> str:
 
 def register_backbone(cls: type) -> type:
     """Allow checkpoints to name ``cls`` (usable as a class decorator); returns ``cls``."""
-    if not isinstance(cls, type):
-        raise TypeError(f"register_backbone expects a class, got {cls!r}")
+    if not isinstance(cls, BackboneType):
+        raise TypeError(f"register_backbone expects a subclass of ltcx.models.base.Backbone, got {cls!r}")
     _REGISTERED[class_path(cls)] = cls
     return cls
 
@@ -64,10 +61,14 @@ def known_backbones() -> list[str]:
     return sorted(set(_BUILTIN) | set(_REGISTERED))
 
 
-class _BackboneMeta(abc.ABCMeta):
+class BackboneType(type):
+    """The metaclass of ``ltcx.models.base.Backbone``: its root class's ``__subclasses__`` are the backbones a
+    checkpoint may name, ltcx's own (imported on demand) and those registered. That is what ``ltcx fit --help``
+    lists as model.backbone's choices (jsonargparse walks ``__subclasses__``)."""
+
     def __subclasses__(cls) -> list[type]:
-        # What `ltcx fit --help` lists as the choices of model.backbone: ltcx's backbones and those registered
-        # (jsonargparse walks __subclasses__; without this it would list every torch.nn class imported).
+        if any(isinstance(base, BackboneType) for base in cls.__bases__):
+            return type.__subclasses__(cls)  # below the root: the class's own subclasses
         found = []
         for path in known_backbones():
             try:
@@ -75,16 +76,3 @@ class _BackboneMeta(abc.ABCMeta):
             except LtcxError:  # allow-listed but not in this version
                 continue
         return found
-
-
-class Backbone(nn.Module, metaclass=_BackboneMeta):
-    """The type of ``LanguageModel.backbone``: any ``nn.Module`` keeping the contract
-    ``logits [B, T, V], state = backbone(idx [B, T], state=None)`` is one (no need to inherit from this class);
-    ltcx's own backbones and those passed to ``register_backbone`` are the ones the CLI's help lists."""
-
-    @classmethod
-    def __subclasshook__(cls, other: type) -> bool:
-        return issubclass(other, nn.Module) or NotImplemented
-
-    @abc.abstractmethod
-    def forward(self, idx, state=None): ...

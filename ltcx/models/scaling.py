@@ -13,8 +13,7 @@ The rules (head dim ``D`` = 64, the YAMLs'; a caller may ask for another, as the
   segment of 128 tokens (the sequence's length when shorter, the segment rounded up to the memory's chunks of 16).
 * xLSTM: 4 mLSTM and 4 sLSTM heads, one sLSTM block in 8 (7:1), the last of each 8; widths multiples of 4.
 * The context (``block_size``) is the sequence length; the xLSTM's chunk is 128 tokens where its mLSTM heads are
-  wider than 128 (configs/xlstm.yaml's 208), else 64, or the sequence when shorter: the faster of the two at that
-  head width (docs/benchmarks.md, "training against the GPT and nanoGPT").
+  wider than 128 (configs/xlstm.yaml's 208), else 64, or the sequence when shorter.
 * The fine knob lands a budget within 2%: the MLP's hidden width for parameters and FLOPs (the GPT family's
   ``mlp_hidden``, home 4 x width; Titans', home 2 x width, the YAMLs' 2.1-3.2 x having been set to match the
   GPT), Titans' memory MLP (``mem_hidden``, home 2 D) for the state; in steps of 8, from a quarter of its home value

@@ -37,9 +37,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ltcx.errors import ConfigError
-from ltcx.models.config import ConfiguredModule
+from ltcx.models.base import Backbone
 from ltcx.models.gpt import MLP
-from ltcx.models.state import model_dtype, reorder_state
+from ltcx.models.state import model_dtype
 from ltcx.ops.attention import apply_rope, attention_with_persistent, sliding_window_attention
 from ltcx.ops.conv import causal_depthwise_conv
 from ltcx.ops.precision import compute_dtype, without_autocast
@@ -111,8 +111,8 @@ class TitansConfig:
     """share the token embedding with the output head."""
     init_std: float = 0.02
     """standard deviation of the normal draw of the embeddings, linear maps, memory projections and persistent
-    slots (residual output projections: init_std / sqrt(2 n_layer)); 0.02 is the spec's (A.2). Narrow models learn
-    faster from about n_embd ** -0.5 (docs/recall.md, Initialisation). M_0 keeps its own unit-scale draw."""
+    slots (residual output projections: init_std / sqrt(2 n_layer)); 0.02 is the spec's (A.2); narrow models may want
+    about n_embd ** -0.5. M_0 keeps its own unit-scale draw."""
 
     def __post_init__(self) -> None:
         if self.mlp_hidden is None:
@@ -487,7 +487,7 @@ def _make_blocks(config: TitansConfig) -> list[nn.Module]:
     return [MemoryBlock(config) for _ in range(config.n_layer)]
 
 
-class Titans(ConfiguredModule):
+class Titans(Backbone):
     """Titans language model: token embedding, ``n_layer`` blocks of the chosen variant, LayerNorm, tied head.
 
     Keeps the backbone contract ``logits [B, T, V], state = model(idx [B, T], state=None)``; the state
@@ -524,14 +524,6 @@ class Titans(ConfiguredModule):
         for module in self.modules():
             if isinstance(module, NeuralMemory):
                 module.reset_parameters()
-
-    @property
-    def max_seq_len(self) -> None:
-        return None
-
-    def parameter_count(self, exclude_position_embeddings: bool = True) -> int:
-        """Number of distinct parameters (there are no position embeddings to exclude)."""
-        return sum(p.numel() for p in self.parameters())
 
     def forward_flops_per_token(self, seq_len: int) -> float:
         """FLOPs of the forward pass per token when training on sequences of ``seq_len`` tokens from position 0.
@@ -602,8 +594,7 @@ class Titans(ConfiguredModule):
 
     def memory_op_flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token of the memory op alone, summed over the layers that run it (3 x its forward's, as
-        ``flops_per_token``): the products a faster form of ``neural_memory`` would still have to do
-        (``scripts/benchmark.py --free_memory_op`` divides them by the op's time)."""
+        ``flops_per_token``): the products any form of ``neural_memory`` has to do."""
         layers = sum(isinstance(module, NeuralMemory) for module in self.modules())  # as built (MAL: every other)
         return 3 * layers * self._memory_op_flops(self._memory_pieces(seq_len)) / seq_len
 
@@ -651,13 +642,8 @@ class Titans(ConfiguredModule):
         exempt = ("w1_init", "w2_init", "persistent_k", "persistent_v")
         return {name for name, _ in self.named_parameters() if name.rsplit(".", 1)[-1] in exempt}
 
-    def forward(self, idx: Tensor, state: TitansState | None = None) -> tuple[Tensor, TitansState]:
-        """idx [B, T] token ids following the ``state`` positions -> (logits [B, T, V], new state)."""
-        hidden, new_state = self.forward_hidden(idx, state)
-        return self.lm_head(hidden), new_state
-
     def output_head(self) -> nn.Linear:
-        """The head ``forward`` applies to ``forward_hidden``'s states (a loss may fuse it: ltcx/ops/fused_loss.py)."""
+        """The tied head ``forward`` applies to ``forward_hidden``'s states."""
         return self.lm_head
 
     def forward_hidden(self, idx: Tensor, state: TitansState | None = None,
@@ -672,9 +658,6 @@ class Titans(ConfiguredModule):
             layer_states.append(layer_state)
         return self.ln_f(x), TitansState(position + idx.shape[1], tuple(layer_states)) if with_state else None
 
-    def reorder_cache(self, state: TitansState, index: Tensor) -> TitansState:
-        """Reorder, repeat or drop batch rows of a state (beam search): row b becomes old row index[b]."""
-        return reorder_state(state, index)
 
 
 @functools.cache

@@ -36,7 +36,8 @@ std), the sLSTM input weights with the head width, R ~ N(0, 0.02) and the sLSTM 
 State (per block, a tuple): mLSTM ``(C, n, m, conv_buffer)``; sLSTM ``(c, n, h, m, conv_buffer)``;
 the conv buffer holds the block's last ``conv_kernel_size - 1`` conv inputs ``[B, K-1, channels]``.
 Training (T > 1) uses the chunkwise (or parallel) mLSTM, or on CUDA NX-AI's TFLA kernels (``mlstm_backend:
-kernels``, :func:`mlstm_kernel_for` says when); one token uses the recurrent step.
+kernels``, :func:`mlstm_kernel_for` says when); one token uses the recurrent step. The sLSTM scan runs the torch
+form (ltcx/ops/slstm.py) or, with ``slstm_backend: triton``, its fused Triton kernels (ltcx/ops/slstm_triton.py).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -53,9 +54,9 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 from torch import Tensor
 
 from ltcx.errors import ConfigError, LtcxError
-from ltcx.models.config import ConfiguredModule
+from ltcx.models.base import Backbone
 from ltcx.models.inference_cache import derived_in_inference
-from ltcx.models.state import model_dtype, reorder_state
+from ltcx.models.state import model_dtype
 from ltcx.ops.conv import causal_depthwise_conv
 from ltcx.ops.mlstm import FORGET_GATES, mlstm_chunkwise, mlstm_parallel, mlstm_step, state_dtype
 from ltcx.ops.mlstm_kernels import (
@@ -68,6 +69,7 @@ from ltcx.ops.mlstm_kernels import (
 from ltcx.ops.slstm import recurrent_weights, slstm_scan_head_major
 
 MLSTM_BACKENDS = ("chunkwise", "parallel", "kernels")
+SLSTM_BACKENDS = ("torch", "triton")
 
 
 @dataclass
@@ -105,6 +107,9 @@ class XLSTMConfig:
     mlstm_backend: Literal["chunkwise", "parallel", "kernels"] = "chunkwise"
     """mLSTM form for T > 1: 'chunkwise' (O(T chunk) memory), 'parallel' (O(T^2)) or 'kernels' (NX-AI's TFLA
     Triton kernels on CUDA, `pip install ltcx[kernels]`; on other devices ltcx's chunkwise form, with one notice)."""
+    slstm_backend: Literal["torch", "triton"] = "torch"
+    """sLSTM scan: 'torch' (a loop over time, any device) or 'triton' (one fused kernel a direction on CUDA; on a CPU
+    only under TRITON_INTERPRET=1, Triton's interpreter, as the tests run it; needs Triton)."""
     forget_gate: Literal["sigmoid", "exp"] = "sigmoid"
     """Forget-gate activation: 'sigmoid' (bounded, default) or 'exp'."""
     tie_embeddings: bool = True
@@ -190,6 +195,8 @@ class XLSTMConfig:
             raise ConfigError(f"mlstm_backend ({self.mlstm_backend!r}) must be one of {list(MLSTM_BACKENDS)}")
         if self.forget_gate not in FORGET_GATES:
             raise ConfigError(f"forget_gate ({self.forget_gate!r}) must be one of {list(FORGET_GATES)}")
+        if self.slstm_backend not in SLSTM_BACKENDS:
+            raise ConfigError(f"slstm_backend ({self.slstm_backend!r}) must be one of {list(SLSTM_BACKENDS)}")
         if self.mlstm_backend == "kernels" and self.forget_gate != "sigmoid":
             raise ConfigError(
                 f"mlstm_backend 'kernels' needs forget_gate 'sigmoid' (NX-AI's kernels have no {self.forget_gate!r} "
@@ -398,6 +405,17 @@ class MLSTMBlock(nn.Module):
         return x + self.dropout(self.proj_down(h)), (*cell, buffer) if with_state else None
 
 
+def _triton_scan():
+    """The fused sLSTM scan (ltcx/ops/slstm_triton.py), imported only when a block asks for it: nothing else in ltcx
+    imports Triton."""
+    try:
+        from ltcx.ops.slstm_triton import slstm_scan_head_major_triton
+    except ImportError as error:
+        raise LtcxError(f"slstm_backend 'triton' needs Triton ({error}): pip install -r requirements-kernels.txt, "
+                        "or set slstm_backend: torch") from None
+    return slstm_scan_head_major_triton
+
+
 class SLSTMBlock(nn.Module):
     """Pre-LayerNorm residual sLSTM block followed by a gated-GeLU feed-forward block."""
 
@@ -406,6 +424,7 @@ class SLSTMBlock(nn.Module):
         E, H = cfg.n_embd, cfg.slstm_n_head
         Dh = E // H
         self.n_head, self.head_dim, self.forget_gate = H, Dh, cfg.forget_gate
+        self.scan = slstm_scan_head_major if cfg.slstm_backend == "torch" else _triton_scan()
         self.norm = nn.LayerNorm(E, bias=cfg.bias)
         self.conv = CausalConv1d(E, cfg.conv_kernel_size)
         # headwise input weights: [0] maps the conv path to (i, f), [1] the normed input to (z, o)
@@ -445,8 +464,8 @@ class SLSTMBlock(nn.Module):
         g = torch.cat([torch.bmm(head_major(path), self.w_in[s]) for s, path in enumerate((x_c, xn))], dim=-1) + bias
         # R rearranged for one product per step, kept between decode steps (rebuilt when R changes)
         recurrent = derived_in_inference(self, "recurrent", (self.R,), lambda: recurrent_weights(self.R))
-        h, cell = slstm_scan_head_major(g.view(H, T, B, 4 * Dh).transpose(0, 1), self.R, cell,
-                                        forget_gate=self.forget_gate, recurrent=recurrent)  # [T, H, B, Dh]
+        h, cell = self.scan(g.view(H, T, B, 4 * Dh).transpose(0, 1), self.R, cell,
+                            forget_gate=self.forget_gate, recurrent=recurrent)  # [T, H, B, Dh]
         x = x + self.dropout(self.out_norm(h.permute(2, 0, 1, 3)))
         u, gate = self.ffn_up(self.ffn_norm(x)).chunk(2, dim=-1)
         x = x + self.dropout(self.ffn_down(F.gelu(gate) * u))
@@ -456,17 +475,16 @@ class SLSTMBlock(nn.Module):
 # ----------------------------------------------------------------------------- model
 
 
-class XLSTM(ConfiguredModule):
+class XLSTM(Backbone):
     """xLSTM language model: ``logits, state = model(idx, state=None)``.
 
     Constructor: the fields of ``XLSTMConfig``.
     """
 
     config_class = XLSTMConfig
-    max_seq_len = None  # recurrent: no context limit
     # what a resumed run may change (ltcx/persist/file_fits.py): dropout, and how the mLSTM is computed (the same
-    # function of the same weights), e.g. to continue a chunkwise run on NX-AI's kernels
-    resumable_fields = frozenset({"dropout", "mlstm_backend", "chunk_size"})
+    # function of the same weights), e.g. to continue a chunkwise run on NX-AI's kernels; so the sLSTM's
+    resumable_fields = frozenset({"dropout", "mlstm_backend", "chunk_size", "slstm_backend"})
     # old name -> field: the names a checkpoint or export written before the xLSTM took the house's names holds
     # (ltcx/persist/file_fits.py's current_names reads them as the fields)
     renamed_fields = {"embedding_dim": "n_embd", "num_layers": "n_layer", "num_heads": "n_head",
@@ -491,13 +509,8 @@ class XLSTM(ConfiguredModule):
 
     # -- the backbone contract
 
-    def forward(self, idx: Tensor, state: list | None = None) -> tuple[Tensor, list]:
-        """idx ``[B, T]`` -> (logits ``[B, T, V]``, state: one tuple per block)."""
-        hidden, new_state = self.forward_hidden(idx, state)
-        return self.head(hidden), new_state
-
     def output_head(self) -> nn.Linear:
-        """The head ``forward`` applies to ``forward_hidden``'s states (a loss may fuse it: ltcx/ops/fused_loss.py)."""
+        """The head ``forward`` applies to ``forward_hidden``'s states."""
         return self.head
 
     def forward_hidden(self, idx: Tensor, state: list | None = None,
@@ -521,10 +534,6 @@ class XLSTM(ConfiguredModule):
             out, state = self(idx[:, t : t + 1], state)
             logits.append(out)
         return torch.cat(logits, dim=1), state
-
-    def parameter_count(self, exclude_position_embeddings: bool = True) -> int:
-        """Number of distinct parameters (tied weights once). xLSTM has no position embeddings."""
-        return sum(p.numel() for p in self.parameters())
 
     def forward_flops_per_token(self, seq_len: int) -> float:
         """FLOPs of the forward pass per token when training on sequences of ``seq_len`` tokens.
@@ -569,11 +578,6 @@ class XLSTM(ConfiguredModule):
         blocks = sum(mlstm if t == "m" else slstm for t in cfg.block_types)
         return blocks + 2 * E * V
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 3 x ``forward_flops_per_token`` (the backward computes the gradients of
-        both operands of each product)."""
-        return 3 * self.forward_flops_per_token(seq_len)
-
     def state_bytes(self, tokens: int, dtype: torch.dtype | None = None) -> int:
         """Bytes of the inference state after ``tokens`` tokens at batch 1, the model in ``dtype`` (None: its
         parameters'); a constant from the first token on. The cells in float32 (float64 for a float64 model), the
@@ -592,10 +596,6 @@ class XLSTM(ConfiguredModule):
         mlstm = heads * (d * d + d + 1) * cell + kernel * inner * buffer
         slstm = 4 * cfg.n_embd * cell + kernel * cfg.n_embd * buffer
         return sum(mlstm if t == "m" else slstm for t in cfg.block_types)
-
-    def reorder_cache(self, state: Any, index: Tensor) -> Any:
-        """Select / repeat batch entries of every tensor in ``state`` (dim 0), e.g. for beam search."""
-        return reorder_state(state, index)
 
     def no_weight_decay_param_names(self) -> set[str]:
         """Parameters AdamW should not decay: norms, biases, gate biases, skip scales, embeddings."""

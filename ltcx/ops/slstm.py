@@ -45,8 +45,8 @@ def _cell(pre: Tensor, c: Tensor, n: Tensor, m: Tensor, forget_gate: str) -> tup
 
     The stabiliser m carries no gradient: c and n are the unstabilised C and N times exp(-m), so h = o c / n, and the
     next step from (c, n, m), are the same for any m, and their derivative along m is zero. Leaving it out of the
-    graph drops a maximum's backward and m's chain from every step (the sLSTM block 1.1x faster at the recall grid's
-    shape); tests/test_xlstm.py holds the gradients to the unstabilised equations' in float64."""
+    graph drops a maximum's backward and m's chain from every step; tests/test_xlstm.py holds the gradients to the
+    unstabilised equations' in float64."""
     i_pre, f_pre, z_pre, o_pre = pre.chunk(4, dim=-1)
     log_f_m = log_forget_gate(f_pre, forget_gate) + m  # log f_t + m_{t-1}, read twice
     m_new = torch.maximum(log_f_m.detach(), i_pre.detach())

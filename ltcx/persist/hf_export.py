@@ -84,7 +84,7 @@ def _generation_settings(tok, backbone, layout: str) -> dict[str, Any]:
     vocab = backbone.config_dict().get("vocab_size", tok.vocab_size)
     if layout == "hf" and vocab > tok.vocab_size:
         settings["suppress_tokens"] = list(range(tok.vocab_size, vocab))
-    context = getattr(backbone, "max_seq_len", None)
+    context = backbone.max_seq_len
     if context is not None:
         settings["max_length"] = context
     return settings
