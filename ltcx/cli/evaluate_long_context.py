@@ -78,7 +78,7 @@ def long_context_main(args) -> None:
             architecture=architecture_name(meta["backbone_class"], meta.get("backbone_config")),
             position=meta.get("backbone_config", {}).get("position"),
             parameters=backbone.parameter_count() if hasattr(backbone, "parameter_count") else None,
-            context_limit=getattr(backbone, "max_seq_len", None), global_step=meta.get("global_step"),
+            context_limit=backbone.max_seq_len, global_step=meta.get("global_step"),
             data=run["data"], **scores))
         accuracy = "  ".join(f"{n}: {a:.3f}" for n, a in zip(scores["lengths"], scores["accuracy"]))
         print(f"{run['label']} ({type(backbone).__name__}, {run['task']}, trained at {run['data']['block_size']}): "
