@@ -21,7 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
-from ltcx.errors import LtcxError  # noqa: E402
+from ltcx.errors import ConfigError, LtcxError  # noqa: E402
+from ltcx.models.xlstm import XLSTM, XLSTMConfig  # noqa: E402
 from ltcx.ops.naive.slstm import slstm_reference  # noqa: E402
 from ltcx.ops.slstm import _Scan, _scan_loop, recurrent_weights, slstm_scan  # noqa: E402
 
@@ -221,6 +222,8 @@ def test_refused_on_a_cpu_without_the_interpreter(monkeypatch):
     with pytest.raises(LtcxError, match="slstm_backend: torch") as error:
         st.slstm_scan_triton(gates_x, R)
     assert "TRITON_INTERPRET=1" in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(LtcxError, match="slstm_backend: torch"):  # the model says it from its first forward
+        _model("triton")(torch.zeros(1, 2, dtype=torch.long))
 
 
 def test_triton_is_imported_by_the_kernels_alone():
@@ -269,3 +272,47 @@ def test_launches_do_not_grow_with_the_length():
         return forward.count, backward.count
 
     assert count(2) == count(9)
+
+
+# ----------------------------------------------------------------------------- through the model
+
+
+def _model(backend, dtype=torch.float64):
+    torch.manual_seed(0)
+    model = XLSTM(vocab_size=23, n_embd=16, n_layer=2, slstm_at=[1], n_head=2, slstm_n_head=2, chunk_size=4,
+                  slstm_backend=backend).to(dtype)
+    with torch.no_grad():  # gates away from their input-independent init, R away from 0: real gating and mixing
+        for name, p in model.named_parameters():
+            if "gate" in name or name.endswith(".R"):
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_model_gives_the_torch_forms_logits_and_gradients(dtype):
+    """slstm_backend: triton against torch in one xLSTM with the same weights: the logits whole and fed in pieces
+    with the state (a prompt, then one token at a time, as generation runs) and every parameter's gradient."""
+    tol = F64 if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    fused, plain = _model("triton", dtype), _model("torch", dtype)
+    assert fused.blocks[1].fused_scan is st.slstm_scan_head_major_triton
+    fused.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 23, (2, 7), generator=torch.Generator().manual_seed(1))
+    (fused_logits, _), (plain_logits, _) = fused(idx), plain(idx)
+    torch.testing.assert_close(fused_logits, plain_logits, **tol)
+    fused_logits.square().mean().backward()
+    plain_logits.square().mean().backward()
+    for (name, a), b in zip(fused.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, **tol, msg=name)
+    with torch.no_grad():
+        pieces, state = fused(idx[:, :4])
+        pieces = [pieces]
+        for t in range(4, 7):
+            logits, state = fused(idx[:, t:t + 1], state)
+            pieces.append(logits)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), plain_logits, **tol)
+
+
+def test_the_backend_is_checked_and_resumable():
+    with pytest.raises(ConfigError, match="slstm_backend"):
+        XLSTMConfig(slstm_backend="cuda")
+    assert "slstm_backend" in XLSTM.resumable_fields  # the same function of the same weights

@@ -424,7 +424,7 @@ class SLSTMBlock(nn.Module):
         E, H = cfg.n_embd, cfg.slstm_n_head
         Dh = E // H
         self.n_head, self.head_dim, self.forget_gate = H, Dh, cfg.forget_gate
-        self.scan = slstm_scan_head_major if cfg.slstm_backend == "torch" else _triton_scan()
+        self.fused_scan = _triton_scan() if cfg.slstm_backend == "triton" else None
         self.norm = nn.LayerNorm(E, bias=cfg.bias)
         self.conv = CausalConv1d(E, cfg.conv_kernel_size)
         # headwise input weights: [0] maps the conv path to (i, f), [1] the normed input to (z, o)
@@ -464,8 +464,9 @@ class SLSTMBlock(nn.Module):
         g = torch.cat([torch.bmm(head_major(path), self.w_in[s]) for s, path in enumerate((x_c, xn))], dim=-1) + bias
         # R rearranged for one product per step, kept between decode steps (rebuilt when R changes)
         recurrent = derived_in_inference(self, "recurrent", (self.R,), lambda: recurrent_weights(self.R))
-        h, cell = self.scan(g.view(H, T, B, 4 * Dh).transpose(0, 1), self.R, cell,
-                            forget_gate=self.forget_gate, recurrent=recurrent)  # [T, H, B, Dh]
+        scan = slstm_scan_head_major if self.fused_scan is None else self.fused_scan
+        h, cell = scan(g.view(H, T, B, 4 * Dh).transpose(0, 1), self.R, cell,
+                       forget_gate=self.forget_gate, recurrent=recurrent)  # [T, H, B, Dh]
         x = x + self.dropout(self.out_norm(h.permute(2, 0, 1, 3)))
         u, gate = self.ffn_up(self.ffn_norm(x)).chunk(2, dim=-1)
         x = x + self.dropout(self.ffn_down(F.gelu(gate) * u))
