@@ -1,9 +1,9 @@
 """Helpers shared by several test modules (imported as ``from helpers import ...``, like ``fault_injection``):
 relative errors of tensors against a reference, seeded mLSTM inputs, documents of a fixed byte length, feeding a
 backbone in pieces, a small text corpus, TensorBoard events and a generation check for CLI runs, the arguments of a
-tiny `ltcx fit` run (in process, as a `run.py` subprocess, or as 2 gloo processes under DDP or FSDP2), one-line user
-errors and small checkpoints written without training. Fixtures live in conftest.py; no test module imports
-another."""
+tiny `ltcx fit` run (in process, as a `run.py` subprocess, or as 2 gloo processes under DDP or FSDP2), the facts of
+an error message, one-line user errors and small checkpoints written without training. Fixtures live in
+conftest.py; no test module imports another."""
 
 from __future__ import annotations
 
@@ -181,6 +181,22 @@ def rank_exits(exits: Path) -> dict[str, int]:
     return {p.name: int(p.read_text()) for p in sorted(exits.iterdir())}
 
 
+# -- errors: a test checks the facts of a message (the option it names, the offending value, the fix), each a short
+# phrase, so that rewording the sentence breaks no test but dropping a fact does ---------------------------------
+
+def assert_mentions(text: str, *facts: str) -> None:
+    """Each of ``facts`` appears in ``text``, in any order."""
+    missing = [fact for fact in facts if fact not in text]
+    assert not missing, f"{missing} not in {text!r}"
+
+
+def assert_one_error_line(stderr: str) -> str:
+    """The one ``ltcx: error: ...`` line of a run's stderr (and no traceback), which is returned."""
+    errors = [line for line in stderr.splitlines() if line.startswith("ltcx: error: ")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    return errors[0]
+
+
 def one_error_line(args, capsys) -> str:
     """Run ``ltcx args`` in process; it must exit 2 with exactly one line on stderr, which is returned."""
     from ltcx.cli import main
@@ -188,10 +204,7 @@ def one_error_line(args, capsys) -> str:
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     assert exit_info.value.code == 2
-    captured = capsys.readouterr()
-    lines = [line for line in captured.err.splitlines() if line.startswith("ltcx: error: ")]
-    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
-    return lines[0]
+    return assert_one_error_line(capsys.readouterr().err)
 
 
 # -- checkpoints ------------------------------------------------------------------------------------------------

@@ -14,8 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from facts import assert_mentions
-from helpers import ROOT, lean_fit_args, one_error_line, write_corpus
+from helpers import ROOT, assert_mentions, lean_fit_args, one_error_line, write_corpus
 from ltcx.cli import main
 from ltcx.errors import LtcxError
 from ltcx.lm import LanguageModel

@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
-from facts import assert_mentions
 from helpers import (
     ROOT,
+    assert_mentions,
     fit_args,
     one_error_line,
 )

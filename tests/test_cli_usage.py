@@ -11,8 +11,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from facts import assert_mentions
-from helpers import ROOT, TINY_MODEL, fit_args, lean_fit_args, one_error_line, write_checkpoint, write_corpus
+from helpers import (
+    ROOT,
+    TINY_MODEL,
+    assert_mentions,
+    fit_args,
+    lean_fit_args,
+    one_error_line,
+    write_checkpoint,
+    write_corpus,
+)
 from ltcx.cli import LtcxCLI, main
 from ltcx.data import TextDataModule
 from ltcx.lm import LanguageModel

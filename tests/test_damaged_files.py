@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from facts import assert_mentions
 from helpers import (
+    assert_mentions,
     lean_fit_args,
     one_error_line,
     write_checkpoint,

@@ -11,8 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from facts import assert_mentions
-from helpers import unit_docs
+from helpers import assert_mentions, unit_docs
 from ltcx.data import DataError, TextDataModule, in_holdout, in_test_holdout, pack_blocks
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.tokenizers import get_tokenizer

@@ -10,8 +10,17 @@ import signal
 
 import pytest
 
-from facts import assert_mentions, assert_one_error_line
-from helpers import DDP, FSDP, lean_fit_args, rank_exits, run_ddp, step_and_weights, write_corpus
+from helpers import (
+    DDP,
+    FSDP,
+    assert_mentions,
+    assert_one_error_line,
+    lean_fit_args,
+    rank_exits,
+    run_ddp,
+    step_and_weights,
+    write_corpus,
+)
 from ltcx.persist import read_checkpoint
 
 # the fix each non-finite stop names

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from facts import assert_mentions
-from helpers import ROOT, one_error_line, write_checkpoint
+from helpers import ROOT, assert_mentions, one_error_line, write_checkpoint
 
 lm_eval = pytest.importorskip("lm_eval")
 

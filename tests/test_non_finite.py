@@ -4,8 +4,8 @@
 import pytest
 import torch
 
-from facts import assert_mentions
 from helpers import (
+    assert_mentions,
     fit_args,
     lean_fit_args,
     one_error_line,

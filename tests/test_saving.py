@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from facts import assert_mentions
 from helpers import (
     ROOT,
+    assert_mentions,
     lean_fit_args,
     one_error_line,
     step_and_weights,

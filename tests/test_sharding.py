@@ -17,12 +17,13 @@ import sys
 import pytest
 import torch
 
-from facts import assert_mentions, assert_one_error_line
 from helpers import (
     DDP,
     FSDP,
     ROOT,
     assert_generates,
+    assert_mentions,
+    assert_one_error_line,
     fit_args,
     lean_fit_args,
     rank_exits,

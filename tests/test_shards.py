@@ -16,8 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import ltcx.data.prepare as prepare_module
-from facts import assert_mentions
-from helpers import lean_fit_args, one_error_line, read_events, unit_docs
+from helpers import assert_mentions, lean_fit_args, one_error_line, read_events, unit_docs
 from ltcx.cli import main
 from ltcx.data import TextDataModule, in_holdout, in_test_holdout
 from ltcx.data.prepare import prepare

@@ -9,8 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from facts import assert_mentions
-from helpers import unit_docs
+from helpers import assert_mentions, unit_docs
 from ltcx.data import RecallDataModule, TextDataModule, in_holdout, in_test_holdout
 from ltcx.data.prepare import prepare
 from ltcx.errors import ConfigError, LtcxError

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from facts import assert_mentions
-from helpers import GPT_CONFIG, ROOT, one_error_line, write_checkpoint
+from helpers import GPT_CONFIG, ROOT, assert_mentions, one_error_line, write_checkpoint
 from ltcx.cli import main
 from ltcx.errors import LtcxError
 from ltcx.lm import LanguageModel
