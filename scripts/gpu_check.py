@@ -86,8 +86,8 @@ class Shape:
     def fields(self) -> list[str]:
         """Every figure of one model, in the table's order."""
         return ["params", "context", "train_tokens_per_s", "mfu", "peak_memory_mb", "peak_memory_full_logits_mb",
-                "compile_s", "compiled_tokens_per_s", "compile_speedup", *self.decode_fields(), "sdpa_train",
-                "sdpa_decode"]
+                "kernels_per_step", "compile_s", "compiled_tokens_per_s", "compile_speedup", *self.decode_fields(),
+                "sdpa_train", "sdpa_decode"]
 
 
 # -- the worker: the models, one after another -----------------------------------------------------------------
@@ -190,6 +190,7 @@ def measure_model(arch: str, shape: Shape, device, peak: tuple, record: Recorder
 
     from ltcx.lm import LanguageModel
     from ltcx.throughput import (
+        kernels_per_step,
         loss_step,
         model_flops_per_token,
         peak_memory_mb,
@@ -242,6 +243,9 @@ def measure_model(arch: str, shape: Shape, device, peak: tuple, record: Recorder
         sync(device)
         record.set(peak_memory_full_logits_mb=peak_memory_mb(device))
         release_memory()
+
+    with record.measuring("kernels", "kernels_per_step"):  # the eager step's kernel launches, views left out
+        record.set(kernels_per_step=sum(kernels_per_step(trained, idx, optimizer, autocast).values()))
 
     with record.measuring("sdpa", "sdpa_train", "sdpa_decode"):
         def training_forward():
@@ -522,7 +526,8 @@ def markdown(report: dict) -> str:
         f"Batch {shape['batch']} x {shape['seq_len']}, {shape['dtype']}"
         f"{' autocast (bf16-mixed)' if shape['dtype'] == 'bf16' else ''}, vocabulary {shape['vocab']:,}; "
         "training = `LanguageModel.loss` (the fused head) + backward + AdamW, as a fit trains; peak, full logits = "
-        "the same step through the full [B, T, V] logits and `F.cross_entropy`; MFU against "
+        "the same step through the full [B, T, V] logits and `F.cross_entropy`; kernels = the eager step's "
+        "(`ltcx.throughput.kernels_per_step`); MFU against "
         f"{meta['peak_flops'] or 0:.3g} FLOP/s ({meta['peak_source']}); compiled = `torch.compile` "
         f"({shape['compile_backend']}) of the training step, as `--model.compile true`; "
         f"decode = one cached step, ms, at batch b after p tokens; SDPA = the kernel that ran (profiler), "
@@ -530,7 +535,8 @@ def markdown(report: dict) -> str:
         "",
     ]
     decode_heads = [f"decode b{b} @{p} (ms)" for p in positions for b in batches]
-    head = ["model", "parameters", "train tokens/s", "MFU", "peak memory", "peak, full logits", "compiled tokens/s",
+    head = ["model", "parameters", "train tokens/s", "MFU", "peak memory", "peak, full logits", "kernels per step",
+            "compiled tokens/s",
             "compile speed-up",
             "compile time", *decode_heads, "SDPA"]
     lines.append("| " + " | ".join(head) + " |")
@@ -539,7 +545,7 @@ def markdown(report: dict) -> str:
         sdpa = f"{cell(result, 'sdpa_train')} / {cell(result, 'sdpa_decode')}"
         row = [result["arch"], cell(result, "params"), cell(result, "train_tokens_per_s"), cell(result, "mfu"),
                cell(result, "peak_memory_mb", " MiB"), cell(result, "peak_memory_full_logits_mb", " MiB"),
-               cell(result, "compiled_tokens_per_s"),
+               cell(result, "kernels_per_step"), cell(result, "compiled_tokens_per_s"),
                cell(result, "compile_speedup", suffix="x"), cell(result, "compile_s", " s"),
                *(cell(result, f"decode_ms_b{b}_at_{p}") for p in positions for b in batches), sdpa]
         lines.append("| " + " | ".join(row) + " |")

@@ -20,8 +20,8 @@ from ltcx.models.catalog import CATALOG
 
 SCRIPT = ROOT / "scripts/gpu_check.py"
 FIELDS = ["params", "context", "train_tokens_per_s", "mfu", "peak_memory_mb", "peak_memory_full_logits_mb",
-          "compile_s", "compiled_tokens_per_s", "compile_speedup", "decode_ms_b1_at_8", "decode_ms_b2_at_8",
-          "decode_ms_b1_at_80", "decode_ms_b2_at_80", "sdpa_train", "sdpa_decode"]
+          "kernels_per_step", "compile_s", "compiled_tokens_per_s", "compile_speedup", "decode_ms_b1_at_8",
+          "decode_ms_b2_at_8", "decode_ms_b1_at_80", "decode_ms_b2_at_80", "sdpa_train", "sdpa_decode"]
 
 
 def gpu_check_module():
@@ -59,6 +59,7 @@ def test_tiny_check_reports_every_model_and_field_and_the_cli_checks(tmp_path):
                       "peak_memory_mb", "peak_memory_full_logits_mb", "decode_ms_b1_at_8", "decode_ms_b2_at_8"):
             assert isinstance(result[field], float) and result[field] > 0, (arch, field)
         assert result["mfu"] < 1, arch
+        assert isinstance(result["kernels_per_step"], int) and result["kernels_per_step"] > 0, arch
         if result["context"] == 64:  # the tiny GPTs' learned positions end there: no step after 80 tokens
             assert result["decode_ms_b1_at_80"] == result["decode_ms_b2_at_80"] == "n/a (context 64)", arch
         else:
