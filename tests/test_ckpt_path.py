@@ -6,6 +6,7 @@ import shutil
 import pytest
 
 from helpers import (
+    assert_mentions,
     damaged,
     fit_args,
     lean_fit_args,
@@ -24,8 +25,9 @@ def test_resuming_at_or_past_max_steps_says_so_and_writes_nothing(tmp_path, fit_
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     main(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", max_steps, "--ckpt_path", "last"))
     last = tmp_path / "checkpoints/gpt/version_0/last.ckpt"
-    assert (f"ltcx: checkpoint '{last.relative_to(tmp_path)}' is at step 3, at or past trainer.max_steps {max_steps}: "
-            "nothing to train; raise --trainer.max_steps to continue") in capsys.readouterr().err.splitlines()
+    [notice] = [line for line in capsys.readouterr().err.splitlines() if "nothing to train" in line]
+    assert_mentions(notice, f"'{last.relative_to(tmp_path)}'", "step 3", f"trainer.max_steps {max_steps}",
+                    "raise --trainer.max_steps")
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
@@ -70,28 +72,27 @@ def test_ckpt_path_last_refuses_when_runs_share_the_folder(tmp_path, fit_env, ca
     shutil.copy(checkpoint, folder / "last.ckpt")
     shutil.copy(checkpoint, folder / "last-v1.ckpt")
     line = one_error_line(lean_fit_args(tmp_path, fit_env, "--trainer.max_steps", "1", "--ckpt_path", "last"), capsys)
-    assert line == ("ltcx: error: --ckpt_path last is ambiguous: checkpoints/gpt/last-v1.ckpt, "
-                    "checkpoints/gpt/last.ckpt (runs sharing the folder wrote several); pass --ckpt_path the one to "
-                    "resume")
+    assert_mentions(line, "--ckpt_path last", "ambiguous", "checkpoints/gpt/last-v1.ckpt", "checkpoints/gpt/last.ckpt",
+                    "pass --ckpt_path the one")
     assert not (tmp_path / "lightning_logs").exists()
 
 
 
-@pytest.mark.parametrize("how,message", [
-    ("missing", "does not exist: pass --ckpt_path the path of a .ckpt file"),
-    ("empty", "is empty (0 bytes): use another checkpoint"),
-    ("truncated", "it is truncated or not a checkpoint"),
-    ("random", "could not be read"),
-    ("another architecture", "--model.backbone.init_args.n_embd 16 would change the architecture of checkpoint "
-                             "'{path}' (it has n_embd 32), whose weights can not be resumed into it: drop the flag "
-                             "to resume"),
-    ("another vocabulary", "is of another model (vocab_size: 320 in the file, 50304 configured): pass the config that"),
+@pytest.mark.parametrize("how,facts", [
+    ("missing", ("does not exist", "pass --ckpt_path")),
+    ("empty", ("is empty (0 bytes)", "use another checkpoint")),
+    ("truncated", ("truncated or not a checkpoint",)),
+    ("random", ("could not be read",)),
+    ("another architecture", ("--model.backbone.init_args.n_embd 16", "would change the architecture",
+                              "n_embd 32", "drop the flag")),
+    ("another vocabulary", ("is of another model", "vocab_size: 320 in the file, 50304 configured",
+                            "pass the config")),
 ])
-def test_fit_ckpt_path_failures(tmp_path, fit_env, capsys, checkpoint, how, message):
+def test_fit_ckpt_path_failures(tmp_path, fit_env, capsys, checkpoint, how, facts):
     path = checkpoint if how.startswith("another") else damaged(tmp_path, checkpoint, how)
     typed = [] if how == "another vocabulary" else ["--model.backbone.init_args.n_embd", "16"]  # gpt2 here, bytes there
     line = one_error_line(fit_args(fit_env, "--trainer.max_steps", "1", "--ckpt_path", str(path), *typed), capsys)
-    assert f"checkpoint '{path}'" in line and message.format(path=path) in line
+    assert_mentions(line, f"checkpoint '{path}'", *facts)
     assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "checkpoints").exists()
 
 
