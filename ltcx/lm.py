@@ -41,7 +41,8 @@ class LanguageModel(L.LightningModule):
         weight_decay: AdamW weight decay of the matrices (not norms, biases or exempt parameters).
         betas: AdamW betas.
         eps: AdamW epsilon.
-        compile: true: compile the backbone in place (prefill and decoding stay eager); "ops": only the ops its
+        compile: true: compile the backbone in place (prefill and decoding stay eager); "reduce-overhead": the same
+            with CUDA graphs on a CUDA device (Inductor's mode; static shapes); "ops": only the ops its
             ``compile_ops()`` names (Titans' memory), seconds of compiling where the whole backbone takes minutes.
     """
 
@@ -55,7 +56,7 @@ class LanguageModel(L.LightningModule):
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
-        compile: bool | Literal["ops"] = False,
+        compile: bool | Literal["ops", "reduce-overhead"] = False,
     ) -> None:
         super().__init__()
         if not isinstance(backbone, Backbone):
@@ -101,8 +102,8 @@ class LanguageModel(L.LightningModule):
             )
         if self.hparams.compile == "ops":
             self.backbone.compile_ops()
-        elif self.hparams.compile:
-            self.backbone.compile()  # in place: the state_dict keys stay "backbone.*"
+        elif self.hparams.compile:  # in place: the state_dict keys stay "backbone.*"
+            self.backbone.compile(mode="reduce-overhead" if self.hparams.compile == "reduce-overhead" else None)
 
     def forward(self, idx: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any]:
         """idx [B, T] -> (logits [B, T, V], state): the backbone's contract."""

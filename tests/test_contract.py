@@ -322,6 +322,37 @@ def check_compiled_backbone(entry: Architecture, backend: str, monkeypatch, gene
         torch.testing.assert_close(tokens_, generate(eager.backbone, prompt, 5, temperature=0))
 
 
+@pytest.mark.parametrize("name", ALL)
+def test_the_training_loss_traces_as_one_graph(name):
+    """--model.compile captures the whole loss in one graph, Titans' memory loop and the sLSTM scan included: a graph
+    break returns to Python between graphs (a launch gap on a GPU, and often a wait for the device)."""
+    backbone = CATALOG[name].build_tiny(VOCAB)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(lambda idx: backbone(idx, targets=idx))(tokens(B, 9))
+    assert explained.graph_break_count == 0, [str(r.reason).splitlines()[0] for r in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+def test_compile_reduce_overhead_asks_inductor_for_cuda_graphs(monkeypatch):
+    """--model.compile reduce-overhead compiles the backbone in place in Inductor's CUDA-graph mode (on a CPU Inductor
+    runs without graphs); the loss is eager's."""
+    asked, real_compile = [], torch.compile
+
+    def compile_eagerly(fn, **options):
+        asked.append(options)
+        return real_compile(fn, backend="eager")
+
+    monkeypatch.setattr(torch, "compile", compile_eagerly)
+    torch.manual_seed(0)
+    eager = LanguageModel(CATALOG["gpt"].build_tiny(VOCAB))
+    compiled = LanguageModel(CATALOG["gpt"].build_tiny(VOCAB), compile="reduce-overhead")
+    compiled.load_state_dict(eager.state_dict())
+    compiled.configure_model()
+    batch = tokens(B, 9)
+    torch.testing.assert_close(compiled.loss(batch), eager.loss(batch))
+    assert asked == [{"mode": "reduce-overhead"}]
+
+
 # MAL has both of Titans' block kinds (memory layer, sliding-window attention layer); MAG and MAC, whose
 # unrolled memory chunks take a minute each to trace here, LMM and GTA (the GPT's path plus its attention) run
 # with -m slow.

@@ -75,7 +75,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # written by the first chunk's product (zeros when there is no chunk)
         grad_weight = (torch.empty if hidden.shape[0] else torch.zeros)(weight.shape, dtype=acc, device=weight.device)
         grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=acc, device=bias.device)
-        every_asked = bool((targets != IGNORE_INDEX).all())  # one check per call, not one pass per chunk
         chunk_logits = _ChunkLogits(hidden, weight, chunk)
         for start in range(0, hidden.shape[0], chunk):
             h, t = hidden[start:start + chunk], targets[start:start + chunk]
@@ -88,11 +87,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             sums = dlogits.sum(dim=-1, keepdim=True)
             lse = (top + sums.log()).squeeze(1)
             total += ((lse - target_logit) * asked).sum()
-            dlogits.div_(sums)  # softmax
+            # softmax - onehot on asked rows, 0 on the rest: the row scale zeroes them in the softmax's own pass (no
+            # check of the targets on the host, which would wait for the device)
+            keep = asked.to(dlogits.dtype)
+            dlogits.mul_(keep[:, None] / sums)
             rows = torch.arange(t.shape[0], device=t.device)
-            dlogits[rows, safe] -= 1.0
-            if not every_asked:
-                dlogits.mul_(asked[:, None])
+            dlogits[rows, safe] -= keep
             grad_hidden[start:start + chunk] = (dlogits.to(hidden.dtype) @ weight).to(hidden.dtype)
             if start == 0:
                 torch.mm(dlogits.T, h.to(acc), out=grad_weight)  # no zero-fill of [V, C] before the first chunk
