@@ -27,7 +27,9 @@ segment's keys/values, the segment-start memory weights and the x-stream query c
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -54,6 +56,7 @@ from ltcx.ops.titans import (
 
 VARIANTS = ("mag", "mac", "mal", "lmm")
 THETA_MODES = ("chunk", "free")
+MEMORY_BACKENDS = ("torch", "triton")
 
 
 @dataclass
@@ -101,6 +104,9 @@ class TitansConfig:
     """largest theta (free mode)."""
     normalize_step: bool = True
     """divide theta by the curvature kappa of the token's loss."""
+    memory_backend: str = "torch"
+    """the memory's training and prefill form: torch (``ltcx/ops/titans.py``, any device) or triton (two fused kernels
+    a layer, ``ltcx/ops/titans_triton.py``: CUDA, or a CPU under TRITON_INTERPRET=1). One token steps in torch."""
     rope_base: float = 10000.0
     """base of the rotary position embedding."""
     dropout: float = 0.0
@@ -145,6 +151,8 @@ class TitansConfig:
                 f"n_persistent ({self.n_persistent!r}) must be a non-negative integer")
         require(self.variant in VARIANTS, f"variant ({self.variant!r}) must be one of {list(VARIANTS)}")
         require(self.theta_mode in THETA_MODES, f"theta_mode ({self.theta_mode!r}) must be one of {list(THETA_MODES)}")
+        require(self.memory_backend in MEMORY_BACKENDS,
+                f"memory_backend ({self.memory_backend!r}) must be one of {list(MEMORY_BACKENDS)}")
         require(self.n_embd % self.n_head == 0, f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         require(self.head_dim % 2 == 0, f"head dim n_embd / n_head ({self.head_dim}) must be even for RoPE")
         require(self.n_head % self.n_kv_head == 0,
@@ -289,7 +297,9 @@ class NeuralMemory(nn.Module):
                 self.w1_init.to(dtype), self.w2_init.to(dtype), batch
             )
             memory_fn = neural_memory_recurrent if length == 1 else neural_memory
-            if self.compiled and length > 1 and torch.is_grad_enabled():  # compile: ops (Titans.compile_ops)
+            if config.memory_backend == "triton" and length > 1:
+                memory_fn = _triton_neural_memory(u.device)
+            elif self.compiled and length > 1 and torch.is_grad_enabled():  # compile: ops (Titans.compile_ops)
                 memory_fn = _compiled_neural_memory()
             y, state = memory_fn(
                 q, k, v, log_retain, log_momentum, step, state, position, config.memory_chunk_size,
@@ -658,6 +668,20 @@ class Titans(Backbone):
             layer_states.append(layer_state)
         return self.ln_f(x), TitansState(position + idx.shape[1], tuple(layer_states)) if with_state else None
 
+
+
+def _triton_neural_memory(device: torch.device):
+    """``neural_memory_triton`` (imported here: only that module imports Triton), refused on a CPU unless Triton's
+    interpreter runs it."""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("memory_backend 'triton' runs on CUDA: on a CPU set memory_backend: torch (or "
+                          "TRITON_INTERPRET=1 to interpret the kernels, slowly)")
+    if importlib.util.find_spec("triton") is None:
+        raise ConfigError("memory_backend 'triton' needs Triton: pip install -r requirements-kernels.txt, or set "
+                          "memory_backend: torch")
+    from ltcx.ops.titans_triton import neural_memory_triton
+
+    return neural_memory_triton
 
 
 @functools.cache
