@@ -48,6 +48,9 @@ def piece_size(chunk_size: int | None) -> int:
     return math.gcd(chunk_size, MAX_PIECE)
 
 
+IEEE: tl.constexpr = tl.constexpr("ieee")  # float32 products in float32, as torch's (not TF32)
+
+
 def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
@@ -56,43 +59,8 @@ def _block(n: int) -> int:
 
 
 @triton.jit
-def _gelu(x):
-    return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-
-
-@triton.jit
-def _gelu_grad(x):
-    """GELU'(x) = Phi(x) + x phi(x)."""
-    return 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
-
-
-@triton.jit
-def _gelu_grad2(x):
-    """GELU''(x) = phi(x) (2 - x^2)."""
-    return 0.3989422804014327 * tl.exp(-0.5 * x * x) * (2.0 - x * x)
-
-
-@triton.jit
-def _dot(a, b):
-    return tl.dot(a, b, input_precision="ieee")
-
-
-@triton.jit
-def _piece_bounds(i, n_pieces, first, piece, length):
-    """(start within the call, tokens) of piece i: the first piece finishes the chunk the call starts in."""
-    start = tl.where(i == 0, 0, first + (i - 1) * piece)
-    n = tl.minimum(tl.where(i == 0, first, piece), length - start)
-    return start, n
-
-
-@triton.jit
 def _load_matrix(ptr, s_r, s_c, rows, cols, mask):
     return tl.load(ptr + rows[:, None] * s_r + cols[None, :] * s_c, mask=mask, other=0.0)
-
-
-@triton.jit
-def _load_tokens(ptr, s_t, s_d, t, rk, mask):
-    return tl.load(ptr + t[:, None] * s_t + rk[None, :] * s_d, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -100,11 +68,13 @@ def _piece_forward(Q, K, V, lr, lm, stp, valid, rn, n, W1, W2, S1, S2, W1s, W2s,
     """The closed form of one piece ([BN] rows, padded rows masked by ``valid``): every quantity the forward and
     the backward read, in the order the backward reads them."""
     # the inner gradient at the piece's gradient point
-    z = _dot(K, tl.trans(W1s))  # [BN, BM]
-    h = _gelu(z)
-    d2 = 2.0 * (K + _dot(h, tl.trans(W2s)) - V)  # [BN, BK]
-    back = _dot(d2, W2s)  # W2s^T delta2, [BN, BM]
-    d1 = back * _gelu_grad(z)
+    z = tl.dot(K, tl.trans(W1s), input_precision=IEEE)  # [BN, BM]
+    cdf_z = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))  # GELU(x) = x Phi(x), written out once for z and pre
+    pdf_z = 0.3989422804014327 * tl.exp(-0.5 * z * z)
+    h = z * cdf_z
+    d2 = 2.0 * (K + tl.dot(h, tl.trans(W2s), input_precision=IEEE) - V)  # [BN, BK]
+    back = tl.dot(d2, W2s, input_precision=IEEE)  # W2s^T delta2, [BN, BM]
+    d1 = back * (cdf_z + z * pdf_z)
     e2 = tl.sum(d2 * d2, axis=1) + 1e-6
     d12 = tl.sum(d1 * d1, axis=1)
     k2 = tl.sum(K * K, axis=1)
@@ -123,16 +93,19 @@ def _piece_forward(Q, K, V, lr, lm, stp, valid, rn, n, W1, W2, S1, S2, W1s, W2s,
     A = tl.exp(cA)
     E = tl.exp(cE)
     D = tl.sum(RA * E[None, :], axis=1)  # the weight of the incoming momentum in W_t
-    G = _dot(RA, RE)  # C / theta
+    G = tl.dot(RA, RE, input_precision=IEEE)  # C / theta
     C = G * theta[None, :]
     # the read y_t = M(q_t; W_t), W_t never formed
-    QK = _dot(Q, tl.trans(K))
+    QK = tl.dot(Q, tl.trans(K), input_precision=IEEE)
     Wr = C * QK
-    pre = A[:, None] * _dot(Q, tl.trans(W1)) + D[:, None] * _dot(Q, tl.trans(S1)) - _dot(Wr, d1)
-    hid = _gelu(pre)
-    HH = _dot(hid, tl.trans(h))
+    pre = (A[:, None] * tl.dot(Q, tl.trans(W1), input_precision=IEEE)
+           + D[:, None] * tl.dot(Q, tl.trans(S1), input_precision=IEEE) - tl.dot(Wr, d1, input_precision=IEEE))
+    cdf_p = 0.5 * (1.0 + tl.math.erf(pre * 0.7071067811865476))
+    hid = pre * cdf_p
+    HH = tl.dot(hid, tl.trans(h), input_precision=IEEE)
     R = C * HH
-    Y = Q + A[:, None] * _dot(hid, tl.trans(W2)) + D[:, None] * _dot(hid, tl.trans(S2)) - _dot(R, d2)
+    Y = (Q + A[:, None] * tl.dot(hid, tl.trans(W2), input_precision=IEEE)
+         + D[:, None] * tl.dot(hid, tl.trans(S2), input_precision=IEEE) - tl.dot(R, d2, input_precision=IEEE))
     # the carry through the piece: its last row's coefficients
     last = rn == n - 1
     c = tl.sum(tl.where(last[:, None], C, 0.0), axis=0)  # C[n-1, i]
@@ -142,8 +115,8 @@ def _piece_forward(Q, K, V, lr, lm, stp, valid, rn, n, W1, W2, S1, S2, W1s, W2s,
     cE_n = tl.sum(tl.where(last, cE, 0.0), axis=0)
     ML = tl.exp(cE_n - cE)  # E_n / E_i
     m = theta * ML
-    return (z, h, d2, back, d1, e2, d12, k2, kappa, theta, below, RA, RE, A, E, D, G, C, QK, Wr, pre, hid, HH, R, Y,
-            last, c, a_n, d_n, e_n, ML, m)
+    return (z, cdf_z, pdf_z, cdf_p, h, d2, back, d1, e2, d12, k2, kappa, theta, below, RA, RE, A, E, D, G, C, QK,
+            Wr, pre, hid, HH, R, Y, last, c, a_n, d_n, e_n, ML, m)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -193,7 +166,8 @@ def _memory_forward_kernel(
     v_base = v_ptr + b * sv_b + hd * sv_h
     y_base = y_ptr + b * sy_b + hd * sy_h
     for i in range(n_pieces):
-        start, n = _piece_bounds(i, n_pieces, first, piece, length)
+        start = tl.where(i == 0, 0, first + (i - 1) * piece)  # the first piece finishes the call's first chunk
+        n = tl.minimum(tl.where(i == 0, first, piece), length - start)
         slot = saved + i * 4 * size
         tl.store(slot + mk_offsets, W1, mask=mask_mk)
         tl.store(slot + size + km_offsets, W2, mask=mask_km)
@@ -202,20 +176,20 @@ def _memory_forward_kernel(
         t = start + rn
         valid = rn < n
         mask_nk = valid[:, None] & (rk[None, :] < DK)
-        Q = _load_tokens(q_base, sq_t, sq_d, t, rk, mask_nk)
-        K = _load_tokens(k_base, sk_t, sk_d, t, rk, mask_nk)
-        V = _load_tokens(v_base, sv_t, sv_d, t, rk, mask_nk)
+        Q = tl.load(q_base + t[:, None] * sq_t + rk[None, :] * sq_d, mask=mask_nk, other=0.0)
+        K = tl.load(k_base + t[:, None] * sk_t + rk[None, :] * sk_d, mask=mask_nk, other=0.0)
+        V = tl.load(v_base + t[:, None] * sv_t + rk[None, :] * sv_d, mask=mask_nk, other=0.0)
         lr = tl.load(lr_ptr + b * slr_b + hd * slr_h + t * slr_t, mask=valid, other=0.0)
         lm = tl.load(lm_ptr + b * slm_b + hd * slm_h + t * slm_t, mask=valid, other=0.0)
         stp = tl.load(st_ptr + b * sst_b + hd * sst_h + t * sst_t, mask=valid, other=0.0)
-        (z, h, d2, back, d1, e2, d12, k2, kappa, theta, below, RA, RE, A, E, D, G, C, QK, Wr, pre, hid, HH, R, Y,
-         last, c, a_n, d_n, e_n, ML, m) = _piece_forward(Q, K, V, lr, lm, stp, valid, rn, n, W1, W2, S1, S2, W1s,
-                                                          W2s, NORMALIZE)
+        (z, cdf_z, pdf_z, cdf_p, h, d2, back, d1, e2, d12, k2, kappa, theta, below, RA, RE, A, E, D, G, C, QK,
+         Wr, pre, hid, HH, R, Y, last, c, a_n, d_n, e_n, ML, m) = _piece_forward(
+            Q, K, V, lr, lm, stp, valid, rn, n, W1, W2, S1, S2, W1s, W2s, NORMALIZE)
         tl.store(y_base + t[:, None] * sy_t + rk[None, :] * sy_d, Y, mask=mask_nk)
-        W1 = a_n * W1 + d_n * S1 - _dot(tl.trans(d1 * c[:, None]), K)
-        W2 = a_n * W2 + d_n * S2 - _dot(tl.trans(d2 * c[:, None]), h)
-        S1 = e_n * S1 - _dot(tl.trans(d1 * m[:, None]), K)
-        S2 = e_n * S2 - _dot(tl.trans(d2 * m[:, None]), h)
+        W1 = a_n * W1 + d_n * S1 - tl.dot(tl.trans(d1 * c[:, None]), K, input_precision=IEEE)
+        W2 = a_n * W2 + d_n * S2 - tl.dot(tl.trans(d2 * c[:, None]), h, input_precision=IEEE)
+        S1 = e_n * S1 - tl.dot(tl.trans(d1 * m[:, None]), K, input_precision=IEEE)
+        S2 = e_n * S2 - tl.dot(tl.trans(d2 * m[:, None]), h, input_precision=IEEE)
         if REFRESH:  # a piece ending on a chunk boundary: the next gradients are taken at the weights after it
             boundary = (position + start + n) % refresh == 0
             W1s = tl.where(boundary, W1, W1s)
@@ -284,7 +258,8 @@ def _memory_backward_kernel(
     g_base = grads_ptr + pid.to(tl.int64) * length * DK
     for ii in range(n_pieces):
         i = n_pieces - 1 - ii
-        start, n = _piece_bounds(i, n_pieces, first, piece, length)
+        start = tl.where(i == 0, 0, first + (i - 1) * piece)  # the first piece finishes the call's first chunk
+        n = tl.minimum(tl.where(i == 0, first, piece), length - start)
         ws_slot = n_pieces  # the incoming gradient point, unless a boundary inside the call has moved it
         if REFRESH:
             # the gradient point of pieces after this one, if this one ends a chunk, is the weights after it
@@ -307,17 +282,17 @@ def _memory_backward_kernel(
         t = start + rn
         valid = rn < n
         mask_nk = valid[:, None] & (rk[None, :] < DK)
-        Q = _load_tokens(q_base, sq_t, sq_d, t, rk, mask_nk)
-        K = _load_tokens(k_base, sk_t, sk_d, t, rk, mask_nk)
-        V = _load_tokens(v_base, sv_t, sv_d, t, rk, mask_nk)
+        Q = tl.load(q_base + t[:, None] * sq_t + rk[None, :] * sq_d, mask=mask_nk, other=0.0)
+        K = tl.load(k_base + t[:, None] * sk_t + rk[None, :] * sk_d, mask=mask_nk, other=0.0)
+        V = tl.load(v_base + t[:, None] * sv_t + rk[None, :] * sv_d, mask=mask_nk, other=0.0)
         lr = tl.load(lr_ptr + b * slr_b + hd * slr_h + t * slr_t, mask=valid, other=0.0)
         lm = tl.load(lm_ptr + b * slm_b + hd * slm_h + t * slm_t, mask=valid, other=0.0)
         stp = tl.load(st_ptr + b * sst_b + hd * sst_h + t * sst_t, mask=valid, other=0.0)
-        (z, h, d2, back, d1, e2, d12, k2, kappa, theta, below, RA, RE, A, E, D, G, C, QK, Wr, pre, hid, HH, R, Y,
-         last, c, a_n, d_n, e_n, ML, m) = _piece_forward(Q, K, V, lr, lm, stp, valid, rn, n, W1, W2, S1, S2, W1s,
-                                                          W2s, NORMALIZE)
+        (z, cdf_z, pdf_z, cdf_p, h, d2, back, d1, e2, d12, k2, kappa, theta, below, RA, RE, A, E, D, G, C, QK,
+         Wr, pre, hid, HH, R, Y, last, c, a_n, d_n, e_n, ML, m) = _piece_forward(
+            Q, K, V, lr, lm, stp, valid, rn, n, W1, W2, S1, S2, W1s, W2s, NORMALIZE)
         if HAS_GY:
-            gY = _load_tokens(gy_base, sgy_t, sgy_d, t, rk, mask_nk)
+            gY = tl.load(gy_base + t[:, None] * sgy_t + rk[None, :] * sgy_d, mask=mask_nk, other=0.0)
         else:
             gY = tl.zeros((BN, BK), Q.dtype)
 
@@ -325,50 +300,52 @@ def _memory_backward_kernel(
         gA_n = tl.sum(tl.sum(gW1 * W1, axis=1), axis=0) + tl.sum(tl.sum(gW2 * W2, axis=1), axis=0)
         gD_n = tl.sum(tl.sum(gW1 * S1, axis=1), axis=0) + tl.sum(tl.sum(gW2 * S2, axis=1), axis=0)
         gE_n = tl.sum(tl.sum(gS1 * S1, axis=1), axis=0) + tl.sum(tl.sum(gS2 * S2, axis=1), axis=0)
-        X1 = _dot(d1, gW1)  # [BN, BK]
-        X2 = _dot(d2, gW2)  # [BN, BM]
-        Y1 = _dot(d1, gS1)
-        Y2 = _dot(d2, gS2)
+        X1 = tl.dot(d1, gW1, input_precision=IEEE)  # [BN, BK]
+        X2 = tl.dot(d2, gW2, input_precision=IEEE)  # [BN, BM]
+        Y1 = tl.dot(d1, gS1, input_precision=IEEE)
+        Y2 = tl.dot(d2, gS2, input_precision=IEEE)
         gK = -c[:, None] * X1 - m[:, None] * Y1
         gH = -c[:, None] * X2 - m[:, None] * Y2
         g_c = -tl.sum(K * X1, axis=1) - tl.sum(h * X2, axis=1)
         g_m = -tl.sum(K * Y1, axis=1) - tl.sum(h * Y2, axis=1)
-        gD1 = -c[:, None] * _dot(K, tl.trans(gW1)) - m[:, None] * _dot(K, tl.trans(gS1))  # [BN, BM]
-        gD2 = -c[:, None] * _dot(h, tl.trans(gW2)) - m[:, None] * _dot(h, tl.trans(gS2))  # [BN, BK]
+        gD1 = (-c[:, None] * tl.dot(K, tl.trans(gW1), input_precision=IEEE)
+               - m[:, None] * tl.dot(K, tl.trans(gS1), input_precision=IEEE))  # [BN, BM]
+        gD2 = (-c[:, None] * tl.dot(h, tl.trans(gW2), input_precision=IEEE)
+               - m[:, None] * tl.dot(h, tl.trans(gS2), input_precision=IEEE))  # [BN, BK]
         nW1 = a_n * gW1
         nW2 = a_n * gW2
         nS1 = d_n * gW1 + e_n * gS1
         nS2 = d_n * gW2 + e_n * gS2
 
         # the read: y = q + A (hid W2^T) + D (hid S2^T) - R delta2, R = C o hid h^T, hid = GELU(pre)
-        P2 = _dot(gY, W2)  # [BN, BM]
-        P2s = _dot(gY, S2)
+        P2 = tl.dot(gY, W2, input_precision=IEEE)  # [BN, BM]
+        P2s = tl.dot(gY, S2, input_precision=IEEE)
         gHid = A[:, None] * P2 + D[:, None] * P2s
         gA = tl.sum(P2 * hid, axis=1)
         gD = tl.sum(P2s * hid, axis=1)
-        nW2 += _dot(tl.trans(gY), A[:, None] * hid)
-        nS2 += _dot(tl.trans(gY), D[:, None] * hid)
-        gR = -_dot(gY, tl.trans(d2))  # [BN, BN]
-        gD2 -= _dot(tl.trans(R), gY)
+        nW2 += tl.dot(tl.trans(gY), A[:, None] * hid, input_precision=IEEE)
+        nS2 += tl.dot(tl.trans(gY), D[:, None] * hid, input_precision=IEEE)
+        gR = -tl.dot(gY, tl.trans(d2), input_precision=IEEE)  # [BN, BN]
+        gD2 -= tl.dot(tl.trans(R), gY, input_precision=IEEE)
         gC = gR * HH
         gHH = gR * C
-        gHid += _dot(gHH, h)
-        gH += _dot(tl.trans(gHH), hid)
+        gHid += tl.dot(gHH, h, input_precision=IEEE)
+        gH += tl.dot(tl.trans(gHH), hid, input_precision=IEEE)
         # pre = A (q W1^T) + D (q S1^T) - Wr delta1, Wr = C o q k^T
-        gPre = gHid * _gelu_grad(pre)
-        Z1 = _dot(gPre, W1)  # [BN, BK]
-        Z1s = _dot(gPre, S1)
+        gPre = gHid * (cdf_p + pre * 0.3989422804014327 * tl.exp(-0.5 * pre * pre))  # GELU'(pre)
+        Z1 = tl.dot(gPre, W1, input_precision=IEEE)  # [BN, BK]
+        Z1s = tl.dot(gPre, S1, input_precision=IEEE)
         gQ = gY + A[:, None] * Z1 + D[:, None] * Z1s
         gA += tl.sum(Z1 * Q, axis=1)
         gD += tl.sum(Z1s * Q, axis=1)
-        nW1 += _dot(tl.trans(gPre), A[:, None] * Q)
-        nS1 += _dot(tl.trans(gPre), D[:, None] * Q)
-        gWr = -_dot(gPre, tl.trans(d1))
-        gD1 -= _dot(tl.trans(Wr), gPre)
+        nW1 += tl.dot(tl.trans(gPre), A[:, None] * Q, input_precision=IEEE)
+        nS1 += tl.dot(tl.trans(gPre), D[:, None] * Q, input_precision=IEEE)
+        gWr = -tl.dot(gPre, tl.trans(d1), input_precision=IEEE)
+        gD1 -= tl.dot(tl.trans(Wr), gPre, input_precision=IEEE)
         gC += gWr * QK
         gQK = gWr * C
-        gQ += _dot(gQK, K)
-        gK += _dot(tl.trans(gQK), Q)
+        gQ += tl.dot(gQK, K, input_precision=IEEE)
+        gK += tl.dot(tl.trans(gQK), Q, input_precision=IEEE)
 
         # the coefficients: C = G theta_i, G = RA RE, m = theta ML, D = RA E, and the carry's last row
         gC += tl.where(last[:, None], g_c[None, :], 0.0)
@@ -377,8 +354,8 @@ def _memory_backward_kernel(
         gML = g_m * theta
         gA += tl.where(last, gA_n, 0.0)
         gD += tl.where(last, gD_n, 0.0)
-        gRA = _dot(gG, tl.trans(RE)) + gD[:, None] * E[None, :]
-        gRE = _dot(tl.trans(RA), gG)
+        gRA = tl.dot(gG, tl.trans(RE), input_precision=IEEE) + gD[:, None] * E[None, :]
+        gRE = tl.dot(tl.trans(RA), gG, input_precision=IEEE)
         tA = gRA * RA  # d/d(log A_t - log A_j)
         tE = gRE * RE
         gcA = gA * A + tl.sum(tA, axis=1) - tl.sum(tA, axis=0)
@@ -400,17 +377,18 @@ def _memory_backward_kernel(
             g_st = gTheta
 
         # the inner gradient at the gradient point: delta1 = (delta2 W2s) GELU'(z), delta2 = 2 (k + h W2s^T - v)
-        gBack = gD1 * _gelu_grad(z)
-        gZ = gD1 * back * _gelu_grad2(z)
-        gD2 += _dot(gBack, tl.trans(W2s))
-        gW2s += _dot(tl.trans(d2), gBack)
+        gelu_z = cdf_z + z * pdf_z  # GELU'(z); GELU''(z) = phi(z) (2 - z^2)
+        gBack = gD1 * gelu_z
+        gZ = gD1 * back * pdf_z * (2.0 - z * z)
+        gD2 += tl.dot(gBack, tl.trans(W2s), input_precision=IEEE)
+        gW2s += tl.dot(tl.trans(d2), gBack, input_precision=IEEE)
         gK += 2.0 * gD2
         gV = -2.0 * gD2
-        gH += 2.0 * _dot(gD2, W2s)
-        gW2s += 2.0 * _dot(tl.trans(gD2), h)
-        gZ += gH * _gelu_grad(z)
-        gK += _dot(gZ, W1s)
-        gW1s += _dot(tl.trans(gZ), K)
+        gH += 2.0 * tl.dot(gD2, W2s, input_precision=IEEE)
+        gW2s += 2.0 * tl.dot(tl.trans(gD2), h, input_precision=IEEE)
+        gZ += gH * gelu_z
+        gK += tl.dot(gZ, W1s, input_precision=IEEE)
+        gW1s += tl.dot(tl.trans(gZ), K, input_precision=IEEE)
 
         offsets = t[:, None] * DK + rk[None, :]
         tl.store(g_base + offsets, gQ, mask=mask_nk)
