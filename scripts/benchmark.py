@@ -71,9 +71,6 @@ def fail(message: str) -> None:
     raise SystemExit(2)
 
 
-# -- models -----------------------------------------------------------------------------------------------------
-
-
 def build(spec: str, args, min_context: int) -> torch.nn.Module:
     """The backbone of ``spec`` (a catalogue name, optionally ``name:key=value,...``): its YAML's, or with
     ``--width`` the catalogue's scaling of it (heads of ``--head_dim``); float32, seeded."""
@@ -142,9 +139,6 @@ def nanogpt_step(module, gpt: torch.nn.Module, args):
         optimizer.zero_grad(set_to_none=True)
 
     return sum(p.numel() for p in model.parameters()), step
-
-
-# -- the questions ------------------------------------------------------------------------------------------------
 
 
 def training(args) -> tuple[dict, list[dict]]:
@@ -259,8 +253,8 @@ def state_bytes(state) -> int:
 
 
 def commands(args) -> tuple[dict, list[dict]]:
-    """CPU seconds, wall seconds and peak RSS of each command a user starts with, each once in a fresh process in an
-    empty folder (``--threads`` threads)."""
+    """CPU and wall seconds of each command a user starts with, each once in a fresh process in an empty folder
+    (``--threads`` threads). No peak RSS: a child forked from this process counts this process's pages."""
     rows = []
     for command in (COMMANDS[name] for name in args.commands):
         with tempfile.TemporaryDirectory() as folder:
@@ -273,8 +267,7 @@ def commands(args) -> tuple[dict, list[dict]]:
         if run.returncode != 0:
             fail(f"`ltcx {' '.join(command)}` failed: {(run.stderr.strip().splitlines() or ['?'])[-1]}")
         rows.append({"command": "ltcx " + " ".join(command), "wall_s": wall,
-                     "cpu_s": after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime,
-                     "peak_rss_mb": after.ru_maxrss / 2**10})
+                     "cpu_s": after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime})
         print(rows[-1], flush=True)
     return {}, rows
 
@@ -282,10 +275,8 @@ def commands(args) -> tuple[dict, list[dict]]:
 QUESTIONS = {"training": training, "kernels": kernels, "memory": memory, "decode": decode, "commands": commands}
 
 
-# -- results files and tables -------------------------------------------------------------------------------------
-
-
 def shape_args(args) -> list[str]:
+    """The arguments that give a child process the same models and batch."""
     shape = ["--batch_size", str(args.batch_size), "--seq_len", str(args.seq_len), "--vocab_size",
              str(args.vocab_size)]
     if args.width is not None:
@@ -355,8 +346,8 @@ def table(name: str, data: dict) -> str:
                                                       for p in at),
                         *(_n(r[f"state_kib_at_{p}"]) for p in at)] for r in rows])
     elif name == "commands":
-        lines = _rows(["command", "CPU s", "wall s", "peak RSS, MiB"],
-                      [[f"`{r['command']}`", _n(r["cpu_s"]), _n(r["wall_s"]), _n(r["peak_rss_mb"], 4)] for r in rows])
+        lines = _rows(["command", "CPU s", "wall s"], [[f"`{r['command']}`", _n(r["cpu_s"]), _n(r["wall_s"])]
+                                                       for r in rows])
     else:
         raise ValueError(f"no table named {name!r} (known: {', '.join(QUESTIONS)})")
     return "\n".join([*lines, "", stamp_line(data)])
