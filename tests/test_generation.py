@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import one_error_line, write_checkpoint
+from helpers import assert_mentions, one_error_line, write_checkpoint
 from ltcx.errors import LtcxError
 from ltcx.generation import filter_logits, generate, stream_tokens
 from ltcx.models import catalog
@@ -11,6 +11,9 @@ from ltcx.models.gpt import GPT
 from ltcx.models.inference_cache import keeping_derived
 
 pytestmark = pytest.mark.quick  # `pytest -m quick`: the equations, a first check
+
+# what the line on non-finite logits says: what, where, why and the fix
+NOT_FINITE = ("logits are not finite", "generated token 1", "damaged or diverged", "earlier checkpoint")
 
 
 @pytest.fixture
@@ -57,11 +60,13 @@ def test_vocab_limit_and_stop_token(model):
 
 
 def test_prompt_longer_than_context_is_a_clear_error(model):
-    with pytest.raises(LtcxError, match=r"prompt \(30 tokens\) plus max_new_tokens \(5\) is 35 tokens, "
-                       r"more than the model's context of 32"):
+    with pytest.raises(LtcxError) as error:
         next(stream_tokens(model, torch.zeros(1, 30, dtype=torch.long), 5))
-    with pytest.raises(LtcxError, match="prompt is empty"):
+    assert_mentions(str(error.value), "prompt (30 tokens)", "max_new_tokens (5)", "35 tokens", "context of 32",
+                    "shorten the prompt", "lower max_new_tokens")
+    with pytest.raises(LtcxError) as error:
         next(stream_tokens(model, torch.zeros(1, 0, dtype=torch.long), 5))
+    assert_mentions(str(error.value), "prompt is empty", "at least one token")
 
 
 def test_generate_texts_batches_prompts_of_any_length(model):
@@ -86,8 +91,8 @@ def test_non_finite_logits_raise_one_line(model, temperature):
             weights.fill_(float("nan"))
     with pytest.raises(LtcxError) as info:
         generate(model, prompt, 3, temperature=temperature)
-    assert str(info.value) == ("the model's logits are not finite at generated token 1: its weights are damaged or "
-                               "diverged; sample from an earlier checkpoint")
+    assert_mentions(str(info.value), *NOT_FINITE)
+    assert "\n" not in str(info.value)
 
 
 def test_non_finite_logits_name_the_token(model):
@@ -98,8 +103,9 @@ def test_non_finite_logits_name_the_token(model):
         return (output[0] * float("nan"), output[1]) if len(calls) == 3 else output
 
     model.register_forward_hook(diverge_on_third_call)
-    with pytest.raises(LtcxError, match="not finite at generated token 3: "):
+    with pytest.raises(LtcxError) as error:
         generate(model, torch.randint(0, 64, (1, 3)), 5, temperature=1.0)
+    assert_mentions(str(error.value), "not finite", "generated token 3")
 
 
 @pytest.mark.parametrize("temperature", ["0.8", "0"])
@@ -111,8 +117,7 @@ def test_generate_cli_with_non_finite_weights_is_one_line(tmp_path, capsys, temp
     torch.save(checkpoint, path)
     line = one_error_line(["generate", "--ckpt_path", str(path), "--prompt", "a", "--max_new_tokens", "5",
                            "--temperature", temperature], capsys)
-    assert line == ("ltcx: error: the model's logits are not finite at generated token 1: its weights are damaged or "
-                    "diverged; sample from an earlier checkpoint")
+    assert_mentions(line, *NOT_FINITE)
 
 
 def test_a_temperature_too_small_for_float32_samples_greedily(model):
@@ -141,7 +146,7 @@ def test_generate_cli_with_a_temperature_too_small_for_float32_is_greedy(tmp_pat
 @pytest.mark.parametrize("seed", ["-1", str(2**64)])
 def test_generate_cli_seed_outside_64_bits_is_one_line(tmp_path, capsys, seed):
     line = one_error_line(["generate", "--ckpt_path", str(tmp_path / "none.ckpt"), "--seed", seed], capsys)
-    assert line == f"ltcx: error: --seed ({seed}) must be in 0..{2**64 - 1} (2**64 - 1, torch's range)"
+    assert_mentions(line, f"--seed ({seed})", f"0..{2**64 - 1}")
 
 
 # -- LanguageModel.generate: the same loop from Python -------------------------------------------------------------
@@ -201,18 +206,23 @@ def test_model_generate_needs_a_tokenizer_for_text_and_never_a_folder_a_file_nam
 
     torch.manual_seed(0)
     fresh = LanguageModel(GPT(block_size=32, vocab_size=320, n_layer=1, n_head=2, n_embd=16))
-    with pytest.raises(LtcxError, match=r"needs a tokenizer .* pass tokenizer='gpt2'"):
+    with pytest.raises(LtcxError) as error:
         fresh.generate("ab", 4)
+    assert_mentions(str(error.value), "needs a tokenizer", "pass tokenizer='gpt2'")
     assert fresh.generate("ab", 4, tokenizer="bytes", temperature=0).startswith("ab")
-    with pytest.raises(LtcxError, match=r"tokenizer 'gpt2' \(50257 ids\) does not fit the model's vocabulary of 320"):
+    with pytest.raises(LtcxError) as error:
         fresh.generate("ab", 4, tokenizer="gpt2")
-    with pytest.raises(LtcxError, match=r"LongTensor \[B, T\], not torch.int64 of shape \[3\]: use ids\[None\]"):
+    assert_mentions(str(error.value), "tokenizer 'gpt2' (50257 ids)", "vocabulary of 320",
+                    "the tokenizer it was trained with")
+    with pytest.raises(LtcxError) as error:
         fresh.generate(torch.tensor([1, 2, 3]), 4)
+    assert_mentions(str(error.value), "LongTensor [B, T]", "torch.int64", "shape [3]", "use ids[None]")
     folder = tmp_path / "tok"
     folder.mkdir()
     model = LanguageModel.load_from_checkpoint(write_checkpoint(tmp_path / "m.ckpt", tokenizer=str(folder)))
-    with pytest.raises(LtcxError, match="which is a path on this machine: .* pass generate"):
+    with pytest.raises(LtcxError) as error:
         model.generate("ab", 4)
+    assert_mentions(str(error.value), repr(str(folder)), "a path on this machine", "tokenizer=FOLDER")
 
 
 def test_model_generate_greedy_equals_argmax_of_the_full_forward_each_step(model):
