@@ -16,11 +16,11 @@ and the weights and momentum after the piece, A_n W + D_n S - delta^T (C[n-1] x)
 Pieces are at absolute positions, P tokens each: P = chunk_size for chunks up to ``MAX_PIECE`` tokens, else the
 largest power of two dividing it (the weights inside a chunk are the same closed form over any split, since every
 gradient in it is taken at W^s), and ``MAX_PIECE`` with no chunks (W^s never moves). W^s becomes the current weights
-after a piece that ends on a multiple of chunk_size. The forward saves each piece's start state (W1, W2, S1, S2:
-as many floats as autograd saves for the torch form) and the incoming W^s; the backward kernel runs the pieces in
-reverse, recomputes each piece's forward from its saved start, and carries the gradients of the weights, momentum
-and gradient point on chip. ``tl.dot`` wants every dimension >= 16: rows, keys and hidden units are padded with
-masks to powers of two >= 16 (zeros, which every product leaves zero).
+after a piece that ends on a multiple of chunk_size. Where a gradient is wanted the forward saves each piece's start
+state (W1, W2, S1, S2: as many floats as autograd saves for the torch form) and the incoming W^s; the backward runs the
+pieces in reverse, recomputes each piece's forward from its saved start, and carries the gradients of the weights,
+momentum and gradient point on chip. ``tl.dot`` wants every dimension >= 16: rows, keys and hidden units are padded
+with masks to powers of two >= 16 (zeros, which every product leaves zero).
 """
 
 from __future__ import annotations
@@ -132,10 +132,11 @@ def _memory_forward_kernel(
     y_ptr, sy_b, sy_h, sy_t, sy_d, out_ptr, saved_ptr,
     heads, length, position, n_pieces, first, piece, refresh,
     DK: tl.constexpr, DM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr,
-    NORMALIZE: tl.constexpr, HAS_S: tl.constexpr, REFRESH: tl.constexpr,
+    NORMALIZE: tl.constexpr, HAS_S: tl.constexpr, REFRESH: tl.constexpr, SAVE: tl.constexpr,
 ):
     """One (row, head): y [B, H, T, dk]; out [6, B, H, dm * dk] = W1, W2, S1, S2, W1s, W2s after the call;
-    saved [B * H, n_pieces + 1, 4, dm * dk]: each piece's start (W1, W2, S1, S2), then the incoming (W1s, W2s)."""
+    saved [B * H, n_pieces + 1, 4, dm * dk]: each piece's start (W1, W2, S1, S2), then the incoming (W1s, W2s), for
+    the backward (written only with SAVE)."""
     pid = tl.program_id(0)
     b = pid // heads
     hd = pid % heads
@@ -159,8 +160,9 @@ def _memory_forward_kernel(
     mk_offsets = rm[:, None] * DK + rk[None, :]  # W1-shaped [dm, dk], row-major
     km_offsets = rk[:, None] * DM + rm[None, :]  # W2-shaped [dk, dm]
     saved = saved_ptr + pid.to(tl.int64) * (n_pieces + 1) * 4 * size
-    tl.store(saved + n_pieces * 4 * size + mk_offsets, W1s, mask=mask_mk)
-    tl.store(saved + n_pieces * 4 * size + size + km_offsets, W2s, mask=mask_km)
+    if SAVE:
+        tl.store(saved + n_pieces * 4 * size + mk_offsets, W1s, mask=mask_mk)
+        tl.store(saved + n_pieces * 4 * size + size + km_offsets, W2s, mask=mask_km)
     q_base = q_ptr + b * sq_b + hd * sq_h
     k_base = k_ptr + b * sk_b + hd * sk_h
     v_base = v_ptr + b * sv_b + hd * sv_h
@@ -168,11 +170,12 @@ def _memory_forward_kernel(
     for i in range(n_pieces):
         start = tl.where(i == 0, 0, first + (i - 1) * piece)  # the first piece finishes the call's first chunk
         n = tl.minimum(tl.where(i == 0, first, piece), length - start)
-        slot = saved + i * 4 * size
-        tl.store(slot + mk_offsets, W1, mask=mask_mk)
-        tl.store(slot + size + km_offsets, W2, mask=mask_km)
-        tl.store(slot + 2 * size + mk_offsets, S1, mask=mask_mk)
-        tl.store(slot + 3 * size + km_offsets, S2, mask=mask_km)
+        if SAVE:
+            slot = saved + i * 4 * size
+            tl.store(slot + mk_offsets, W1, mask=mask_mk)
+            tl.store(slot + size + km_offsets, W2, mask=mask_km)
+            tl.store(slot + 2 * size + mk_offsets, S1, mask=mask_mk)
+            tl.store(slot + 3 * size + km_offsets, S2, mask=mask_km)
         t = start + rn
         valid = rn < n
         mask_nk = valid[:, None] & (rk[None, :] < DK)
@@ -445,25 +448,26 @@ def _strides(*tensors: Tensor) -> list[int]:
 
 class _NeuralMemory(torch.autograd.Function):
     """Inputs: q, k, v [B, H, T, dk], log_retain, log_momentum, step [B, H, T], W1s, W2s, W1, W2 (W1-shaped
-    [B, H, dm, dk], W2-shaped [B, H, dk, dm]), S1, S2 (None: zero momentum), position, chunk_size, normalize.
+    [B, H, dm, dk], W2-shaped [B, H, dk, dm]), S1, S2 (None: zero momentum), position, chunk_size, normalize,
+    save (a backward will run: the forward writes the piece starts it reads).
     Outputs: y [B, H, T, dk] and the state after the call, W1, W2, S1, S2, W1s, W2s."""
 
     @staticmethod
     def forward(ctx, q, k, v, log_retain, log_momentum, step, w1s, w2s, w1, w2, s1, s2, position, chunk_size,
-                normalize):
+                normalize, save):
         layout = _Layout(q, w1.shape[-2], position, chunk_size, normalize)
         batch, heads, length, dk = q.shape
         rows = batch * heads
         # y laid out [B, T, H, dk]: the caller's merge of the heads is then a view
         y = q.new_empty(batch, length, heads, dk).transpose(1, 2)
         out = q.new_empty(6, batch, heads, layout.dm * dk)
-        saved = q.new_empty(rows, layout.n_pieces + 1, 4, layout.dm * dk)
+        saved = q.new_empty(rows, layout.n_pieces + 1, 4, layout.dm * dk) if save else q.new_empty(0)
         has_s = s1 is not None
         momentum = (s1, s2) if has_s else (w1, w2)  # pointers only, never read without HAS_S
         _memory_forward_kernel[(rows,)](
             q, k, v, *_strides(q, k, v), log_retain, log_momentum, step, *_strides(log_retain, log_momentum, step),
             w1, w2, *momentum, w1s, w2s, *_strides(w1, w2, *momentum, w1s, w2s),
-            y, *y.stride(), out, saved, *layout.scalars(), HAS_S=has_s, **layout.constants,
+            y, *y.stride(), out, saved, *layout.scalars(), HAS_S=has_s, SAVE=save, **layout.constants,
             num_warps=layout.num_warps,
         )
         ctx.save_for_backward(q, k, v, log_retain, log_momentum, step, saved)
@@ -499,7 +503,7 @@ class _NeuralMemory(torch.autograd.Function):
         g_w1, g_w2, g_s1, g_s2, g_w1s, g_w2s = _state_views(gstate, layout)
         if not ctx.has_s:
             g_s1 = g_s2 = None
-        return (g_q, g_k, g_v, *g_gates, g_w1s, g_w2s, g_w1, g_w2, g_s1, g_s2, None, None, None)
+        return (g_q, g_k, g_v, *g_gates, g_w1s, g_w2s, g_w1, g_w2, g_s1, g_s2, None, None, None, None)
 
 
 def neural_memory_triton(
@@ -511,10 +515,9 @@ def neural_memory_triton(
     w1_start, w2_start, w1, w2, s1, s2 = state
     if q.shape[2] == 0:
         return q.new_zeros(q.shape), state if with_state else None
-    y, w1, w2, s1, s2, w1s, w2s = _NeuralMemory.apply(
-        q, k, v, log_retain, log_momentum, step, w1_start, w2_start, w1, w2, s1, s2, position, chunk_size,
-        normalize_step,
-    )
+    inputs = (q, k, v, log_retain, log_momentum, step, w1_start, w2_start, w1, w2, s1, s2)
+    save = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+    y, w1, w2, s1, s2, w1s, w2s = _NeuralMemory.apply(*inputs, position, chunk_size, normalize_step, save)
     if not with_state:
         return y, None
     end = position + q.shape[2]
