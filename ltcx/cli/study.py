@@ -78,9 +78,16 @@ def study_main(argv: list[str]) -> None:
     except StudyStopped as stop:
         print(f"ltcx: {stop.line}", file=sys.stderr, flush=True)
         sys.exit(stop.code)
-    except StudyFailed as failed:  # the others finished; the report holds them
+    except StudyFailed as failed:  # the others finished; the report holds them and lists these
         for run in failed.failed:
-            print(f"ltcx: failed: {run.line}", file=sys.stderr, flush=True)
-        print(f"ltcx: study {spec.name}: {len(failed.failed)} runs failed (above); rerun the same command to retry "
-              "them", file=sys.stderr, flush=True)
+            print(f"ltcx: {'damaged' if run.damaged else 'failed'}: {run.line}", file=sys.stderr, flush=True)
+        damaged = sum(run.damaged for run in failed.failed)
+        said = []  # (what, its fix)
+        if damaged < len(failed.failed):
+            said.append((f"{len(failed.failed) - damaged} runs failed", "rerun the same command to retry them"))
+        if damaged:
+            said.append((f"{damaged} runs are damaged", "delete each damaged run's folder named above and rerun the "
+                                                          "same command to retrain it"))
+        print(f"ltcx: study {spec.name}: {' and '.join(w for w, _ in said)} (above); {'; '.join(f for _, f in said)}",
+              file=sys.stderr, flush=True)
         sys.exit(1)

@@ -11,14 +11,14 @@ Whatever launches it, a run trains only under its **claim**: an exclusive ``fcnt
 held by the process that trains it and inherited by its ``ltcx fit`` child, so the kernel releases it when both are
 gone (killed too). A launcher finding a run claimed moves on and, at the phase's end, waits for its ``result.json``,
 retrying the claim: a claim won without a result means its owner died, and the run resumes from its ``last.ckpt``.
-A run that fails is reported with its log's last line; the phase finishes the others.
+A run that fails is reported with its log's last line, and a finished run whose files are damaged with the file
+and the fix (``ltcx/study/records.py``); the phase finishes the others.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import signal
 import socket
@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from ltcx.errors import ConfigError, LtcxError
+from ltcx.study.records import DamagedRecord, read_result, read_test
 
-__all__ = ["CLAIMED", "KINDS", "Failed", "Job", "Launcher", "StudyStopped", "check_options", "claimed", "finished",
-           "make_launcher", "received", "running", "signals_noted", "stop_children", "try_claim"]
+__all__ = ["CLAIMED", "KINDS", "Failed", "Job", "Launcher", "StudyFailed", "StudyStopped", "check_options", "claimed",
+           "finished", "make_launcher", "received", "running", "signals_noted", "stop_children", "try_claim"]
 
 KINDS = ("local", "devices", "slurm")
 # launcher key -> (what it takes, check); the spec's `launcher:` and the command line's flags both pass here
@@ -81,10 +82,16 @@ class Job:
 
 @dataclass(frozen=True)
 class Failed:
-    """A job that failed: ``line`` is its log's last line (in the runner's message)."""
+    """A job that failed: ``line`` is its log's last line (in the runner's message); ``damaged``: it had finished,
+    but a file it left is damaged (the line names the file and the fix)."""
 
     job: Job
     line: str
+    damaged: bool = False
+
+
+def failure(job: Job, error: LtcxError) -> Failed:
+    return Failed(job, str(error), damaged=isinstance(error, DamagedRecord))
 
 
 CLAIMED = "claimed"  # a job's answer when another process holds the run's claim
@@ -96,6 +103,15 @@ class StudyStopped(Exception):
     def __init__(self, line: str, code: int) -> None:
         super().__init__(line)
         self.line, self.code = line, code
+
+
+class StudyFailed(Exception):
+    """Runs failed (each reported with its log's last line) or were found damaged while the others finished:
+    ``failed``, the ``Failed`` of each."""
+
+    def __init__(self, failed: list[Failed]) -> None:
+        super().__init__(f"{len(failed)} runs failed")
+        self.failed = failed
 
 
 # ----------------------------------------------------------------------------- signals and children
@@ -193,15 +209,23 @@ def claimed(root: Path) -> bool:
 
 
 def finished(spec, job: Job, out: Path) -> dict | None:
-    """The job's result when it is done (``result.json``, and ``test.json`` for a final run that did not diverge)."""
-    root = job.run.folder(out)
+    """The job's result when it is done (``result.json``, and ``test.json`` for a final run that did not diverge),
+    each checked as data: ``DamagedRecord`` when one is not what ltcx wrote."""
     try:
-        result = json.loads((root / "result.json").read_text())
+        result = read_result(job.run, out)
         if job.test and not result.get("diverged"):
-            result["test"] = json.loads((root / "test.json").read_text())
+            result["test"] = read_test(job.run, out, spec.metric)
     except FileNotFoundError:
         return None
     return result
+
+
+def settled(spec, job: Job, out: Path) -> bool:
+    """Whether the job is done, or its files are damaged (nothing to wait for either way)."""
+    try:
+        return finished(spec, job, out) is not None
+    except DamagedRecord:
+        return True
 
 
 # ----------------------------------------------------------------------------- progress
@@ -304,7 +328,7 @@ class Launcher:
                 time.sleep(POLL_S)
                 # finished there, or its claim free again (its owner died): launched again (a claim still held is
                 # left alone, so no job is submitted to find it claimed)
-                todo = [i for i in waiting if finished(self.spec, jobs[i], self.out) is not None
+                todo = [i for i in waiting if settled(self.spec, jobs[i], self.out)
                         or not claimed(jobs[i].run.folder(self.out))]
                 waiting = [i for i in waiting if i not in todo]
         return results
@@ -318,7 +342,10 @@ class Launcher:
 
     def _one(self, job: Job, progress: Progress, env: dict | None, where: str) -> Any:
         """One job in this process (any thread): its outcome, progress said."""
-        done = finished(self.spec, job, self.out)
+        try:
+            done = finished(self.spec, job, self.out)
+        except DamagedRecord as error:
+            return self._failed(failure(job, error), progress, ran=False)
         if done is not None:
             self.say(f"{job.run.label}: done before, skipped")
             progress.ended(job, done, None)
@@ -328,10 +355,7 @@ class Launcher:
         try:
             outcome = self.work(self.spec, job, self.out, self.say, env=env, where=where)
         except LtcxError as error:
-            failed = Failed(job, str(error))
-            self.say(f"{job.run.label}: FAILED: {error}")
-            progress.ended(job, None, 0.0, failed=True)
-            return failed
+            return self._failed(failure(job, error), progress)
         except BaseException:
             with progress.lock:
                 progress.running -= 1
@@ -342,6 +366,12 @@ class Launcher:
             return outcome
         progress.ended(job, outcome, time.monotonic() - started)
         return outcome
+
+    def _failed(self, failed: Failed, progress: Progress, ran: bool = True) -> Failed:
+        """``failed`` said and counted (``ran``: it was counted as running)."""
+        self.say(f"{failed.job.run.label}: {'DAMAGED' if failed.damaged else 'FAILED'}: {failed.line}")
+        progress.ended(failed.job, None, 0.0 if ran else None, failed=True)
+        return failed
 
 
 class Devices(Launcher):
@@ -484,7 +514,11 @@ class Slurm(Launcher):
         outcomes: dict[int, Any] = {}
         todo = []
         for index in indices:
-            done = finished(self.spec, jobs[index], self.out)
+            try:
+                done = finished(self.spec, jobs[index], self.out)
+            except DamagedRecord as error:
+                outcomes[index] = self._failed(failure(jobs[index], error), progress, ran=False)
+                continue
             if done is not None:
                 self.say(f"{jobs[index].run.label}: done before, skipped")
                 progress.ended(jobs[index], done, None)
@@ -523,8 +557,7 @@ class Slurm(Launcher):
                         with progress.lock:
                             progress.running -= 1
                     elif isinstance(answer, Failed):
-                        self.say(f"{jobs[index].run.label}: FAILED: {answer.line}")
-                        progress.ended(jobs[index], None, 0.0, failed=True)
+                        self._failed(answer, progress)
                     else:
                         progress.ended(jobs[index], answer, seconds)
             if submitted:
@@ -559,7 +592,7 @@ class StudyJob:
             try:
                 answers.append(self.work(self.spec, job, self.out, lambda line: print(line, flush=True)))
             except LtcxError as error:
-                answers.append(Failed(job, str(error)))
+                answers.append(failure(job, error))
             except StudyStopped as stop:
                 print(f"ltcx: {stop.line}", flush=True)
                 if os.environ.get("SUBMITIT_EXECUTOR") == "slurm" and stop.code == 128 + signal.SIGTERM:

@@ -92,7 +92,8 @@ def train_cpu_default(out: Path, say: Callable[[str], None] = print) -> list[tup
     """Train every run of ``plan()`` under ``out/runs/`` (a finished one is kept, a stopped one resumed): the
     ``(label, last checkpoint)`` of each (the label is the architecture's: its task is in its checkpoint). A failed
     run is one line naming its log."""
-    from ltcx.study.processes import run_child
+    from ltcx.study.processes import ended_by, run_child
+    from ltcx.study.records import read_done
     from ltcx.study.results import last_line, latest_checkpoint
 
     trained = []
@@ -101,7 +102,7 @@ def train_cpu_default(out: Path, say: Callable[[str], None] = print) -> list[tup
         done = root / "done.json"
         if done.is_file():
             say(f"{run.name}: trained before, kept")
-            trained.append((run.label, root / json.loads(done.read_text())["checkpoint"]))
+            trained.append((run.label, read_done(root)))
             continue
         args, checkpoint = run.fit_args(root), latest_checkpoint(root)
         if checkpoint is not None:
@@ -111,8 +112,8 @@ def train_cpu_default(out: Path, say: Callable[[str], None] = print) -> list[tup
         code = run_child(args, root / "run.log", run.name)
         final = latest_checkpoint(root)
         if code != 0 or final is None:
-            raise LtcxError(f"{run.name} failed (exit {code}): {last_line(root / 'run.log')} (see {root / 'run.log'}; "
-                            "rerun to resume)")
+            why = ended_by(code, root / "run.log") if code else last_line(root / "run.log")
+            raise LtcxError(f"{run.name} failed (exit {code}): {why} (see {root / 'run.log'}; rerun to resume)")
         write_json(done, {"checkpoint": str(final.relative_to(root))})  # relative: the folder may move
         trained.append((run.label, final))
     return trained

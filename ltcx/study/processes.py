@@ -12,6 +12,7 @@ group) is left to the child, which saves its step and exits 128 + the signal; ``
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -24,12 +25,13 @@ from ltcx.runtime import TEST_METRICS, ltcx_command
 from ltcx.study import prestart
 from ltcx.study.launch import CLAIMED, Job, StudyStopped, received, running, signals_noted, try_claim
 from ltcx.study.plan import Run, Shape, make_run, run_steps
+from ltcx.study.records import read_metrics, read_result, read_test
 from ltcx.study.report import write_json
 from ltcx.study.results import last_line, latest_checkpoint, measure, read_logs
 from ltcx.study.spec import StudySpec
 
-__all__ = ["arch_config", "common_args", "composed_configs", "evaluate_test", "execute_job", "fit_args", "print_plan",
-           "run_child", "train"]
+__all__ = ["arch_config", "common_args", "composed_configs", "ended_by", "evaluate_test", "execute_job", "fit_args",
+           "print_plan", "run_child", "train"]
 
 
 # ----------------------------------------------------------------------------- command lines
@@ -130,6 +132,20 @@ def run_child(args: list[str], log: Path, label: str, env: dict | None = None, k
     return code
 
 
+def ended_by(code: int, log: Path) -> str:
+    """Why a child exited ``code`` (not 0): the signal that killed it (-N from a wait, 128 + N from a shell), not its
+    log's last line, which is then whatever it printed before (a notice at its start, not the cause); else that
+    line."""
+    signum = -code if code < 0 else code - 128 if 128 < code <= 128 + 64 else None
+    if signum is None:
+        return last_line(log)
+    try:
+        name = f"{signal.Signals(signum).name} (signal {signum})"
+    except ValueError:
+        name = f"signal {signum}"
+    return f"killed by {name}, not by an error of its own: out of memory, a time limit or a kill"
+
+
 def train(spec: StudySpec, run: Run, out: Path, say: Callable[[str], None], env: dict | None = None,
           keep_fds: tuple[int, ...] = (), where: str = "", test: bool = False) -> dict:
     """Train ``run`` unless it finished before (its ``result.json``); its result. ``env``, ``keep_fds``: the child's
@@ -139,7 +155,7 @@ def train(spec: StudySpec, run: Run, out: Path, say: Callable[[str], None], env:
     result_file = root / "result.json"
     if result_file.is_file():
         say(f"{run.label}: done before, skipped")
-        return json.loads(result_file.read_text())
+        return read_result(run, out)
     args = fit_args(spec, run, root, test=test)
     checkpoint = latest_checkpoint(root)
     if checkpoint is not None:
@@ -150,19 +166,22 @@ def train(spec: StudySpec, run: Run, out: Path, say: Callable[[str], None], env:
     code = run_child(args, root / "run.log", run.label, env=env, keep_fds=keep_fds)
     diverged = False
     if code != 0:
-        line = last_line(root / "run.log")
         from ltcx.callbacks.guard import FIX
 
-        diverged = FIX in line  # a non-finite loss: this learning rate is too high, a result of the grid
+        why = ended_by(code, root / "run.log")
+        diverged = FIX in why  # a non-finite loss: this learning rate is too high, a result of the grid
         if not diverged:
-            raise LtcxError(f"{run.label} failed (exit {code}): {line} (see {root / 'run.log'}; rerun to resume)")
+            raise LtcxError(f"{run.label} failed (exit {code}): {why} (see {root / 'run.log'}; rerun to resume)")
     curves = read_logs(root)
+    last = {tag: curve[-1][1] for tag, curve in curves.items() if curve}
+    # a non-finite validation figure at the end ranks the rate last, as a non-finite loss does (records refuse it)
+    diverged = diverged or not all(math.isfinite(value) for value in last.values())
     tokens_per_step = spec.batch_size * run.block_size(spec)
     result = {"arch": run.arch, "size": run.shape.size, "size_label": run.shape.label, "cell": dict(run.shape.cell),
               "lr": run.lr,
               "seed": run.seed, "steps": run.steps, "tokens": run.steps * tokens_per_step, "diverged": diverged,
               "init_args": run.shape.init_args, "distance": run.shape.distance,
-              "val": {tag: curve[-1][1] for tag, curve in curves.items() if curve and not diverged},
+              "val": {} if diverged else last,
               # the validation after optimizer step s is logged at step s
               "curves": {tag: [[step * tokens_per_step, value] for step, value in curve]
                          for tag, curve in curves.items()}}
@@ -186,8 +205,8 @@ def evaluate_test(spec: StudySpec, run: Run, out: Path, say: Callable[[str], Non
     root = run.folder(out)
     kept = root / "test.json"
     if kept.is_file():
-        return json.loads(kept.read_text())
-    result = json.loads((root / "result.json").read_text())
+        return read_test(run, out, spec.metric)
+    result = read_result(run, out)
     test_root = root / "test"
     # the fit's own test (--test_after_fit), of the weights it trained to the end: those of result["checkpoint"]
     written = sorted(root.glob(f"lightning_logs/*/version_*/{TEST_METRICS}"), key=lambda p: p.stat().st_mtime)
@@ -198,13 +217,13 @@ def evaluate_test(spec: StudySpec, run: Run, out: Path, say: Callable[[str], Non
                 "--trainer.default_root_dir", str(test_root)]
         code = run_child(args, root / "test.log", f"{run.label} (test)", env=env, keep_fds=keep_fds)
         if code != 0:
-            raise LtcxError(f"{run.label}: ltcx test failed (exit {code}): {last_line(root / 'test.log')} "
+            raise LtcxError(f"{run.label}: ltcx test failed (exit {code}): {ended_by(code, root / 'test.log')} "
                             f"(see {root / 'test.log'})")
         written = sorted(test_root.rglob(TEST_METRICS), key=lambda p: p.stat().st_mtime)
     if not written:
         raise LtcxError(f"{run.label}: ltcx test wrote no test_metrics.json under {test_root} (this ltcx has no test "
                         "split)")
-    metrics = {k: float(v) for k, v in json.loads(written[-1].read_text()).items() if isinstance(v, (int, float))}
+    metrics = read_metrics(written[-1], root)
     if f"test/{spec.metric}" not in metrics:
         raise LtcxError(f"{run.label}: {written[-1]} has no test/{spec.metric} (it has {', '.join(metrics)})")
     write_json(kept, metrics)
@@ -222,7 +241,7 @@ def execute_job(spec: StudySpec, job: Job, out: Path, say: Callable[[str], None]
         return CLAIMED
     try:
         trained = root / "result.json"
-        result = json.loads(trained.read_text()) if trained.is_file() else train(
+        result = read_result(job.run, out) if trained.is_file() else train(
             spec, job.run, out, say, env=env, keep_fds=(fd,), where=where, test=job.test)
         if job.test and not result.get("diverged"):
             result = {**result, "test": evaluate_test(spec, job.run, out, say, env=env, keep_fds=(fd,))}

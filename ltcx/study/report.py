@@ -40,9 +40,12 @@ def _interval(values: list[float]) -> dict | None:
             "high": found.high}
 
 
-def summarize(spec: StudySpec, tuning: list[dict], final: list[dict], chosen: dict, timing: dict | None = None) -> dict:
+def summarize(spec: StudySpec, tuning: list[dict], final: list[dict], chosen: dict, timing: dict | None = None,
+              left_out: list[dict] = ()) -> dict:
     """Every number of the study from its results (``processes.train``'s dicts; ``final`` with their ``test``) and the
-    timing pass's record (``ltcx/study/timing.py``; its rows are keyed ``"<arch> <size label>"``)."""
+    timing pass's record (``ltcx/study/timing.py``; its rows are keyed ``"<arch> <size label>"``). ``left_out``: the
+    runs that failed or whose files are damaged (``{"run", "folder", "damaged", "line"}``), listed so that none is
+    dropped unsaid."""
     metric = spec.metric
     test_key, val_key = f"test/{metric}", f"val/{metric}"
     sizes = list(dict.fromkeys(r["size_label"] for r in final))
@@ -95,6 +98,7 @@ def summarize(spec: StudySpec, tuning: list[dict], final: list[dict], chosen: di
     summary["grid"] = {key: list(values) for key, values in spec.grid.items()}
     summary["anchor"] = anchor(spec, results)
     summary["timing"] = timing and {k: v for k, v in timing.items() if k != "checkpoints"}
+    summary["left_out"] = [dict(entry) for entry in left_out]
     return summary
 
 
@@ -258,6 +262,11 @@ def tables(summary: dict) -> list[tuple[str, list[str], list[list[str]], str]]:
                     f"multiplier: the training compute {base}'s fit needs to reach the architecture's loss at its "
                     "largest size, over the architecture's compute (above 1: less compute for the same loss); seed "
                     "by seed, geometric mean and 95% interval."))
+    if summary.get("left_out"):
+        out.append(("Runs left out", ["run", "why", "what happened"],
+                    [[e["run"], "damaged" if e["damaged"] else "failed", e["line"]] for e in summary["left_out"]],
+                    "Not in the tables above, nor in the rows their choice of rate needs. A damaged run: delete its "
+                    "folder and rerun the same `ltcx study` command to retrain it; a failed one: rerun to retry it."))
     return out
 
 

@@ -10,8 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ltcx.errors import ConfigError, LtcxError
-from ltcx.study.launch import Job, finished
+from ltcx.study.launch import Failed, Job, StudyFailed, failure, finished
 from ltcx.study.plan import Run, Shape, make_run
+from ltcx.study.records import DamagedRecord, read_spec_record
 from ltcx.study.spec import StudySpec
 
 __all__ = ["check_folder", "last_line", "latest_checkpoint", "measure", "rank_key", "read_logs", "report_from_folder",
@@ -103,7 +104,7 @@ def check_folder(spec: StudySpec, out: Path) -> None:
     anything runs."""
     stored = out / "spec.json"
     if stored.is_file():
-        before = json.loads(stored.read_text())
+        before = read_spec_record(stored)
         now = json.loads(json.dumps(spec.defining()))
         changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
         if changed:
@@ -114,29 +115,46 @@ def check_folder(spec: StudySpec, out: Path) -> None:
 def report_from_folder(spec: StudySpec, out: Path, shapes: list[Shape], tuning_runs: list[Run],
                         say: Callable[[str], None], retime: bool = False) -> dict:
     """The summary of the runs finished so far (``--report_only``): shapes whose tuning grid is complete, their
-    seeds that were tested."""
+    seeds that were tested. A run whose files are damaged is said, listed in the summary and, after it,
+    ``StudyFailed``."""
     if not (out / "spec.json").is_file():
         raise LtcxError(f"{out} holds no study yet: run `ltcx study` with this spec first")
-    tuning = [r for r in (finished(spec, Job(run), out) for run in tuning_runs) if r is not None]
+    damaged: list[Failed] = []
+
+    def done(job: Job) -> dict | None:
+        try:
+            return finished(spec, job, out)
+        except DamagedRecord as error:
+            damaged.append(failure(job, error))
+            say(f"{job.run.label}: DAMAGED: {error}")
+            return None
+
+    tuning = [r for r in (done(Job(run)) for run in tuning_runs) if r is not None]
     chosen = select_learning_rates(spec, tuning)
     complete = {key for key in chosen
                 if sum((r["arch"], r["size_label"]) == key for r in tuning) == len(spec.learning_rates)}
-    final = [r for r in (finished(spec, Job(make_run(spec, shape, chosen[(shape.arch, shape.label)]["lr"], seed),
-                                           test=True), out)
+    final = [r for r in (done(Job(make_run(spec, shape, chosen[(shape.arch, shape.label)]["lr"], seed), test=True))
                          for seed in spec.seeds for shape in shapes if (shape.arch, shape.label) in complete)
              if r is not None]
     if not final:
+        if damaged:
+            more = f" (and {len(damaged) - 1} more runs damaged)" if len(damaged) > 1 else ""
+            raise LtcxError(f"{damaged[0].line}{more}; no other run is finished and tested: nothing to report")
         raise LtcxError(f"{out}: no run is finished and tested yet: nothing to report (run `ltcx study` first)")
     for result in final:
         result.setdefault("test", {})
-    return write_summary(spec, out, tuning, final, {k: v for k, v in chosen.items() if k in complete}, say,
-                         retime)
+    summary = write_summary(spec, out, tuning, final, {k: v for k, v in chosen.items() if k in complete}, say,
+                            retime, left_out=damaged)
+    if damaged:
+        raise StudyFailed(damaged)
+    return summary
 
 
 def write_summary(spec: StudySpec, out: Path, tuning: list[dict], final: list[dict], chosen: dict,
-                  say: Callable[[str], None], retime: bool = False) -> dict:
+                  say: Callable[[str], None], retime: bool = False, left_out: list[Failed] = ()) -> dict:
     """The timing pass (``ltcx/study/timing.py``: one checkpoint per row, its lowest seed's, unless
-    ``timing_rounds`` is 0), then ``summary.json``, ``summary.md``, the figures and ``report.html``."""
+    ``timing_rounds`` is 0), then ``summary.json``, ``summary.md``, the figures and ``report.html``; ``left_out``:
+    the runs that failed or whose files are damaged, listed in it."""
     from ltcx.study.report import summarize, write_report
 
     timing = None
@@ -151,7 +169,9 @@ def write_summary(spec: StudySpec, out: Path, tuning: list[dict], final: list[di
                 checkpoints[key] = (Path(result["checkpoint"]), block)
         if checkpoints:
             timing = timing_pass(out, checkpoints, spec.batch_size, spec.timing_rounds, retime, say)
-    summary = summarize(spec, tuning, final, chosen, timing)
+    missing = [{"run": f.job.run.label, "folder": str(f.job.run.folder(out)), "damaged": f.damaged, "line": f.line}
+               for f in left_out]
+    summary = summarize(spec, tuning, final, chosen, timing, missing)
     written = write_report(summary, out)
     say(f"study {spec.name}: wrote {', '.join(str(p.relative_to(out)) for p in written)} in {out}")
     return summary

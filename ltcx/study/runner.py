@@ -14,7 +14,8 @@
 Each run is an ordinary ``ltcx fit`` process in its own folder (``ltcx/study/processes.py``: a killed study rerun
 continues where it stopped). Where a phase's runs train (one after another, a run per GPU, a SLURM job per run) is
 the launcher's (``ltcx/study/launch.py``): each run trains under its claim, and a failed one is reported while the
-others finish (``StudyFailed`` after the report). The shapes and steps are ``plan``'s, the chosen rates, summary and
+others finish (``StudyFailed`` after the report, which lists it; so does a finished run whose files are damaged,
+``ltcx/study/records.py``). The shapes and steps are ``plan``'s, the chosen rates, summary and
 report ``results``'.
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ltcx.study.launch import Job, StudyStopped, make_launcher
+from ltcx.study.launch import Job, StudyFailed, StudyStopped, make_launcher
 from ltcx.study.plan import make_run, plan_shapes
 from ltcx.study.processes import composed_configs, execute_job, print_plan
 from ltcx.study.report import write_json
@@ -31,15 +32,6 @@ from ltcx.study.results import check_folder, report_from_folder, select_learning
 from ltcx.study.spec import StudySpec
 
 __all__ = ["StudyFailed", "StudyStopped", "run_study"]
-
-
-class StudyFailed(Exception):
-    """Runs failed (each reported with its log's last line) while the others finished: ``failed``, the
-    ``launch.Failed`` of each."""
-
-    def __init__(self, failed: list) -> None:
-        super().__init__(f"{len(failed)} runs failed")
-        self.failed = failed
 
 
 def run_study(spec: StudySpec, out: Path, dry_run: bool = False, say: Callable[[str], None] = print,
@@ -78,7 +70,7 @@ def run_study(spec: StudySpec, out: Path, dry_run: bool = False, say: Callable[[
              if result is not None]
     for result in final:
         result.setdefault("test", {})  # a diverged run has no test
-    summary = write_summary(spec, out, tuning, final, chosen, say, retime) if final else None
+    summary = write_summary(spec, out, tuning, final, chosen, say, retime, left_out=launch.failed) if final else None
     if launch.failed:
         raise StudyFailed(launch.failed)
     return summary

@@ -38,7 +38,7 @@ from typing import Any
 
 from ltcx.errors import ConfigError
 
-__all__ = ["METRICS", "StudySpec", "arch_name", "find_spec", "load_spec", "preset_names"]
+__all__ = ["METRICS", "StudySpec", "arch_name", "find_spec", "load_spec", "name_problem", "preset_names"]
 
 # metric -> True when higher is better (the selection's direction)
 METRICS = {"loss": False, "bpb": False, "recall_acc": True}
@@ -150,9 +150,12 @@ def load_spec(path: str | Path, name: str | None = None) -> StudySpec:
     if missing:
         raise ConfigError(f"{where}: missing key '{missing[0]}' (required: {', '.join(_REQUIRED)})")
     values = {key: _check(where, key, value) for key, value in raw.items()}
-    values.setdefault("name", name or path.stem)
-    if name:
+    if name is not None:  # --name: held inside --out as the spec's name is
+        problem = name_problem(name)
+        if problem:
+            raise ConfigError(f"--name {name!r} {problem}: results go to <out>/<name>/: give a folder's name")
         values["name"] = name
+    values.setdefault("name", path.stem)
     spec = StudySpec(**values, source=str(path))
     _check_whole(where, spec)
     return spec
@@ -235,9 +238,14 @@ def _check(where: str, key: str, value: Any) -> Any:
         if value not in METRICS:
             raise bad(f"one of {', '.join(METRICS)}")
         return value
-    if key in ("name", "description", "baseline"):
-        if not isinstance(value, str) or not value or (key == "name" and ("/" in value or value in (".", ".."))):
-            raise bad("a non-empty string" + (" without '/'" if key == "name" else ""))
+    if key == "name":
+        problem = name_problem(value)
+        if problem:
+            raise ConfigError(f"{where}: key 'name' ({value!r}) {problem} (results go to <out>/<name>/)")
+        return value
+    if key in ("description", "baseline"):
+        if not isinstance(value, str) or not value:
+            raise bad("a non-empty string")
         return value
     if key == "launcher":
         from ltcx.study.launch import check_options
@@ -294,6 +302,15 @@ def _check_whole(where: str, spec: StudySpec) -> None:
     taken = [k for k in spec.trainer if k in ("max_steps", "val_check_interval", "default_root_dir")]
     if taken:
         raise ConfigError(f"{where}: key 'trainer.{taken[0]}' is set by the study itself (steps, evals): leave it out")
+
+
+def name_problem(name: object) -> str | None:
+    """What keeps ``name`` from being one folder inside ``--out`` (the spec's ``name`` or ``--name``), or None."""
+    if not isinstance(name, str) or not name:
+        return "must be a non-empty string"
+    if any(c in name for c in "/\\\0") or name in (".", "..") or not name.isprintable():
+        return "must be one folder's name: printable, without '/' or '\\', not '.' or '..'"
+    return None
 
 
 def arch_name(arch: str) -> str:

@@ -6,13 +6,13 @@ machine a ratio is only meaningful between models timed in the same minutes. In 
 training step through ``LanguageModel.loss`` (the fused head, AdamW, the study's batch and block) and four cached
 decode steps (batch 1, after block // 2 tokens), the first model of the round rotating; each figure is the median of
 its samples. The 1-minute load average is recorded; above the usable core count the figures are marked unreliable.
-The record (``timing.json``) is reused while the checkpoints it timed are unchanged; ``ltcx study --retime`` redoes it.
+The record (``timing.json``) is reused while the checkpoints it timed are unchanged (a damaged one is said and
+redone); ``ltcx study --retime`` redoes it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import statistics
 from collections.abc import Callable
@@ -89,8 +89,14 @@ def timing_pass(out: Path, checkpoints: dict[str, tuple[Path, int]], batch_size:
                                 for key, (path, block) in sorted(checkpoints.items())}}
     timing_file = out / "timing.json"
     if timing_file.is_file() and not retime:
-        stored = json.loads(timing_file.read_text())
-        if {key: stored.get(key) for key in settings} == settings:
+        from ltcx.study.records import TIMING_FIELDS, DamagedRecord, read_json_record
+
+        try:
+            stored = read_json_record(timing_file, TIMING_FIELDS, "the timing pass is redone")
+        except DamagedRecord as error:
+            say(f"timing pass: {error}")
+            stored = {}
+        if stored and {key: stored.get(key) for key in settings} == settings:
             say("timing pass: done before for these checkpoints, reused (--retime redoes it)")
             return stored
     say(f"timing pass: {len(checkpoints)} models interleaved, {rounds} rounds on {device}")
