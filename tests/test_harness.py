@@ -269,15 +269,15 @@ def not_evaluated(monkeypatch):
     monkeypatch.setattr(lm_eval, "simple_evaluate", refuse)
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("--seed", "-1", f"--seed (-1) must be in 0..{2**32 - 1} (2**32 - 1, numpy's range)"),
-    ("--seed", str(2**32), f"--seed ({2**32}) must be in 0..{2**32 - 1} (2**32 - 1, numpy's range)"),
-    *[("--limit", value, f"--limit ({value}) must be a whole number of examples per task (>= 1) or a fraction in "
-       "(0, 1)") for value in ("inf", "nan", "-1", "0", "2.5")],
+@pytest.mark.parametrize("flag, value, facts", [
+    ("--seed", "-1", ("--seed (-1)", f"0..{2**32 - 1}")),
+    ("--seed", str(2**32), (f"--seed ({2**32})", f"0..{2**32 - 1}")),
+    *[("--limit", value, (f"--limit ({value})", "whole number of examples per task (>= 1)", "fraction in (0, 1)"))
+      for value in ("inf", "nan", "-1", "0", "2.5")],
 ])
-def test_lm_eval_bad_seed_or_limit_is_one_line(tmp_path, capsys, not_evaluated, flag, value, message):
+def test_lm_eval_bad_seed_or_limit_is_one_line(tmp_path, capsys, not_evaluated, flag, value, facts):
     line = one_error_line(["lm-eval", "--ckpt_path", "x", "--tasks", "hellaswag", flag, value], capsys)
-    assert line == f"ltcx: error: {message}"
+    assert_mentions(line, *facts)
 
 
 def test_lm_eval_out_that_can_not_hold_results_is_refused_before_evaluating(tmp_path, capsys, not_evaluated):
@@ -285,11 +285,10 @@ def test_lm_eval_out_that_can_not_hold_results_is_refused_before_evaluating(tmp_
     before anything is loaded, not a traceback after the whole evaluation; the file is left as it was."""
     taken = tmp_path / "taken"
     taken.write_text("mine")
-    for out, problem in [(taken, f"'{taken}' is a file: pass a folder for results.json (made if missing)"),
-                         (taken / "sub", f"'{taken / 'sub'}' can not be made: '{taken}' is a file; pass a folder for "
-                          "results.json")]:
+    for out, facts in [(taken, (f"--out '{taken}'", "is a file")),
+                       (taken / "sub", (f"--out '{taken / 'sub'}'", "can not be made", f"'{taken}' is a file"))]:
         line = one_error_line(["lm-eval", "--ckpt_path", "x", "--tasks", "hellaswag", "--out", str(out)], capsys)
-        assert line == f"ltcx: error: --out {problem}"
+        assert_mentions(line, *facts, "pass a folder for results.json")
     assert taken.read_text() == "mine"
 
 

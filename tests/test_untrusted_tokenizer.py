@@ -131,15 +131,13 @@ def checkpoint_of_vocabulary(path: Path, vocab_size: int, tokenizer: str) -> Pat
 
 
 @pytest.mark.parametrize("stored,flag,fix", [
-    ("gpt2", ["--tokenizer", "bytes"], "it was trained with tokenizer 'gpt2': pass that --tokenizer"),
-    ("bytes", [], "checkpoint '{path}' names another tokenizer than its model's: pass the --tokenizer it was trained "
-                  "with"),
+    ("gpt2", ["--tokenizer", "bytes"], ("trained with tokenizer 'gpt2'", "pass that --tokenizer")),
+    ("bytes", [], ("checkpoint '{path}'", "names another tokenizer than its model's", "pass the --tokenizer")),
 ])
 def test_generate_refuses_a_tokenizer_of_another_vocabulary(tmp_path, capsys, stored, flag, fix):
     path = checkpoint_of_vocabulary(tmp_path / "gpt2.ckpt", 50304, stored)  # gpt2's 50257 ids padded to 64
     line = one_error_line(["generate", "--ckpt_path", str(path), *flag, "--prompt", "a"], capsys)
-    assert line == ("ltcx: error: tokenizer 'bytes' (257 ids) does not fit the model's vocabulary of 50304: "
-                    + fix.format(path=path))
+    assert_mentions(line, "tokenizer 'bytes' (257 ids)", "vocabulary of 50304", *(f.format(path=path) for f in fix))
     assert capsys.readouterr().out == ""
 
 
