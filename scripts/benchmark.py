@@ -314,7 +314,8 @@ def _n(value, digits: int = 3) -> str:
 
 
 def _rows(header: list[str], rows: list[list[str]]) -> list[str]:
-    aligns = ["---"] + ["---:"] * (len(header) - 1)
+    """A Markdown table: figures right-aligned, text left."""
+    aligns = ["---:" if all(re.match(r"[-\d]", row[i]) for row in rows) else "---" for i in range(len(header))]
     return ["| " + " | ".join(line) + " |" for line in [header, aligns, *rows]]
 
 
@@ -330,7 +331,8 @@ def table(name: str, data: dict) -> str:
     elif name == "kernels":
         batches = settings["batch_sizes"]
         base = next((r for r in rows if r["arch"] == "gpt"), rows[0])
-        lines = _rows(["model", "tiny, 2 x 32", *(f"{b} x {settings['seq_len']}" for b in batches), "vs GPT",
+        lines = _rows(["model", "tiny, 2 x 32", *(f"{b} x {settings['seq_len']}" for b in batches),
+                       f"vs GPT ({batches[0]} x {settings['seq_len']})",
                        "top ops"],
                       [[r["arch"], _n(r["tiny"]), *(_n(r[f"b{b}"]) for b in batches),
                         f"{r[f'b{batches[0]}'] / base[f'b{batches[0]}']:.1f}x",
