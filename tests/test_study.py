@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ROOT, one_error_line
+from helpers import ROOT, assert_mentions, one_error_line
 from ltcx.errors import ConfigError
 from ltcx.study import ladder
 from ltcx.study.report import markdown, summarize, tables, write_report
@@ -68,11 +68,11 @@ def test_a_bad_spec_is_one_line_naming_the_key(tmp_path, changes, message):
 def test_a_bad_spec_through_the_cli_is_one_line_before_anything_is_written(tmp_path, capsys):
     path = write_spec(tmp_path, evals=0)
     line = one_error_line(["study", "--spec", str(path), "--out", str(tmp_path / "results")], capsys)
-    assert line == f"ltcx: error: study spec {path}: key 'evals' (0) must be an integer >= 1"
+    assert_mentions(line, f"study spec {path}", "key 'evals' (0)", "integer >= 1")
     assert not (tmp_path / "results").exists()
     line = one_error_line(["study", "--spec", "no-such-preset"], capsys)
-    assert line.startswith("ltcx: error: --spec no-such-preset: no such file or preset: pass a study YAML or one of "
-                           "fineweb-edu-ladder, quick-recall, reference, sample-check, tinystories-ladder, zoology")
+    assert_mentions(line, "--spec no-such-preset", "no such file or preset", "a study YAML",
+                    "fineweb-edu-ladder, quick-recall, reference, sample-check, tinystories-ladder, zoology")
 
 
 def test_every_preset_loads_and_is_found_by_name(tmp_path, monkeypatch):
@@ -106,9 +106,15 @@ def test_the_dry_run_prints_every_run_and_writes_nothing(tmp_path, capsys):
 
     main(["study", "--spec", str(write_spec(tmp_path)), "--out", str(tmp_path / "results"), "--dry_run"])
     out = capsys.readouterr().out
-    assert "tune: 8 runs on seed 0" in out and out.count("[to run]: ltcx fit --config ") == 8
-    assert "gpt size32 lr=0.003 seed 0: 8 steps" in out  # 6 steps rounded up to a multiple of the 4 evaluations
-    assert "seeds: 4 runs more (seeds 1)" in out
+    lines = out.splitlines()
+    [tune] = [line for line in lines if line.startswith("tune: ")]
+    [seeds] = [line for line in lines if line.startswith("seeds: ")]
+    assert_mentions(tune, "8 runs", "seed 0")
+    assert_mentions(seeds, "4 runs", "seeds 1")
+    planned = [line.strip() for line in lines if "[to run]" in line]
+    assert len(planned) == 8 and all("ltcx fit --config " in line for line in planned)
+    [gpt] = [line for line in planned if line.startswith("gpt size32 lr=0.003 seed 0: ")]
+    assert "8 steps" in gpt  # 6 steps rounded up to a multiple of the 4 evaluations
     assert not (tmp_path / "results").exists()
 
 
@@ -152,8 +158,9 @@ def test_a_model_yaml_of_ones_own_is_an_architecture_named_by_its_stem(tmp_path)
     assert [(s.arch, s.label) for s in shapes] == [("gpt", "config"), ("gpt_mqa", "config")]
     args = common_args(spec, make_run(spec, shapes[1], 1e-3, 0))
     assert args[:2] == ["--config", str(variant.resolve())]
-    with pytest.raises(ConfigError, match="a model YAML .* is trained as it is: use size_by: config"):
+    with pytest.raises(ConfigError) as error:
         load_spec(write_spec(tmp_path, archs=["gpt", str(variant)]))
+    assert_mentions(str(error.value), "key 'archs'", "model YAML", str(variant), "size_by: config")
 
 
 # ----------------------------------------------------------------------------- selection and the report
@@ -419,7 +426,7 @@ def test_the_timing_pass_times_through_the_loss_path_and_reuses_its_record(tmp_p
     assert all(v["tokens_per_sec"] > 0 and v["decode_ms_per_token"] > 0 for v in first["models"].values())
     calls.clear()
     assert timing.timing_pass(tmp_path, checkpoints, 4, 2, False, lines.append) == first and not calls
-    assert lines[-1] == "timing pass: done before for these checkpoints, reused (--retime redoes it)"
+    assert_mentions(lines[-1], "timing pass", "reused", "--retime")
     timing.timing_pass(tmp_path, checkpoints, 4, 2, True, lines.append)
     assert calls
 
@@ -500,11 +507,12 @@ def test_a_study_stopped_by_ctrl_c_resumes_where_it_stopped(tmp_path):
     assert stopped.returncode == 130, stopped.stderr[-3000:]
     assert stopped.stdout.count("training 6 steps (new)") == 5
     [line] = stopped.stderr.splitlines()
-    found = re.fullmatch(r"ltcx: study stopped: gpt size16 lr=(0\.00[13]) seed 1: SIGINT at step 3: saved (\S+)"
-                         r"/checkpoints/gpt/version_0/last\.ckpt; run the same `ltcx study` command to resume", line)
+    found = re.search(r"gpt size16 lr=(0\.00[13]) seed 1", line)  # the first run of seed 1: either rate
     assert found, line
     run = tmp_path / f"results/tiny/runs/gpt/size16/lr{found[1]}/seed1"
-    assert found[2] == str(run) and not (run / "result.json").exists()
+    assert_mentions(line, "study stopped", "SIGINT at step 3", f"{run}/checkpoints/gpt/version_0/last.ckpt",
+                    "the same `ltcx study` command")
+    assert not (run / "result.json").exists()
     assert "xlstm size16" not in stopped.stdout.split(f"gpt size16 lr={found[1]} seed 1: training")[1]
 
     resumed = study(spec, tmp_path)
