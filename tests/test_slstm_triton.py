@@ -201,9 +201,9 @@ def test_gradients_equal_the_unstabilised_equations(forget_gate):
 
 
 def test_maps_read_each_step_and_several_batch_blocks(monkeypatch):
-    """The kernels' other paths: recurrent maps too large to keep in registers (read each step) and a batch split
+    """The kernels' other paths: recurrent maps too large to keep on chip (read each step) and a batch split
     over programs (17 rows in blocks of 16, the last one mostly padding) give the same values and gradients."""
-    monkeypatch.setattr(st, "MAPS_IN_REGISTERS_BYTES", 0)
+    monkeypatch.setattr(st, "MAPS_ON_CHIP_BYTES", 0)
     monkeypatch.setattr(st, "BATCH_BLOCK_MAX", 16)
     assert st._blocks(17, Dh, torch.float64) == (16, 16, False)
     inputs = _inputs(4, "sigmoid", torch.float64, with_state=True, batch=17)

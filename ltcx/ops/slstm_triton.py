@@ -3,7 +3,7 @@ the whole recurrence forward, one runs it backward, where the torch form launche
 
 Each program owns one head and a block of batch rows (``BLOCK_B``, at least 16: ``tl.dot``'s smallest tile) and loops
 over time inside the kernel with the state c, n, h, m ``[BLOCK_B, Dh]`` in registers and the head's four recurrent
-maps ``R_g [Dh, Dh]`` loaded once (when they fit in registers, else read from cache each step: ``_maps_fit``). The
+maps ``R_g [Dh, Dh]`` loaded once (when they fit on chip, else read from cache each step: ``MAPS_ON_CHIP_BYTES``). The
 equations are :func:`ltcx.ops.slstm._cell`'s and the backward is :class:`ltcx.ops.slstm._Scan`'s, with the
 stabiliser m carrying no gradient (as there). Per step the forward keeps what the backward reads: the
 pre-activations and c, n, m after the step; the backward recomputes the gates from them, so the values it uses are
@@ -14,6 +14,9 @@ Launches: forward 1; backward 1 plus R's product. Grid ``(H, ceil(B / BLOCK_B))`
 Runs on CUDA, or on a CPU under ``TRITON_INTERPRET=1`` (Triton's interpreter, read when this module is imported:
 that is how ``tests/test_slstm_triton.py`` checks it against the torch form and the token-by-token reference, float64
 included). Under ``torch.compile`` the scan is the torch form's (Dynamo traces it; Inductor fuses it).
+
+What the interpreter can not confirm, a GPU must: the compiled kernels' numerics (tl.exp's float32 approximation,
+tl.dot without TF32), their resource use and their speed.
 
 Only this module imports Triton (``requirements-kernels.txt``; PyTorch's CUDA build brings its own).
 """
@@ -33,9 +36,10 @@ from ltcx.ops.written_backward import wants_written_backward
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 """Whether the kernels below run in Triton's interpreter (``TRITON_INTERPRET=1`` when this module was imported)."""
 
-MAPS_IN_REGISTERS_BYTES = 64 * 1024
-"""The four recurrent maps are held in registers across the loop up to this size (a 64 x 64 head in float32);
-larger ones are read from cache each step rather than spilled."""
+MAPS_ON_CHIP_BYTES = 64 * 1024
+"""The four recurrent maps are loaded once and held on chip across the loop up to this size (a 64 x 64 head in
+float32; Triton stages tl.dot's operands in shared memory, all four at once); larger ones are read from cache each
+step, one map's tile on chip at a time, so that the program fits a GPU's shared memory."""
 BATCH_BLOCK_MAX = 64
 """The most batch rows one program runs (more rows: more programs per head)."""
 
@@ -267,11 +271,17 @@ def _scan_backward_kernel(
 
 
 def _blocks(B: int, Dh: int, dtype: torch.dtype) -> tuple[int, int, bool]:
-    """(BLOCK_B, BLOCK_D, whether the four maps stay in registers across the loop)."""
+    """(BLOCK_B, BLOCK_D, whether the four maps stay on chip across the loop)."""
     block_d = max(16, triton.next_power_of_2(Dh))
     block_b = max(16, min(BATCH_BLOCK_MAX, triton.next_power_of_2(B)))
     itemsize = torch.finfo(dtype).bits // 8
-    return block_b, block_d, 4 * block_d * block_d * itemsize <= MAPS_IN_REGISTERS_BYTES
+    return block_b, block_d, 4 * block_d * block_d * itemsize <= MAPS_ON_CHIP_BYTES
+
+
+def _launch_options(block_d: int) -> dict:
+    """One stage: the loop's loads wait on the recurrence, and Triton's pipelining would multiply the maps' buffers in
+    shared memory. More warps for wider heads: fewer values per thread, so the compiler spills less."""
+    return dict(num_stages=1, num_warps=min(16, max(4, block_d // 4)))
 
 
 def _forward(steps: Tensor, rec: Tensor, state: SLSTMState | None, forget_gate: str, save: bool):
@@ -289,7 +299,7 @@ def _forward(steps: Tensor, rec: Tensor, state: SLSTMState | None, forget_gate: 
     _scan_forward_kernel[(H, triton.cdiv(B, block_b))](
         steps, rec, *given, hs, cs, ns, ms, pre, *final, T, B, H, Dh, *steps.stride(), *rec.stride(),
         HAS_STATE=state is not None, SAVE=save, EXP_FORGET=forget_gate == "exp", MAPS_LOADED=maps_loaded,
-        BLOCK_B=block_b, BLOCK_D=block_d,
+        BLOCK_B=block_b, BLOCK_D=block_d, **_launch_options(block_d),
     )
     return hs, tuple(final), ((cs, ns, ms, pre) if save else None)
 
@@ -325,6 +335,7 @@ class _TritonScan(torch.autograd.Function):
             g_pre, *given, T, B, H, Dh, *recurrent.stride(), *(g_hs.stride() if g_hs is not None else (0,) * 4),
             HAS_G_HS=g_hs is not None, HAS_G_C=g_c is not None, HAS_G_N=g_n is not None, HAS_G_H=g_h is not None,
             EXP_FORGET=ctx.forget_gate == "exp", MAPS_LOADED=maps_loaded, BLOCK_B=block_b, BLOCK_D=block_d,
+            **_launch_options(block_d),
         )
         # R's gradient: the sum over steps of h_{t-1}^T g_pre_t, h_0 in the buffer's slot 0
         g_recurrent = torch.bmm(hs[:, :-1].reshape(H, T * B, Dh).transpose(1, 2), g_pre.view(H, T * B, width))
