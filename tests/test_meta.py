@@ -7,7 +7,8 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 CHECKING_CALLS = ("raises", "warns", "fail")  # pytest.raises, pytest.warns, pytest.fail
-CHECKING_PREFIXES = ("assert_", "check_", "expect_")  # helpers that assert, torch.testing.assert_close among them
+# helpers that assert, torch.testing.assert_close among them, and a module's private ones (_assert_all_close)
+CHECKING_PREFIXES = ("assert_", "check_", "expect_")
 # test -> why it checks without any of the above
 ALLOWED = {
     "test_contract.py::test_contract": "calls the parametrized `check`, one of the catalogue's check_* functions",
@@ -27,7 +28,7 @@ def checks_something(function: ast.FunctionDef) -> bool:
             return True
         if isinstance(node, ast.Call):
             name = called_name(node)
-            if name in CHECKING_CALLS or name.startswith(CHECKING_PREFIXES):
+            if name in CHECKING_CALLS or name.lstrip("_").startswith(CHECKING_PREFIXES):
                 return True
     return False
 
@@ -43,8 +44,8 @@ def collected_tests() -> list[tuple[str, ast.FunctionDef]]:
 
 @pytest.mark.quick
 def test_every_test_asserts_something():
-    """A test with no assert, no pytest.raises/warns and no assert_/check_/expect_ helper passes whatever the code
-    does: give it an assertion, or name its checking helper assert_..."""
+    """A test with no assert, no pytest.raises/warns and no (_)assert_/check_/expect_ helper passes whatever the
+    code does: give it an assertion, or name its checking helper assert_..."""
     tests = collected_tests()
     assert len(tests) > 100  # the scan found the suite
     silent = [name for name, function in tests if name not in ALLOWED and not checks_something(function)]
