@@ -316,3 +316,10 @@ def test_the_backend_is_checked_and_resumable():
     with pytest.raises(ConfigError, match="slstm_backend"):
         XLSTMConfig(slstm_backend="cuda")
     assert "slstm_backend" in XLSTM.resumable_fields  # the same function of the same weights
+
+
+def test_under_torch_compile_the_scan_is_the_torch_forms():
+    """Dynamo can not trace the kernels' launches: a compiled caller gets the torch form (traced, no graph break)."""
+    gates_x, R = _gates(5, "sigmoid")
+    compiled = torch.compile(lambda x, r: st.slstm_scan_triton(x, r)[0], backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(gates_x, R), slstm_scan(gates_x, R)[0], **F64)
