@@ -18,7 +18,8 @@ included). Under ``torch.compile`` the scan is the torch form's (Dynamo traces i
 What the interpreter can not confirm, a GPU must: the compiled kernels' numerics (tl.exp's float32 approximation,
 tl.dot without TF32), their resource use and their speed.
 
-Only this module imports Triton (``requirements-kernels.txt``; PyTorch's CUDA build brings its own).
+Only the ``ltcx/ops/*_triton.py`` modules import Triton (``requirements-kernels.txt``; PyTorch's CUDA build brings
+its own).
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ BATCH_BLOCK_MAX = 64
 
 
 # ----------------------------------------------------------------------------- element-wise pieces
+# The kernels call Triton's builtins only (tl.full, not tl.zeros or tl.sigmoid): the standard library's @jit helpers
+# are decorated when triton is imported, which Lightning does before a test can set TRITON_INTERPRET, and the
+# interpreter can not call them compiled.
 
 
 @triton.jit
