@@ -5,7 +5,10 @@ Importing this module registers ``LtcxConfig`` (``model_type: ltcx``) with ``Aut
 with ``AutoModelForCausalLM``, so that ``import ltcx.hf; AutoModelForCausalLM.from_pretrained(folder)`` loads a
 folder written by ``ltcx export --format hf``. The code is this installed package: ``config.json`` names a catalogue
 architecture (``gpt``, ``titans_mal``, ...), resolved through ltcx's registry, never a class path or a module read
-from the file, and a config asking for code of its own (``auto_map``) is refused before anything is imported.
+from the file, and a config asking for code of its own (``auto_map``) is refused before anything is imported. A folder
+is read as ``ltcx generate`` reads an export: its weights' names and shapes (the safetensors header) are compared with
+the model its config describes, and that model's size with the memory here, before anything is built
+(``check_backbone_fits``); once loaded, every tensor the model needs came from the file and is finite.
 
 Generation runs through the backbone's own state (a KV cache, GTA's latent cache, the xLSTM's and Titans'
 constant-size states): ``LtcxCache`` is a ``transformers`` ``Cache`` that holds that state and its length, and beam
@@ -14,6 +17,8 @@ search reorders it with the backbone's ``reorder_cache``.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,7 +31,8 @@ from ltcx.errors import LtcxError
 from ltcx.models import catalog
 from ltcx.models.inference_cache import keeping_derived
 from ltcx.models.registry import class_path, resolve_backbone
-from ltcx.persist.file_fits import current_names
+from ltcx.persist.file_fits import check_backbone_fits, check_setting_types, current_names, unknown_settings
+from ltcx.persist.finite import check_finite
 
 __all__ = ["LtcxCache", "LtcxConfig", "LtcxForCausalLM", "MODEL_TYPE", "hf_model"]
 
@@ -49,6 +55,7 @@ class LtcxConfig(PretrainedConfig):
                 raise LtcxError(f"this ltcx config names code of its own ({key}), which ltcx never runs: an ltcx "
                                 "model's code is the installed ltcx package; remove the key or re-export the model")
         if architecture is not None:
+            _check_backbone_config(backbone_config)
             entry = _entry(architecture, backbone_config or {})
             # a config.json written before a backbone field was renamed: this version's names
             stored = {"backbone_class": entry.class_path, "backbone_config": backbone_config or {}}
@@ -62,6 +69,19 @@ class LtcxConfig(PretrainedConfig):
         super().__init__(**kwargs)
 
 
+def _check_backbone_config(backbone_config: Any) -> None:
+    """One line for a ``backbone_config`` that is not a mapping or names code (a class path, an ``auto_map``): its
+    settings are data for a catalogue class, never a way to pick one."""
+    if backbone_config is not None and not isinstance(backbone_config, dict):
+        raise LtcxError(f"config.json has backbone_config {backbone_config!r:.80}, not a mapping of settings: "
+                        "re-export the model")
+    for key in _CODE_KEYS:
+        if key in (backbone_config or {}):
+            raise LtcxError(f"config.json has backbone_config.{key}, which names code: ltcx never runs code a file "
+                            "names (an ltcx model's code is the installed ltcx package); remove the key or re-export "
+                            "the model")
+
+
 def _entry(architecture: Any, backbone_config: dict) -> catalog.Architecture:
     """The catalogue entry ``architecture`` names, consistent with ``backbone_config`` (Titans' ``variant``); one line
     for anything else (a class path, an unknown name)."""
@@ -70,6 +90,12 @@ def _entry(architecture: Any, backbone_config: dict) -> catalog.Architecture:
         raise LtcxError(f"config.json names architecture {str(architecture)[:100]!r}, which is not one of ltcx's "
                         f"(known: {known}): the folder is not an ltcx export, or needs a newer ltcx")
     entry = catalog.get(architecture)
+    backbone_class = resolve_backbone(entry.class_path)
+    unknown = unknown_settings(backbone_config, backbone_class)
+    if unknown:
+        raise LtcxError(f"config.json has backbone_config {', '.join(unknown)}, which this version's "
+                        f"{backbone_class.__name__} does not take: re-export the model with this version of ltcx")
+    check_setting_types(backbone_config, backbone_class, "config.json", "backbone_config.")
     if catalog.architecture_name(entry.class_path, backbone_config) not in (None, architecture):
         raise LtcxError(f"config.json names architecture '{architecture}' but its backbone_config is that of "
                         f"'{catalog.architecture_name(entry.class_path, backbone_config)}': re-export the model")
@@ -162,17 +188,37 @@ class LtcxForCausalLM(PreTrainedModel, GenerationMixin):
         """The backbone initialised its weights when built, or they come from the file."""
 
     @classmethod
-    def from_pretrained(cls, *args: Any, **kwargs: Any):
-        """transformers' ``from_pretrained``, then the non-persistent buffers (which the file does not hold and
-        transformers leaves empty) put back as the backbone computed them."""
-        loaded = super().from_pretrained(*args, **kwargs)
-        model = loaded[0] if isinstance(loaded, tuple) else loaded
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any):
+        """transformers' ``from_pretrained``, checked: before anything is built, the folder's weights (their names
+        and shapes) against the model its config describes, and that model's size against the memory here; after,
+        every tensor the model needs loaded from the file (transformers would leave a missing one as uninitialised
+        memory and call it "newly initialized") and finite. Then the non-persistent buffers (which the file does not
+        hold and transformers leaves empty) put back as the backbone computed them."""
+        source = f"Hugging Face folder '{pretrained_model_name_or_path}'"
+        config = kwargs.get("config")
+        if not isinstance(config, LtcxConfig):  # None, or where to read it
+            hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+            config = LtcxConfig.from_pretrained(pretrained_model_name_or_path if config is None else config, **hub)
+        stored = None if kwargs.get("state_dict") is not None else _stored_shapes(pretrained_model_name_or_path, kwargs)
+        if stored is not None and config.architecture is not None:
+            meta = {"backbone_class": _entry(config.architecture, config.backbone_config).class_path,
+                    "backbone_config": config.backbone_config}
+            check_backbone_fits(source, meta, stored, prefix="backbone.", each_tensor_once=True)
+        wants_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
+                                              **kwargs)
+        missing = sorted(set(info.get("missing_keys", ())) - set(model._computed_buffers))
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise LtcxError(f"{source} lacks tensor {missing[0]}{more} of its model: the file is incomplete or "
+                            "damaged; export it again (ltcx export --format hf)")
         with torch.no_grad():
             for name, value in model._computed_buffers.items():
                 buffer = model.get_buffer(name)
                 if buffer is not value:
                     buffer.copy_(value.to(buffer.dtype))
-        return loaded
+        check_finite(source, model.state_dict().items(), "export it again from a good checkpoint")
+        return (model, info) if wants_info else model
 
     def get_input_embeddings(self) -> torch.nn.Module | None:
         for name in ("wte", "embedding"):
@@ -243,6 +289,50 @@ class LtcxForCausalLM(PreTrainedModel, GenerationMixin):
             cache = None
         return {"input_ids": input_ids.contiguous(), "cache": cache, "attention_mask": attention_mask,
                 "use_cache": use_cache}
+
+
+# from_pretrained's arguments that say where a folder's files are (the hub's, a subfolder).
+_HUB_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
+_WEIGHTS, _WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def _stored_shapes(name_or_path: Any, kwargs: dict) -> dict[str, list[int]] | None:
+    """Each weight's name and shape in the folder ``name_or_path`` (or a hub repository, through transformers'
+    cache), read from the safetensors headers without reading a tensor: ``model.safetensors`` or the shards its
+    index names. None where there is no such file to read (transformers then says what is missing)."""
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+
+    def find(filename: str) -> Path | None:
+        try:
+            found = cached_file(name_or_path, filename, _raise_exceptions_for_missing_entries=False,
+                                _raise_exceptions_for_connection_errors=False, **hub)
+        except Exception:  # noqa: BLE001 - not reachable or not a folder: from_pretrained says why
+            return None
+        return Path(found) if found else None
+
+    single = find(_WEIGHTS)
+    if single is not None:
+        files = [single]
+    else:
+        index = find(_WEIGHTS_INDEX)
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index else []
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None  # a damaged index: transformers' own reading names it
+        files = [find(shard) for shard in shards]
+        if not files or None in files:
+            return None
+    shapes: dict[str, list[int]] = {}
+    try:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                shapes.update({name: f.get_slice(name).get_shape() for name in f.keys()})
+    except Exception:  # noqa: BLE001 - a damaged file: transformers' own reading names it
+        return None
+    return shapes
 
 
 def _non_persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -6,7 +6,8 @@ tensors and plain containers, so a crafted file can not run code. ``SafeCheckpoi
 ``CheckpointIO`` the CLI installs: it reads through ``read_checkpoint`` and writes through ``atomic_save``
 (``ltcx.persist.files``), so a file on disk is either the previous complete checkpoint or the new complete one. Each
 file carries a SHA-256 digest of its contents (``ltcx.persist.digest``), written with it and checked on reading, after
-the model its config describes has been compared with its weights on the meta device (``check_checkpoint_sizes``).
+the model its config describes has been compared with its weights on the meta device (``check_checkpoint_sizes``);
+then every weight is checked finite (``ltcx.persist.finite``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ltcx.errors import LtcxError, missing_checkpoint
 from ltcx.persist.digest import check_digest, with_digest
 from ltcx.persist.file_fits import check_backbone_fits, check_counts, current_names
 from ltcx.persist.files import atomic_save
+from ltcx.persist.finite import check_finite, non_finite_names
 
 __all__ = ["read_checkpoint", "check_checkpoint_sizes", "non_finite_weights", "SafeCheckpointIO"]
 
@@ -60,6 +62,9 @@ def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
     # Before the digest, which reads every tensor's bytes: sizes are checked before anything is allocated.
     check_checkpoint_sizes(name, {**checkpoint, "ltcx": meta})
     check_digest(name, checkpoint)
+    weights = checkpoint.get("state_dict")
+    if isinstance(weights, dict):  # none is saved non-finite: this file was damaged or edited
+        check_finite(f"checkpoint '{name}'", weights.items(), "use an earlier checkpoint")
     checkpoint["ltcx"] = meta
     return checkpoint
 
@@ -82,10 +87,7 @@ def check_checkpoint_sizes(name: str, checkpoint: dict[str, Any]) -> None:
 
 def non_finite_weights(checkpoint: dict[str, Any]) -> list[str]:
     """Names of the floating-point tensors of ``checkpoint["state_dict"]`` holding NaN or inf."""
-    return [
-        name for name, value in checkpoint.get("state_dict", {}).items()
-        if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all())
-    ]
+    return non_finite_names(checkpoint.get("state_dict", {}).items())
 
 
 class SafeCheckpointIO(TorchCheckpointIO):

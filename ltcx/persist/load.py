@@ -28,6 +28,7 @@ from ltcx.persist.file_fits import (
     current_names,
     unknown_settings,
 )
+from ltcx.persist.finite import check_finite
 from ltcx.persist.runs import checkpoint_in_folder
 from ltcx.tokenizers import Tokenizer, get_tokenizer, stored_tokenizer_name, vocab_fits
 
@@ -150,6 +151,7 @@ def load_exported(folder: str | Path, *, model_class: type[M], map_location: str
         load_model(model.backbone, str(weights), strict=True, device=str(torch.device(map_location)))
     except Exception as error:  # noqa: BLE001 - a damaged file or weights of another config: one line
         raise damaged(source, error) from None
+    check_finite(source, model.backbone.state_dict().items(), "export it again from a good checkpoint")
     model.tokens_seen, model.saved_tokenizer = config.get("tokens_seen", 0), config.get("tokenizer")
     keys = ("backbone_class", "backbone_config", "tokenizer", "tokens_seen", "global_step", "train_block_size")
     meta = {k: config.get(k) for k in keys}
