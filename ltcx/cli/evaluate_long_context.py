@@ -54,13 +54,15 @@ def long_context_main(args) -> None:
     from ltcx.cli.generate import _device
 
     device = _device(("cuda" if torch.cuda.is_available() else "cpu") if args.device is None else args.device)
-    runs = [_load(path, path, factors, depths) for path in args.ckpt_path]  # a bad one is one line before training
+    scoring = dict(factors=factors, depths=depths, batch_size=batch_size, piece_len=args.piece_len,
+                   limit=_memory_here(device))
+    runs = [_load(path, path, **scoring) for path in args.ckpt_path]  # a bad one is one line before training
     out = Path(args.out)
     if args.train == "cpu":
         from ltcx.study.long_context import train_cpu_default
 
         _writable(out)
-        runs += [_load(label, str(path), factors, depths) for label, path in train_cpu_default(out)]
+        runs += [_load(label, str(path), **scoring) for label, path in train_cpu_default(out)]
 
     from ltcx.eval.long_context import evaluate_task
     from ltcx.models.catalog import architecture_name
@@ -97,9 +99,23 @@ def long_context_main(args) -> None:
     print(f"ltcx: wrote {json_path}, {length_png} and {heatmap_png}")
 
 
-def _load(label: str, path: str, factors: list[int], depths: list[float]) -> dict:
-    """A model and the task its checkpoint trained on, checked at every length and depth asked."""
-    from ltcx.eval.long_context import check_task, trained_task
+def _memory_here(device) -> int | None:
+    """The bytes scoring may use: the GPU's for a CUDA device (the state and logits live there), else the process's
+    (``memory_limit``)."""
+    import torch
+
+    from ltcx.persist import file_fits
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return file_fits.memory_limit()
+
+
+def _load(label: str, path: str, factors: list[int], depths: list[float], batch_size: int, piece_len: int | None,
+          limit: int | None) -> dict:
+    """A model and the task its checkpoint trained on, checked at every length and depth asked, and scoring at the
+    longest length checked against ``limit`` bytes of memory, before any sequence is made."""
+    from ltcx.eval.long_context import check_lengths_fit, check_task, trained_task
     from ltcx.lm import LanguageModel
     from ltcx.persist import read_checkpoint
     from ltcx.persist.load import load_language_model
@@ -111,7 +127,11 @@ def _load(label: str, path: str, factors: list[int], depths: list[float]) -> dic
     file = checkpoint_in_folder(path) if os.path.isdir(path) else path
     model, meta = load_language_model(file, model_class=LanguageModel)  # digests and fit checked here
     task, data = trained_task(read_checkpoint(file).get("datamodule_hyper_parameters"), f"checkpoint '{path}'")
-    check_task(task, data, factors, depths)
+    if task == "needle":  # laid out by arithmetic alone: its own limits (the haystack's length) first
+        check_task(task, data, factors, depths)
+    check_lengths_fit(model.backbone, data["block_size"], factors, batch_size, piece_len, limit, f"checkpoint '{path}'")
+    if task != "needle":  # laying MQAR out makes a sequence of each length: after the memory check
+        check_task(task, data, factors, depths)
     return dict(label=label, path=path, backbone=model.backbone, task=task, data=data, meta=meta)
 
 

@@ -29,6 +29,29 @@ from ltcx.tokenizers import padded_vocab_size as _pad_vocab
 __all__ = ["TextDataModule"]
 
 
+BYTES_PER_TOKEN_ID = 16  # a token's input and target ids (int64)
+
+
+def check_batch_fits(block_size: int, batch_size: int, width: int = 0) -> None:
+    """One ``ConfigError`` line naming ``--data.block_size`` (and the largest that fits) when one batch of
+    ``batch_size`` x ``block_size`` tokens takes more than the memory here: their ids, and with the model's
+    ``width`` one float32 hidden state each (the least a forward holds), before anything is allocated."""
+    from ltcx.persist import file_fits
+
+    limit = file_fits.memory_limit()
+    per_token = BYTES_PER_TOKEN_ID + 4 * width
+    need = batch_size * block_size * per_token
+    if limit is None or need <= limit:
+        return
+    held = f"their ids and one hidden state of width {width:,} in float32" if width else "their ids alone"
+    raise ConfigError(
+        f"data.block_size={block_size:,} with data.batch_size={batch_size}: one batch of {batch_size} x "
+        f"{block_size:,} tokens takes at least {need / 2**30:,.1f} GiB ({held}), more than the "
+        f"{limit / 2**30:,.1f} GiB of memory here: fix --data.block_size (at most "
+        f"{limit // (batch_size * per_token):,} at this batch size)"
+    )
+
+
 class TextDataModule(L.LightningDataModule):
     """Language-model blocks of ``block_size + 1`` tokens, from text (streamed from the Hugging Face hub or local files,
     tokenized as it is read) or from token shards made by ``ltcx prepare`` (read by memory map).
@@ -98,6 +121,7 @@ class TextDataModule(L.LightningDataModule):
             (bool(path), "path", path, "must name a hub data set or local files"),
         ]
         refuse_bad_settings("data", checks)
+        check_batch_fits(block_size, batch_size)
         self.save_hyperparameters()
         self.path = path
         self.name = name

@@ -33,6 +33,7 @@ import torch
 
 from ltcx.batches import IGNORE_INDEX
 from ltcx.data.block_source import loader_checks, rank_and_world
+from ltcx.data.module import check_batch_fits
 from ltcx.data.mqar import SPLITS, TRAIN, VALIDATION, RecallBatches, RecallDataModule
 from ltcx.errors import ConfigError, refuse_bad_settings
 from ltcx.tokenizers import Tokenizer, get_tokenizer
@@ -220,6 +221,7 @@ class NeedleDataModule(RecallDataModule):
         super(RecallDataModule, self).__init__()
         checks = loader_checks(batch_size, val_batches, num_workers, pad_vocab_to_multiple_of, test_batches)
         refuse_bad_settings("data", [*checks, (seed >= 0, "seed", seed, "must be >= 0")])
+        check_batch_fits(block_size, batch_size)
         for split in (TRAIN, VALIDATION):  # every split's haystack fits, before anything is allocated
             check_niah(needle_task(tokenizer, haystack, split, needle, question), block_size, num_digits)
         self.save_hyperparameters()

@@ -32,11 +32,15 @@ from ltcx.data.niah import check_niah, needle_position, needle_task, niah_batch
 from ltcx.errors import ConfigError
 from ltcx.eval.scoring import target_log_probs
 
-__all__ = ["DEPTHS", "FACTORS", "TASKS", "ScoreGrid", "check_task", "evaluate_mqar", "evaluate_niah", "evaluate_task",
-           "lengths_within_context", "plot_accuracy_by_length", "plot_needle_heatmaps", "trained_task"]
+__all__ = ["DEPTHS", "FACTORS", "TASKS", "ScoreGrid", "check_lengths_fit", "check_task", "evaluate_mqar",
+           "evaluate_niah", "evaluate_task", "lengths_within_context", "plot_accuracy_by_length",
+           "plot_needle_heatmaps", "scoring_bytes", "trained_task"]
 
 FACTORS = (1, 2, 4, 8)  # lengths L, 2L, 4L, 8L
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+# Bytes per token of one sequence as it is made and scored, besides the model's state: its ids and targets (int64,
+# made in numpy and copied to torch), the float64 draws that lay MQAR out, its log-probabilities and argmax hits.
+DATA_BYTES_PER_TOKEN = 64
 
 
 @dataclass
@@ -58,6 +62,44 @@ def lengths_within_context(backbone: nn.Module, lengths: Sequence[int]) -> tuple
     left = ", ".join(str(n) for n in lengths if n not in kept)
     return kept, (f"ltcx: {type(backbone).__name__} stops at its context limit of {limit} tokens (max_seq_len, "
                   f"learned positions): lengths {left} not evaluated")
+
+
+def scoring_bytes(backbone: nn.Module, length: int, batch_size: int, piece_len: int | None) -> int:
+    """The least memory scoring a batch of ``batch_size`` sequences of ``length`` tokens takes: each sequence's data
+    (``DATA_BYTES_PER_TOKEN`` a token), its state after ``length`` tokens (the backbone's ``state_bytes``: a KV cache
+    grows with the length) and one piece's logits [B, piece_len, V] in float32 with their log-softmax."""
+    state = backbone.state_bytes(length) if hasattr(backbone, "state_bytes") else 0
+    head = backbone.output_head() if hasattr(backbone, "output_head") else None
+    vocab = head.out_features if isinstance(head, nn.Linear) else 0
+    piece = min(piece_len or length, length)
+    return batch_size * (DATA_BYTES_PER_TOKEN * length + int(state) + 2 * 4 * piece * vocab)
+
+
+def check_lengths_fit(backbone: nn.Module, train_length: int, factors: Sequence[int], batch_size: int,
+                      piece_len: int | None, limit: int | None, source: str) -> None:
+    """One ``ConfigError`` line naming ``--factors`` and the largest factor that fits, before any sequence is made,
+    when scoring ``source``'s model at the longest length it reads (``factor x train_length``, up to its context
+    limit) takes more than ``limit`` bytes (None: the system does not tell; nothing is refused)."""
+    lengths, _ = lengths_within_context(backbone, [f * train_length for f in factors])
+    if limit is None or not lengths:
+        return
+    longest = max(lengths)
+    need = scoring_bytes(backbone, longest, batch_size, piece_len)
+    if need <= limit:
+        return
+    low, high = 0, longest // train_length - 1  # the largest factor that fits: a bisection (the need grows with it)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if scoring_bytes(backbone, middle * train_length, batch_size, piece_len) <= limit:
+            low = middle
+        else:
+            high = middle - 1
+    fix = f"use --factors up to {low}" if low else "lower --batch_size (and --piece_len)"
+    raise ConfigError(
+        f"--factors {longest // train_length}: scoring {source} on {batch_size} sequences of {longest:,} tokens "
+        f"({longest // train_length} x its training length {train_length}) takes about {need / 2**30:,.1f} GiB, more "
+        f"than the {limit / 2**30:,.1f} GiB of memory here: {fix}"
+    )
 
 
 def _device(backbone: nn.Module) -> torch.device:
@@ -184,8 +226,17 @@ def check_task(task: str, data: dict, factors: Sequence[int], depths: Sequence[f
     if task == "needle":
         needle = needle_task(data.get("tokenizer", "bytes"), data.get("haystack", "sample"), TEST,
                              **{k: data[k] for k in ("needle", "question") if k in data})
+        digits = data.get("num_digits", 5)
         for factor in factors:
-            check_niah(needle, factor * length, data.get("num_digits", 5))
+            n = needle.haystack_length(factor * length, digits)
+            if not needle.repeat and n > needle.haystack.size:  # evaluate's own flag, not the training data's
+                most = (needle.haystack.size + needle.fixed_length(digits) - 1) // length
+                raise ConfigError(
+                    f"--factors {factor}: a needle sequence of {factor * length:,} tokens needs {n:,} haystack tokens "
+                    f"and the shipped sample the model was trained on has {needle.haystack.size:,}: use --factors up "
+                    f"to {most}"
+                )
+            check_niah(needle, factor * length, digits)
         for depth in depths:
             needle_position(needle, length, data.get("num_digits", 5), depth)
         return

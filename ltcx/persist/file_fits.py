@@ -20,6 +20,7 @@ from ltcx.errors import ANOTHER_VERSION, LtcxError
 from ltcx.models.registry import class_path, resolve_backbone
 
 __all__ = ["current_names", "weight_differences", "check_weights_fit", "check_backbone_fits", "memory_limit",
+           "model_too_large", "MAX_TENSORS",
            "unknown_settings", "check_same_backbone", "check_setting_types", "check_counts", "resumable_fields",
            "RESUMABLE_BACKBONE_FIELDS"]
 
@@ -111,8 +112,10 @@ def _meta_backbone(backbone_class: type, config: dict, max_tensors: int, max_val
             return
         seen.add(id(tensor))
         values += tensor.numel()
-        if len(seen) > max_tensors or values > max_values:
-            raise _TooLarge
+        if len(seen) > max_tensors:
+            raise _TooLarge("tensors")
+        if values > max_values:
+            raise _TooLarge("values")
 
     hooks = [nn.modules.module.register_module_parameter_registration_hook(count),
              nn.modules.module.register_module_buffer_registration_hook(count)]
@@ -123,7 +126,7 @@ def _meta_backbone(backbone_class: type, config: dict, max_tensors: int, max_val
         raise
     except RuntimeError as error:  # a shape whose byte count overflows int64: no machine builds it
         if "overflow" in str(error).lower():
-            raise _TooLarge from None
+            raise _TooLarge("values") from None
         return None
     except Exception:  # noqa: BLE001 - a bad setting or a constructor the meta device can not run: the build says
         return None
@@ -160,6 +163,34 @@ def memory_limit() -> int | None:
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:,.1f} GiB"
+
+
+# More weight tensors than this (some 700 GPT layers) is no model a machine trains here: the meta build stops there.
+MAX_TENSORS = 10_000
+
+
+def model_too_large(backbone_class: type, config: dict, limit: int | None) -> str | None:
+    """Why the model ``backbone_class(**config)`` does not fit in ``limit`` bytes (None: no limit known), as a phrase
+    ("holds 1,234 parameters, 9.2 GiB, more than the 8.0 GiB of memory here"); None when it fits or its constructor
+    fails on the meta device (the real build names why). Built on the meta device and stopped as soon as its weights
+    pass ``limit`` or ``MAX_TENSORS``, so ``n_layer: 100000`` costs a few hundred layers."""
+    values = limit // 4 if limit is not None else 2**62  # float32, the weights' dtype as built
+    try:
+        model = _meta_backbone(backbone_class, config, MAX_TENSORS, values)
+    except _TooLarge as error:
+        if error.args[0] == "tensors":
+            return f"builds more than {MAX_TENSORS:,} weight tensors"
+        if limit is None:
+            return "builds more weights than any machine holds"
+        return f"holds over {values:,} parameters, more than the {_gib(limit)} of memory here holds in float32"
+    if model is None or limit is None:
+        return None
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    needed = sum(t.numel() * t.element_size() for t in tensors)
+    if needed <= limit:
+        return None
+    count = sum(p.numel() for p in model.parameters())
+    return f"holds {count:,} parameters, {_gib(needed)}, more than the {_gib(limit)} of memory here"
 
 
 def check_backbone_fits(source: str, meta: Mapping[str, Any], stored: Mapping[str, Any], prefix: str = "",
