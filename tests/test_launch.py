@@ -25,7 +25,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import ROOT, one_error_line
+from helpers import ROOT, assert_mentions, one_error_line
 from ltcx.errors import ConfigError
 from ltcx.runtime import usable_cores
 from ltcx.study import launch
@@ -110,6 +110,12 @@ def figures(folder: Path) -> dict:
     return {"result": result, "test": json.loads((folder / "test.json").read_text())}
 
 
+def said_of(output: str, label: str) -> str:
+    """The one line of ``output`` that begins with ``label`` (a run's line in a dry run's plan, indented)."""
+    [line] = [line.strip() for line in output.splitlines() if line.strip().startswith(f"{label}: ")]
+    return line
+
+
 def fit_starts(folder: Path) -> list[str]:
     """The start line of every ``ltcx fit`` of the run (ltcx/cli/console.py): one per process that trained it."""
     return [line for line in (folder / "run.log").read_text().splitlines()
@@ -166,7 +172,7 @@ def test_two_devices_launchers_finish_a_study_whose_worker_was_killed(tiny):
         assert len(fit_starts(folder)) == 2 and "resumed at step 3 of 6" in (folder / "run.log").read_text()
         assert both.count(f"{label}: testing") == 1, both
         assert figures(folder) == figures(runs(tiny.out)[label]), label
-    assert "claimed by another launcher: waiting for them" in both
+    assert any("claimed by another launcher" in line and "waiting" in line for line in both.splitlines()), both
     summary, reference = (json.loads((o / "tiny/summary.json").read_text()) for o in (out, tiny.out))
     assert summary["results"] == reference["results"]
 
@@ -216,12 +222,14 @@ def test_a_failing_run_is_reported_with_its_last_line_and_the_others_finish(tiny
     assert done.code == 1, done.err[-3000:]
     failed = "xlstm size16 lr=0.003 seed 0 failed (exit 2): ltcx: error: "
     lines = done.err.splitlines()
-    assert lines[-1] == "ltcx: study failing: 1 runs failed (above); rerun the same command to retry them"
-    assert lines[-2].startswith(f"ltcx: failed: {failed}") and "n_kv_head" in lines[-2]
-    assert lines[-2].endswith(f"(see {out / 'failing/runs/xlstm/size16/lr0.003/seed0/run.log'}; rerun to resume)")
+    assert_mentions(lines[-1], "study failing", "1 runs failed", "rerun the same command")
+    assert lines[-2].startswith(f"ltcx: failed: {failed}")  # the run, its exit status and its log's last line
+    assert_mentions(lines[-2], "n_kv_head", str(out / "failing/runs/xlstm/size16/lr0.003/seed0/run.log"),
+                    "rerun to resume")
     assert "gpt size16 lr=0.003 seed 0: val/recall_acc " in done.out and "tune: done 1 / running 0 / failed 1 / " \
         "left 0" in done.out
-    assert "tune: xlstm size16: a tuning run failed, so no seeds run there until it is rerun" in done.out
+    [held_back] = [line for line in done.out.splitlines() if "tune: xlstm size16: " in line]
+    assert_mentions(held_back, "tuning run failed", "no seeds", "rerun")
     summary = json.loads((out / "failing/summary.json").read_text())
     assert [entry["arch"] for entry in summary["results"]] == ["gpt"]
 
@@ -237,11 +245,11 @@ def test_the_report_is_written_again_from_the_folder_alone(tiny, capsys):
     assert written["results"] == reference["results"]
     assert not any("training" in line for line in capsys.readouterr().out.splitlines())
     timed = write_spec(tiny.root, "timed.yaml", timing_rounds=2)  # the same study: timing_rounds redoes no run
-    for flags, line in (((), "timing pass: 2 models interleaved, 2 rounds"),
-                        ((), "timing pass: done before for these checkpoints, reused (--retime redoes it)"),
-                        (("--retime",), "timing pass: 2 models interleaved, 2 rounds")):
+    timed_now = ("timing pass", "2 models", "2 rounds")
+    for flags, facts in (((), timed_now), ((), ("timing pass", "reused", "--retime")), (("--retime",), timed_now)):
         main(["study", "--spec", str(timed), "--out", str(out), "--report_only", *flags])
-        assert line in capsys.readouterr().out
+        [said] = [line for line in capsys.readouterr().out.splitlines() if "timing pass" in line]
+        assert_mentions(said, *facts)
     assert json.loads((out / "tiny/summary.json").read_text())["results"][0]["tokens_per_sec"] > 0
 
 
@@ -340,13 +348,15 @@ def test_the_dry_run_says_where_each_run_would_run(tmp_path, capsys):
           "--workers", "2"])
     out = capsys.readouterr().out
     assert "devices launcher" in out.splitlines()[0]
-    assert f"gpt size16 lr=0.003 seed 0: 6 steps [to run] on slot 0 (OMP_NUM_THREADS={THREADS}): ltcx fit " in out
-    assert f"xlstm size16 lr=0.003 seed 0: 6 steps [to run] on slot 1 (OMP_NUM_THREADS={THREADS}): ltcx fit " in out
+    for slot, label in enumerate(LABELS):
+        assert_mentions(said_of(out, label), "6 steps", "[to run]", f"slot {slot}", f"OMP_NUM_THREADS={THREADS}",
+                        "ltcx fit ")
     main(["study", "--spec", str(write_spec(tmp_path, launcher={"kind": "slurm", "partition": "gpu", "time_min": 90,
                                                                  "runs_per_job": 2})),
           "--out", str(tmp_path / "results"), "--dry_run"])
     out = capsys.readouterr().out
-    assert "xlstm size16 lr=0.003 seed 0: 6 steps [to run] on SLURM job 0, partition gpu, 90 min, 1 GPUs: " in out
+    assert_mentions(said_of(out, LABELS[1]), "6 steps", "[to run]", "SLURM job 0", "partition gpu", "90 min",
+                    "1 GPUs", "ltcx fit ")
     assert not (tmp_path / "results").exists()
 
 
@@ -364,8 +374,8 @@ def test_cpu_runs_with_cpus_per_run_fill_the_cores_and_a_typed_kind_replaces_the
     main(["study", "--spec", str(spec), "--out", out, "--dry_run"])
     lines = capsys.readouterr().out
     assert "devices launcher" in lines.splitlines()[0]
-    assert f"{LABELS[0]}: 6 steps [to run] on slot 0 (OMP_NUM_THREADS=1): ltcx fit " in lines
-    assert f"{LABELS[1]}: 6 steps [to run] on slot 1 (OMP_NUM_THREADS=1): ltcx fit " in lines
+    for slot, label in enumerate(LABELS):
+        assert_mentions(said_of(lines, label), "6 steps", f"slot {slot}", "OMP_NUM_THREADS=1", "ltcx fit ")
     assert launch.make_launcher(load_spec(spec), tmp_path, print, None).slots == 3
     assert launch.make_launcher(load_spec(spec), tmp_path, print, None, {"workers": 2}).slots == 2
     wider = launch.make_launcher(load_spec(spec), tmp_path, print, None, {"cpus_per_run": 2})
@@ -375,29 +385,27 @@ def test_cpu_runs_with_cpus_per_run_fill_the_cores_and_a_typed_kind_replaces_the
     assert not (tmp_path / "results").exists()
 
 
-@pytest.mark.parametrize("launcher, message", [
-    ({"kind": "ray"}, "key 'launcher.kind' ('ray') must be local, devices or slurm"),
-    ({"workers": 0}, "key 'launcher.workers' (0) must be an integer >= 1"),
-    ({"nodes": 2}, "unknown key 'launcher.nodes': the keys are kind, workers, gpus_per_run"),
-    ("devices", "key 'launcher' ('devices') must be a mapping"),
+@pytest.mark.parametrize("launcher, facts", [
+    ({"kind": "ray"}, ("'launcher.kind' ('ray')", "local, devices or slurm")),
+    ({"workers": 0}, ("'launcher.workers' (0)", "integer >= 1")),
+    ({"nodes": 2}, ("unknown key 'launcher.nodes'", "kind, workers, gpus_per_run")),
+    ("devices", ("'launcher' ('devices')", "mapping", "kind: local|devices|slurm")),
 ])
-def test_a_bad_launcher_key_is_one_line(tmp_path, launcher, message):
+def test_a_bad_launcher_key_is_one_line(tmp_path, launcher, facts):
     path = write_spec(tmp_path, launcher=launcher)
     with pytest.raises(ConfigError) as error:
         load_spec(path)
-    assert str(error.value) == f"study spec {path}: {message}" or str(error.value).startswith(
-        f"study spec {path}: {message}")
+    assert_mentions(str(error.value), f"study spec {path}", *facts)
+    assert "\n" not in str(error.value)
 
 
 def test_bad_launcher_flags_are_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch):
     spec, out = str(write_spec(tmp_path)), str(tmp_path / "results")
     line = one_error_line(["study", "--spec", spec, "--out", out, "--workers", "0"], capsys)
-    assert line == "ltcx: error: argument --workers: must be an integer >= 1, not '0'; see `ltcx study --help`"
+    assert_mentions(line, "--workers", "integer >= 1", "'0'", "ltcx study --help")
     line = one_error_line(["study", "--spec", spec, "--out", out, "--launcher", "slurm", "--workers", "2"], capsys)
-    assert line == ("ltcx: error: launcher slurm: 'workers' applies to launcher devices only: leave it out or "
-                    "choose that kind")
+    assert_mentions(line, "launcher slurm", "'workers'", "launcher devices only", "leave it out")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     line = one_error_line(["study", "--spec", spec, "--out", out, "--launcher", "devices", "--workers", "3"], capsys)
-    assert line == ("ltcx: error: launcher devices: 3 workers x 1 GPUs per run but this machine shows 2 GPUs: give "
-                    "--workers 2 or fewer")
+    assert_mentions(line, "launcher devices", "3 workers x 1 GPUs per run", "shows 2 GPUs", "--workers 2 or fewer")
     assert not (tmp_path / "results").exists()
