@@ -1,7 +1,8 @@
 """Model FLOPs and the machine's limit: FLOPs per token of any backbone, and the peak FLOP/s that MFU divides by;
 and the timing pieces the measurement scripts share (``scripts/benchmark.py``, ``scripts/gpu_check.py``): a synced
 median timer, a training step through ltcx's loss, the state a decode step is timed from, peak memory, and the
-number of device kernels one training step launches (``kernels_per_step``).
+number of device kernels one training step launches (``kernels_per_step``, counted at dispatch; ``device_kernels``,
+as the profiler saw them launched).
 
 MFU (model FLOPs utilisation) = tokens/s x training FLOPs per token / peak FLOP/s of the device.
 """
@@ -261,3 +262,28 @@ def kernels_per_step(model: nn.Module, idx: torch.Tensor, optimizer: torch.optim
     with KernelCounter() as counter:
         step()
     return counter.counts
+
+
+def device_kernels(run: Callable[[], object], device: torch.device) -> int:
+    """What one call of ``run()`` launched, as the profiler saw it: on CUDA the device's events (kernels, Triton's
+    and Inductor's included, copies and fills); on a CPU, which launches none, the aten ops at the top of the
+    profile (an op called inside another is not counted again)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        run()
+        sync(device)
+    events = prof.events()
+    if cuda:  # not the GPU-side copies of record_function ranges ("gpu_user_annotation"): no launch
+        return sum(event.device_type == DeviceType.CUDA and "annotation" not in str(event.activity_type)
+                   for event in events)
+
+    def on_top(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        return parent is None
+
+    return sum(event.name.startswith("aten::") and on_top(event) for event in events)

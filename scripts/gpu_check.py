@@ -1,38 +1,34 @@
-"""The GPU check: every catalogued architecture at the reference shape on one NVIDIA GPU, in under 8 minutes,
-written as JSON and as a Markdown table to paste into docs/benchmarks.md.
+"""The GPU check, in one call under 10 minutes on one NVIDIA GPU: the fused Triton kernels against their torch forms,
+then every catalogued architecture eager, compiled and fused; written as JSON and as Markdown for docs/benchmarks.md.
 
     python scripts/gpu_check.py                 # on a GPU machine: gpu_check.json and gpu_check.md
     python scripts/gpu_check.py --tiny          # the same code end to end on a CPU at tiny shapes (the tests run it)
 
-For each entry of the catalogue (ltcx/models/catalog.py; its configs/<arch>.yaml, vocabulary 50,304), at batch
-24 x 512 under bf16 autocast (what ``precision: bf16-mixed`` trains with):
+1. Two checks through the CLI: a 2-step DDP fit (configs/gpt.yaml + configs/trainer/ddp.yaml, the built-in sample,
+   every visible GPU) and a bf16 ``ltcx generate`` from its checkpoint.
+2. The kernel checks (``KERNEL_CASES``): Titans' memory (``neural_memory_triton`` against ``neural_memory``) and the
+   sLSTM scan (``slstm_scan_head_major_triton`` against ``slstm_scan_head_major``) at the 29M configs' shapes, 509
+   tokens fed as 37 + 472 (no chunk divides either) with the state carried between the calls: the largest absolute
+   and relative differences of the outputs, the final state and every input's gradient, pass or fail against
+   ``KERNEL_TOL``; float32, and bf16 where the torch form takes bf16.
+3. Each catalogue entry (its configs/<arch>.yaml, vocabulary 50,304) at batch 24 x 512 under bf16 autocast, one
+   training step (``LanguageModel.loss`` with its fused head, backward, AdamW: ``ltcx.throughput.loss_step``) in
+   three forms: eager, compiled (as ``--model.compile true``) and fused (the Triton backend, ``FUSED_BACKENDS``;
+   "n/a" without one). Per form: tokens/s, peak memory allocated, device kernels per step (``device_kernels``);
+   eager and fused also ``ltcx.throughput.kernels_per_step``, eager MFU; the best form's tokens/s over the GPT's
+   (target ``TARGET_VS_GPT``). Then eager: the peak memory through the full ``[B, T, V]`` logits, a cached decode
+   step at batch 1 and 16 after 128 and 2,048 tokens, and the ``scaled_dot_product_attention`` kernel that ran.
 
-* training tokens/s (``LanguageModel.loss`` with its fused head, backward, AdamW: ``ltcx.throughput.loss_step``,
-  as a fit trains) and MFU against the GPU's dense bf16 peak (``ltcx.throughput``); the peak memory allocated while
-  training, and while training through the full ``[B, T, V]`` logits instead (the path before the fused head);
-* the ``torch.compile``'d (Inductor) training step, compiled as ``--model.compile true`` compiles it: its compile
-  time, tokens/s and speed-up over eager;
-* one cached decode step at batch 1 and 16 after 128 and 2,048 tokens ("n/a (context 512)" for a model whose
-  learned position embeddings end its context there);
-* which ``scaled_dot_product_attention`` kernel ran, in a training forward and in a decode step: the aten op the
-  profiler recorded (``_scaled_dot_product_flash_attention`` is flash, ``..._efficient_attention`` the
-  memory-efficient kernel, ``..._cudnn_attention`` cuDNN, ``..._attention_math`` the unfused fallback): what
-  ran, not what might have.
+Every measurement is guarded: one that fails records its first line and the rest go on. The kernel checks run in a
+child process with a time limit; the models in a worker process, one after another, each with an equal share of
+what is left of ``--budget_s``: a model still running past its share is stopped (its unmeasured figures say so) and
+a new worker goes on (as after a CUDA error, which leaves a process's CUDA context unusable). The exit status is 1
+when anything failed, after the report is written.
 
-Then two checks through the CLI: a 2-step DDP fit (``configs/gpt.yaml`` + ``configs/trainer/ddp.yaml`` on the
-built-in sample, every visible GPU) and a bf16 ``ltcx generate`` from its checkpoint.
-
-Every measurement is guarded: one that fails records its error (one line) and the others go on. The CLI checks
-run first; the models then run one after another in a worker process, each given an equal share of the time left
-of ``--budget_s``; a model still running at the end of its share (a compile that does not finish) is stopped,
-what it had not measured is recorded as timed out, and a new worker goes on with the next model (as after a CUDA
-error, which leaves a process's CUDA context unusable). The exit status is 1 when anything failed, after the report
-is written.
-
-``--tiny``: the catalogue's tiny shapes (``build_tiny``, ``tiny_cli``) at batch 2 x 8, float32 on the CPU (bf16
-autocast is emulated there, and slow), a couple of steps, decode at batch 1 and 2 after 8 and 80 tokens (beyond the
-tiny GPTs' context of 64), ``torch.compile`` with the ``eager`` backend (graph capture without Inductor's C++
-build), the DDP fit with gloo on ``--ddp_processes`` CPU processes.
+``--tiny``: the tiny shapes at batch 2 x 8, float32 on the CPU, a few steps, decode after 8 and 80 tokens (past the
+tiny GPTs' context), ``torch.compile``'s ``eager`` backend, the kernels in Triton's interpreter (``TRITON_INTERPRET=1``
+in the children's environment: Triton reads it on import; "skipped (no triton)" without Triton), device kernels
+counted as the aten ops at the top of the profile, and the DDP fit with gloo on ``--ddp_processes`` processes.
 """
 
 from __future__ import annotations
@@ -41,7 +37,9 @@ import argparse
 import datetime
 import functools
 import gc
+import importlib.util
 import json
+import math
 import os
 import platform
 import re
@@ -65,6 +63,19 @@ VOCAB = 50304  # the GPT-2 vocabulary padded to a multiple of 64, as the data mo
 TINY_VOCAB = 512
 GRACE_S = 15.0  # past a model's share before its worker is stopped (a measurement may end just after)
 PROMPT = "Once upon a time"
+TARGET_VS_GPT = 0.7  # the training tokens/s every architecture should reach, as a share of the GPT's
+FUSED_BACKENDS = {"XLSTM": {"slstm_backend": "triton"}, "Titans": {"memory_backend": "triton"}}
+"""A backbone class's fused form: the config fields that choose its Triton kernels."""
+KERNEL_TOL = {"float32": 1e-4, "bf16": 1e-2}
+"""max |fused - torch| / max |torch| of every output, state and gradient: float32 over a 512-step recurrence in
+another order of operations; bf16 outputs differ by their last bit (both forms compute in float32 inside)."""
+KERNEL_CASES = (("titans_memory", "float32"), ("titans_memory", "bf16"), ("slstm_scan", "float32"),
+                ("slstm_scan", "bf16"))
+FORMS = ("eager", "compiled", "fused")
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 class Shape:
@@ -76,18 +87,172 @@ class Shape:
         self.dtype = "float32" if tiny else "bf16"
         self.decode_batches = (1, 2) if tiny else (1, 16)
         self.decode_positions = (8, 80) if tiny else (128, 2048)
-        self.train_warmup, self.train_repeats, self.train_budget_s = (1, 2, 5.0) if tiny else (3, 20, 10.0)
-        self.decode_warmup, self.decode_repeats = (1, 3) if tiny else (5, 50)
+        self.train_warmup, self.train_repeats, self.train_budget_s = (1, 2, 5.0) if tiny else (2, 10, 3.0)
+        self.decode_warmup, self.decode_repeats = (1, 3) if tiny else (3, 20)
         self.compile_backend = compile_backend or ("eager" if tiny else "inductor")
 
     def decode_fields(self) -> list[str]:
         return [f"decode_ms_b{b}_at_{p}" for p in self.decode_positions for b in self.decode_batches]
 
     def fields(self) -> list[str]:
-        """Every figure of one model, in the table's order."""
-        return ["params", "context", "train_tokens_per_s", "mfu", "peak_memory_mb", "peak_memory_full_logits_mb",
-                "kernels_per_step", "compile_s", "compiled_tokens_per_s", "compile_speedup", *self.decode_fields(),
-                "sdpa_train", "sdpa_decode"]
+        """Every figure of one model, in the tables' order."""
+        return ["params", "context", *(f"{form}_{figure}" for form in FORMS
+                                       for figure in ("tokens_per_s", "peak_memory_mb", "device_kernels")),
+                "eager_kernels_per_step", "fused_kernels_per_step", "mfu", "compile_s", "peak_memory_full_logits_mb",
+                *self.decode_fields(), "sdpa_train", "sdpa_decode"]
+
+
+# -- the kernel checks: each fused kernel against its torch form -------------------------------------------------
+
+
+def objective(tensors):
+    """A loss that reads every tensor: fixed random weights (float32, seeded) on each."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return sum((x.float() * torch.randn(x.shape, generator=g).to(x.device)).sum() for x in tensors)
+
+
+def titans_memory_case(tiny: bool, device, dtype):
+    """(run(memory_fn) -> (outputs, gradients), shape): the memory of configs/titans_*.yaml (6 heads, keys 64, hidden
+    128, chunks of 16) over 509 tokens fed as 37 + 472, so that the second call starts mid-chunk from a carried
+    state; the gradients of q, k, v, the gates and M_0 flow through it."""
+    import torch
+    import torch.nn.functional as F
+
+    from ltcx.ops.titans import initial_memory_state
+
+    B, H, dk, dm, chunk, pieces = (2, 2, 8, 16, 4, (3, 8)) if tiny else (24, 6, 64, 128, 16, (37, 472))
+    T, g = sum(pieces), torch.Generator().manual_seed(0)
+    q, k = (F.normalize(torch.randn(B, H, T, dk, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(B, H, T, dk, generator=g)
+    retain, momentum, rate = (torch.randn(B, H, T, generator=g) for _ in range(3))
+    step = torch.sigmoid(rate) * torch.sigmoid(-momentum) / chunk
+    w1, w2 = torch.randn(H, dm, dk, generator=g) / dk**0.5, torch.randn(H, dk, dm, generator=g) / dm**0.5
+    inputs = [x.to(device, dtype) for x in (q, k, v, F.logsigmoid(3.0 - retain), F.logsigmoid(momentum), step, w1,
+                                             w2)]
+
+    def run(memory_fn):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        state, ys, position = initial_memory_state(leaves[6], leaves[7], B), [], 0
+        for n in pieces:
+            part = (x[:, :, position:position + n] for x in leaves[:6])
+            y, state = memory_fn(*part, state, position, chunk, True)
+            ys.append(y)
+            position += n
+        outputs = [torch.cat(ys, dim=2), *state]
+        return outputs, torch.autograd.grad(objective(outputs), leaves)
+
+    return run, f"B {B}, heads {H}, keys {dk}, hidden {dm}, chunk {chunk}, T {' + '.join(map(str, pieces))}"
+
+
+def slstm_scan_case(tiny: bool, device, dtype):
+    """(run(scan) -> (outputs, gradients), shape): the scan of configs/xlstm.yaml's sLSTM block (4 heads of 101) over
+    509 steps fed as 37 + 472, from a given state carried between the calls; steps in ``dtype`` (bf16: as a block
+    would hand them), the recurrent maps and the state float32."""
+    import torch
+
+    T1, T2, H, B, Dh = (3, 4, 2, 2, 5) if tiny else (37, 472, 4, 24, 101)
+    g = torch.Generator().manual_seed(0)
+    steps = torch.randn(T1 + T2, H, B, 4 * Dh, generator=g)
+    steps[..., Dh:2 * Dh] += 2.0  # forget gates mostly open, as the block's biases start
+    R = 0.5 * torch.randn(4, H, Dh, Dh, generator=g) / Dh**0.5
+    c, h, m = (torch.randn(B, H, Dh, generator=g) for _ in range(3))
+    n = 1.0 + torch.rand(B, H, Dh, generator=g)  # n >= 1, as a scan leaves it
+    inputs = [steps.to(device, dtype), *(x.to(device) for x in (R, c, n, h, m))]
+
+    def run(scan):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        first, state = scan(leaves[0][:T1], leaves[1], tuple(leaves[2:]))
+        second, state = scan(leaves[0][T1:], leaves[1], state)
+        outputs = [torch.cat([first, second]), *state]
+        grads = torch.autograd.grad(objective(outputs), leaves, allow_unused=True)
+        return outputs, [torch.zeros_like(x) if d is None else d for x, d in zip(leaves, grads)]
+
+    return run, f"B {B}, heads {H} x {Dh}, T {T1} + {T2}"
+
+
+def differences(got, want) -> tuple[float, float]:
+    """(max |got - want|, the same over max |want|) of the worst tensor of the two lists; inf for a non-finite one."""
+    worst_abs = worst_rel = 0.0
+    for a, e in zip(got, want):
+        error = (a.float() - e.float()).abs().max().item()
+        scale = e.float().abs().max().item()
+        if not math.isfinite(error) or not math.isfinite(scale):
+            return math.inf, math.inf
+        worst_abs, worst_rel = max(worst_abs, error), max(worst_rel, error / max(scale, 1e-30))
+    return worst_abs, worst_rel
+
+
+def check_kernel(kernel: str, dtype_name: str, tiny: bool, device) -> dict:
+    """One row of the kernel checks: the fused form and the torch form on the same inputs."""
+    import torch
+
+    row = {"kernel": kernel, "dtype": dtype_name, "tol": KERNEL_TOL[dtype_name]}
+    if kernel == "titans_memory":
+        if dtype_name == "bf16":
+            return {**row, "status": "n/a (the memory runs in float32 under bf16 autocast)", "ok": True}
+        from ltcx.ops.titans import neural_memory
+        from ltcx.ops.titans_triton import neural_memory_triton as fused
+        case, reference = titans_memory_case, neural_memory
+    else:
+        from ltcx.ops.slstm import slstm_scan_head_major as reference
+        from ltcx.ops.slstm_triton import slstm_scan_head_major_triton as fused
+        case = slstm_scan_case
+    run, row["shape"] = case(tiny, device, torch.bfloat16 if dtype_name == "bf16" else torch.float32)
+    (values, grads), (values_ref, grads_ref) = run(fused), run(reference)
+    row["values_max_abs"], row["values_max_rel"] = differences(values, values_ref)
+    row["grads_max_abs"], row["grads_max_rel"] = differences(grads, grads_ref)
+    row["ok"] = max(row["values_max_rel"], row["grads_max_rel"]) <= row["tol"]
+    row["status"] = "passed" if row["ok"] else "FAILED"
+    return row
+
+
+def kernel_checks_main(args) -> None:
+    """``--kernel_checks``: every row of ``KERNEL_CASES`` into ``<work_dir>/kernels.json``, rewritten after each."""
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path, rows = Path(args.work_dir) / "kernels.json", []
+    for kernel, dtype_name in KERNEL_CASES:
+        try:
+            rows.append(check_kernel(kernel, dtype_name, args.tiny, device))
+        except Exception as error:  # noqa: BLE001 - a failing check is a result, the next one goes on
+            traceback.print_exc()
+            rows.append({"kernel": kernel, "dtype": dtype_name, "ok": False, "status": f"error: {first_line(error)}"})
+            if "CUDA error" in str(error):  # this process's CUDA context is unusable: the rest are not run
+                break
+        finally:
+            gc.collect()
+        path.with_suffix(".tmp").write_text(json.dumps(rows, indent=1))
+        os.replace(path.with_suffix(".tmp"), path)
+
+
+def run_kernel_checks(args, work: Path, deadline: float) -> list[dict]:
+    """The rows of the kernel checks, run by a child (interpreted with --tiny); a row it did not reach says why."""
+    if not triton_installed():
+        return [{"kernel": k, "dtype": d, "ok": True, "status": "skipped (no triton)"} for k, d in KERNEL_CASES]
+    command = [sys.executable, str(Path(__file__).resolve()), "--kernel_checks", "--work_dir", str(work),
+               *(["--tiny"] if args.tiny else []), *(["--threads", str(args.threads)] if args.threads else [])]
+    limit = min(300.0 if args.tiny else 120.0, deadline - time.time())
+    rows, error = [], "the time budget (--budget_s) was spent"
+    if limit >= 1.0:
+        _, _, error = run_child(command, work, limit, child_environment(args.tiny))
+        rows = read_json(work / "kernels.json") or []
+    reason = error or "the check ended before it"
+    return rows + [{"kernel": k, "dtype": d, "ok": False, "status": f"not run: {reason}"}
+                   for k, d in KERNEL_CASES[len(rows):]]
+
+
+def child_environment(tiny: bool) -> dict:
+    """The environment of the children: Triton's interpreter for --tiny (read when Triton is imported)."""
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                                            os.environ.get("PYTHONPATH")]))}
+    if tiny:
+        environment["TRITON_INTERPRET"] = "1"
+    return environment
 
 
 # -- the worker: the models, one after another -----------------------------------------------------------------
@@ -184,29 +349,77 @@ def decode_step(model, batch: int, position: int, device, autocast, measure):
         return measure(lambda: model(token, state))
 
 
-def measure_model(arch: str, shape: Shape, device, peak: tuple, record: Recorder) -> None:
-    """Every figure of ``arch`` into ``record``, each measurement guarded."""
+def build(arch: str, shape: Shape, **overrides):
+    """The backbone of ``arch`` (its tiny shape with --tiny, else its YAML's), seeded, with ``overrides``."""
+    import torch
+
+    torch.manual_seed(0)
+    if shape.tiny:
+        return CATALOG[arch].build_tiny(TINY_VOCAB, **overrides)
+    spec = arch + (":" + ",".join(f"{key}={value}" for key, value in overrides.items()) if overrides else "")
+    # min_context: the GPT family's null block_size is the data's length in a fit, here the reference 512
+    return build_configured(spec, VOCAB, min_context=shape.seq_len)
+
+
+def measure_training(record: Recorder, form: str, trained, idx, device, autocast, shape: Shape) -> None:
+    """``<form>_tokens_per_s``, ``<form>_peak_memory_mb`` and ``<form>_device_kernels`` of ``trained``'s step (an
+    ``ltcx.lm.LanguageModel``; ``compile_s`` too when it compiles, ``<form>_kernels_per_step`` unless it does)."""
+    import torch
+
+    from ltcx.throughput import device_kernels, kernels_per_step, loss_step, peak_memory_mb, sync, timed
+
+    optimizer = trained.configure_optimizers()["optimizer"]
+    step = loss_step(trained, idx, optimizer, autocast)
+    with record.measuring(f"train {form}", f"{form}_tokens_per_s", f"{form}_peak_memory_mb",
+                          *(["compile_s"] if form == "compiled" else [])):
+        trained.train()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        sync(device)
+        start = time.perf_counter()
+        step()  # the first step: a compiled one compiles its forward and backward here
+        sync(device)
+        if form == "compiled":
+            record.set(compile_s=time.perf_counter() - start)
+        seconds = timed(step, device, shape.train_repeats, shape.train_warmup, shape.train_budget_s)
+        record.set(**{f"{form}_tokens_per_s": idx[:, 1:].numel() / seconds,
+                      f"{form}_peak_memory_mb": peak_memory_mb(device)})
+    with record.measuring(f"kernels {form}", f"{form}_device_kernels"):
+        record.set(**{f"{form}_device_kernels": device_kernels(step, device)})
+    if form != "compiled":  # the aten ops of the eager step, views left out
+        with record.measuring(f"aten kernels {form}", f"{form}_kernels_per_step"):
+            record.set(**{f"{form}_kernels_per_step": sum(kernels_per_step(trained, idx, optimizer,
+                                                                           autocast).values())})
+    del optimizer, step
+    release_memory()
+
+
+def compiled_model(arch: str, shape: Shape, model, device):
+    """A LanguageModel of a copy of ``model`` compiled as a fit with ``--model.compile true`` compiles it (in place:
+    hence the copy), with torch.compile's default backend (Inductor) or ``shape.compile_backend``."""
     import torch
 
     from ltcx.lm import LanguageModel
-    from ltcx.throughput import (
-        kernels_per_step,
-        loss_step,
-        model_flops_per_token,
-        peak_memory_mb,
-        sync,
-        timed,
-    )
+
+    copy = build(arch, shape).to(device)
+    copy.load_state_dict(model.state_dict())
+    trained = LanguageModel(copy, decay_steps=1, compile=True)
+    with mock.patch.object(torch, "compile", functools.partial(torch.compile, backend=shape.compile_backend)):
+        trained.configure_model()
+    return trained
+
+
+def measure_model(arch: str, shape: Shape, device, peak: tuple, record: Recorder) -> None:
+    """Every figure of ``arch`` into ``record``, each measurement guarded: the training forms first, then the rest."""
+    import torch
+
+    from ltcx.lm import LanguageModel
+    from ltcx.throughput import loss_step, model_flops_per_token, peak_memory_mb, sync, timed
 
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if shape.dtype == "bf16" else nullcontext()
     model = None
     with record.measuring("build", "params", "context"):
-        torch.manual_seed(0)
-        if shape.tiny:
-            model = CATALOG[arch].build_tiny(TINY_VOCAB).to(device)
-        else:
-            # min_context: the GPT family's null block_size is the data's length in a fit, here the reference 512
-            model = build_configured(arch, VOCAB, min_context=shape.seq_len).to(device)
+        model = build(arch, shape).to(device)
         record.set(params=model.parameter_count(), context=model.max_seq_len)
     if model is None:
         for field in shape.fields():
@@ -215,37 +428,55 @@ def measure_model(arch: str, shape: Shape, device, peak: tuple, record: Recorder
         return
     vocab = TINY_VOCAB if shape.tiny else VOCAB
     idx = torch.randint(0, vocab, (shape.batch, shape.seq_len + 1), device=device)
-    tokens = shape.batch * shape.seq_len
-    trained = LanguageModel(model, decay_steps=1)  # as a fit trains it (the schedule's end does not change a step)
-    optimizer = trained.configure_optimizers()["optimizer"]
-    eager_tokens_per_s = None
 
-    with record.measuring("train", "train_tokens_per_s", "mfu", "peak_memory_mb"):
-        model.train()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        step = loss_step(trained, idx, optimizer, autocast)
-        seconds = timed(step, device, shape.train_repeats, shape.train_warmup, shape.train_budget_s)
-        eager_tokens_per_s = tokens / seconds
-        flops_per_token = model_flops_per_token(model, shape.seq_len)
-        mfu = None if peak[0] is None else eager_tokens_per_s * flops_per_token / peak[0]
-        record.set(train_tokens_per_s=eager_tokens_per_s, mfu=mfu, peak_memory_mb=peak_memory_mb(device))
-        if mfu is None:
-            record.result["errors"]["mfu"] = f"no known peak FLOP/s for this device ({peak[1]}): pass --peak_flops"
+    # as a fit trains it (the schedule's end does not change a step)
+    measure_training(record, "eager", LanguageModel(model, decay_steps=1), idx, device, autocast, shape)
+    eager = record.result.get("eager_tokens_per_s")
+    with record.measuring("mfu", "mfu"):
+        if peak[0] is None:
+            raise RuntimeError(f"no known peak FLOP/s for this device ({peak[1]}): pass --peak_flops")
+        if eager is None:
+            raise RuntimeError("no eager tokens/s to compute it from")
+        record.set(mfu=eager * model_flops_per_token(model, shape.seq_len) / peak[0])
 
+    backends = FUSED_BACKENDS.get(type(model).__name__)
+    if backends is None or not triton_installed():
+        why = "n/a (no fused form)" if backends is None else "skipped (no triton)"
+        record.set(**{f"fused_{figure}": why for figure in ("tokens_per_s", "peak_memory_mb", "device_kernels",
+                                                             "kernels_per_step")})
+    else:
+        fused = None
+        with record.measuring("build fused", "fused_tokens_per_s", "fused_peak_memory_mb", "fused_device_kernels",
+                              "fused_kernels_per_step"):
+            fused = build(arch, shape, **backends).to(device)
+            fused.load_state_dict(model.state_dict())
+        if fused is not None:
+            measure_training(record, "fused", LanguageModel(fused, decay_steps=1), idx, device, autocast, shape)
+        del fused
+
+    torch._dynamo.reset()
+    compiled = None
+    with record.measuring("compile", "compiled_tokens_per_s", "compiled_peak_memory_mb", "compiled_device_kernels",
+                          "compile_s"):
+        compiled = compiled_model(arch, shape, model, device)
+    if compiled is not None:
+        measure_training(record, "compiled", compiled, idx, device, autocast, shape)
+    compiled = None
+    torch._dynamo.reset()
+    release_memory()
+
+    trained = LanguageModel(model, decay_steps=1)
     with record.measuring("train with full logits", "peak_memory_full_logits_mb"):
         # the peak before the fused head: the [B, T, V] logits, their float32 copy and F.cross_entropy
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        full = loss_step(trained, idx, optimizer, autocast, path="full")
+        full = loss_step(trained, idx, trained.configure_optimizers()["optimizer"], autocast, path="full")
         full()
         full()
         sync(device)
         record.set(peak_memory_full_logits_mb=peak_memory_mb(device))
+        del full
         release_memory()
-
-    with record.measuring("kernels", "kernels_per_step"):  # the eager step's kernel launches, views left out
-        record.set(kernels_per_step=sum(kernels_per_step(trained, idx, optimizer, autocast).values()))
 
     with record.measuring("sdpa", "sdpa_train", "sdpa_decode"):
         def training_forward():
@@ -270,26 +501,6 @@ def measure_model(arch: str, shape: Shape, device, peak: tuple, record: Recorder
                                       lambda step: timed(step, device, shape.decode_repeats, shape.decode_warmup))
                 record.set(**{field: 1e3 * seconds})
                 release_memory()
-
-    with record.measuring("compile", "compile_s", "compiled_tokens_per_s", "compile_speedup"):
-        model.train()
-        torch._dynamo.reset()
-        # as a fit with --model.compile true: the backbone's hidden states compiled, the fused head after them;
-        # LanguageModel compiles with torch.compile's default backend (Inductor), --tiny swaps in its own
-        compiled = LanguageModel(model, decay_steps=1, compile=True)
-        with mock.patch.object(torch, "compile", functools.partial(torch.compile, backend=shape.compile_backend)):
-            compiled.configure_model()
-        step = loss_step(compiled, idx, optimizer, autocast)
-        sync(device)
-        start = time.perf_counter()
-        step()  # compiles the forward and the backward
-        sync(device)
-        record.set(compile_s=time.perf_counter() - start)
-        seconds = timed(step, device, shape.train_repeats, shape.train_warmup, shape.train_budget_s)
-        record.set(compiled_tokens_per_s=tokens / seconds,
-                   compile_speedup=None if eager_tokens_per_s is None else tokens / seconds / eager_tokens_per_s)
-        if eager_tokens_per_s is None:
-            record.result["errors"]["compile_speedup"] = "no eager figure to compare with"
 
 
 def worker_main(args) -> None:
@@ -360,7 +571,8 @@ def run_models(args, shape: Shape, work: Path, deadline: float) -> dict[str, dic
                 command += [flag, str(value)]
         if args.tiny:
             command.append("--tiny")
-        worker = subprocess.Popen(command, start_new_session=True)  # its own group: stopped with its children
+        # its own group, stopped with its children; Triton's interpreter for --tiny's fused forms
+        worker = subprocess.Popen(command, start_new_session=True, env=child_environment(args.tiny))
         why = None
         try:
             while worker.poll() is None:
@@ -401,11 +613,10 @@ def run_models(args, shape: Shape, work: Path, deadline: float) -> dict[str, dic
     return results
 
 
-def run_cli(command: list[str], cwd: Path, timeout: float) -> tuple[subprocess.CompletedProcess | None, float, str]:
-    """(the finished process or None, seconds, an error line or "") of ``python run.py ...`` offline; at
-    ``timeout`` its whole process group (DDP's other ranks too) is stopped."""
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                   "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+def run_child(command: list[str], cwd: Path, timeout: float, environment: dict
+              ) -> tuple[subprocess.CompletedProcess | None, float, str]:
+    """(the finished process or None, seconds, an error line or "") of ``command``; at ``timeout`` its whole process
+    group (DDP's other ranks, compile workers) is stopped."""
     start = time.perf_counter()
     process = subprocess.Popen(command, cwd=cwd, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
@@ -423,6 +634,12 @@ def run_cli(command: list[str], cwd: Path, timeout: float) -> tuple[subprocess.C
         tail = [line for line in done.stderr.strip().splitlines() if line.strip()][-3:]
         return done, seconds, f"exit code {done.returncode}: " + " | ".join(tail)[-600:]
     return done, seconds, ""
+
+
+def run_cli(command: list[str], cwd: Path, timeout: float) -> tuple[subprocess.CompletedProcess | None, float, str]:
+    """``run_child`` of ``python run.py ...`` offline."""
+    return run_child(command, cwd, timeout, {**child_environment(False), "HF_HUB_OFFLINE": "1",
+                                             "HF_DATASETS_OFFLINE": "1"})
 
 
 def shown(command: list[str], work: Path) -> str:
@@ -494,6 +711,28 @@ def commit_of_tree() -> str:
 # -- the report --------------------------------------------------------------------------------------------------
 
 
+def against_gpt(results: dict[str, dict]) -> None:
+    """Each result's ``best_form`` (its fastest training form) and ``vs_gpt``: that form's tokens/s over the GPT's
+    best form's."""
+    def best(result: dict) -> tuple[str | None, float | None]:
+        figures = [(result.get(f"{form}_tokens_per_s"), form) for form in FORMS]
+        figures = [(value, form) for value, form in figures if isinstance(value, float)]
+        return max(figures)[::-1] if figures else (None, None)
+
+    _, gpt = best(results["gpt"]) if "gpt" in results else (None, None)
+    for result in results.values():
+        result["best_form"], tokens_per_s = best(result)
+        if "gpt" not in results:
+            result["vs_gpt"] = "n/a (gpt not in --archs)"
+        elif tokens_per_s is None or gpt is None:
+            result["vs_gpt"] = None
+            result["errors"].setdefault("vs_gpt", "no training tokens/s " + ("of the GPT" if gpt is None else ""))
+        else:
+            result["vs_gpt"] = tokens_per_s / gpt
+        if result["best_form"] is None:
+            result["errors"].setdefault("best_form", "no training form was measured")
+
+
 def number(value, digits: int = 3) -> str:
     """A figure for the table: thousands separated above 1,000, else ``digits`` significant digits."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -512,8 +751,14 @@ def cell(result: dict, field: str, unit: str = "", suffix: str = "") -> str:
     return f"{number(value)}{suffix}{unit}"
 
 
+def table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1),
+            *("| " + " | ".join(row) + " |" for row in rows), ""]
+
+
 def markdown(report: dict) -> str:
-    """The report as Markdown: a stamp line, the table of models, the CLI checks, every error."""
+    """The report as Markdown: a stamp line, the kernel checks, the training forms, decode and the rest, the CLI
+    checks, every error."""
     meta, shape = report["meta"], report["meta"]["shape"]
     positions, batches = shape["decode_positions"], shape["decode_batches"]
     lines = [
@@ -523,33 +768,44 @@ def markdown(report: dict) -> str:
         "",
         f"    {meta['command']}",
         "",
-        f"Batch {shape['batch']} x {shape['seq_len']}, {shape['dtype']}"
-        f"{' autocast (bf16-mixed)' if shape['dtype'] == 'bf16' else ''}, vocabulary {shape['vocab']:,}; "
-        "training = `LanguageModel.loss` (the fused head) + backward + AdamW, as a fit trains; peak, full logits = "
-        "the same step through the full [B, T, V] logits and `F.cross_entropy`; kernels = the eager step's "
-        "(`ltcx.throughput.kernels_per_step`); MFU against "
-        f"{meta['peak_flops'] or 0:.3g} FLOP/s ({meta['peak_source']}); compiled = `torch.compile` "
-        f"({shape['compile_backend']}) of the training step, as `--model.compile true`; "
-        f"decode = one cached step, ms, at batch b after p tokens; SDPA = the kernel that ran (profiler), "
-        "training forward / decode step.",
+        "Fused kernels against their torch forms, two calls with the state carried: the largest difference of the "
+        "outputs and final state (values) and of every input's gradient, absolute and relative to the torch form's "
+        "largest magnitude.",
         "",
     ]
-    decode_heads = [f"decode b{b} @{p} (ms)" for p in positions for b in batches]
-    head = ["model", "parameters", "train tokens/s", "MFU", "peak memory", "peak, full logits", "kernels per step",
-            "compiled tokens/s",
-            "compile speed-up",
-            "compile time", *decode_heads, "SDPA"]
-    lines.append("| " + " | ".join(head) + " |")
-    lines.append("|---|" + "---:|" * (len(head) - 2) + "---|")
-    for result in report["results"]:
-        sdpa = f"{cell(result, 'sdpa_train')} / {cell(result, 'sdpa_decode')}"
-        row = [result["arch"], cell(result, "params"), cell(result, "train_tokens_per_s"), cell(result, "mfu"),
-               cell(result, "peak_memory_mb", " MiB"), cell(result, "peak_memory_full_logits_mb", " MiB"),
-               cell(result, "kernels_per_step"), cell(result, "compiled_tokens_per_s"),
-               cell(result, "compile_speedup", suffix="x"), cell(result, "compile_s", " s"),
-               *(cell(result, f"decode_ms_b{b}_at_{p}") for p in positions for b in batches), sdpa]
-        lines.append("| " + " | ".join(row) + " |")
-    lines.append("")
+    lines += table(["kernel", "dtype", "shape", "values abs / rel", "gradients abs / rel", "tolerance", "result"], [
+        [row["kernel"], row["dtype"], row.get("shape", "-"),
+         *(f"{row[f'{what}_max_abs']:.2e} / {row[f'{what}_max_rel']:.2e}" if f"{what}_max_abs" in row else "-"
+           for what in ("values", "grads")), f"{row['tol']:.0e}" if "tol" in row else "-", row["status"]]
+        for row in report["kernels"]])
+    lines += [
+        f"Training, batch {shape['batch']} x {shape['seq_len']}, {shape['dtype']}"
+        f"{' autocast (bf16-mixed)' if shape['dtype'] == 'bf16' else ''}, vocabulary {shape['vocab']:,}: "
+        "`LanguageModel.loss` (the fused head) + backward + AdamW, as a fit trains; eager / compiled (`torch.compile` "
+        f"({shape['compile_backend']}), as `--model.compile true`) / fused (the Triton backend); best vs GPT = the "
+        f"fastest form's tokens/s over the GPT's fastest (target {TARGET_VS_GPT}x); device kernels = what the "
+        "profiler saw one step launch; aten kernels = `ltcx.throughput.kernels_per_step` (a Triton launch is none); "
+        f"MFU (eager) against {meta['peak_flops'] or 0:.3g} FLOP/s ({meta['peak_source']}).",
+        "",
+    ]
+    slash = " / ".join
+    lines += table(["model", "parameters", "tokens/s eager / compiled / fused", "best vs GPT", "MFU",
+                    "peak memory eager / compiled / fused", "device kernels eager / compiled / fused",
+                    "aten kernels eager / fused", "compile time"], [
+        [r["arch"], cell(r, "params"), slash(cell(r, f"{form}_tokens_per_s") for form in FORMS),
+         cell(r, "vs_gpt", suffix="x") + (f" ({r['best_form']})" if r.get("best_form") else ""), cell(r, "mfu"),
+         slash(cell(r, f"{form}_peak_memory_mb", " MiB") for form in FORMS),
+         slash(cell(r, f"{form}_device_kernels") for form in FORMS),
+         slash(cell(r, f"{form}_kernels_per_step") for form in ("eager", "fused")), cell(r, "compile_s", " s")]
+        for r in report["results"]])
+    lines += ["Eager: the peak memory of the step through the full [B, T, V] logits and `F.cross_entropy`; one "
+              "cached decode step, ms, at batch b after p tokens; SDPA = the kernel that ran (profiler), training "
+              "forward / decode step.", ""]
+    lines += table(["model", "peak, full logits", *(f"decode b{b} @{p} (ms)" for p in positions for b in batches),
+                    "SDPA"], [
+        [r["arch"], cell(r, "peak_memory_full_logits_mb", " MiB"),
+         *(cell(r, f"decode_ms_b{b}_at_{p}") for p in positions for b in batches),
+         f"{cell(r, 'sdpa_train')} / {cell(r, 'sdpa_decode')}"] for r in report["results"]])
     ddp, generate = report["cli"]["ddp_fit"], report["cli"]["generate"]
     processes = f" on {ddp['processes']} process(es)" if ddp.get("processes") else ""
     lines.append(f"* DDP fit, 2 steps{processes}: " + (f"passed in {ddp['seconds']:.0f} s" if ddp["ok"] else
@@ -570,8 +826,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="tiny shapes, float32 on the CPU: the whole check in a minute")
     parser.add_argument("--archs", nargs="+", default=list(CATALOG), help="catalogue entries (default: all)")
     parser.add_argument("--budget_s", type=float, default=None,
-                        help="seconds for the whole check (default 440, --tiny 300; a model may overrun its "
-                             "share by 15 s); the models share what the CLI checks leave")
+                        help="seconds for the whole check (default 520, --tiny 400; a model may overrun its "
+                             "share by 15 s); the models share what the CLI and kernel checks leave")
     parser.add_argument("--out", default="gpu_check", help="writes OUT.json and OUT.md")
     parser.add_argument("--compile_backend", default=None,
                         help="torch.compile backend (default inductor; --tiny eager)")
@@ -581,20 +837,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch's CPU threads in the worker")
     parser.add_argument("--commit", default=None, help="the commit to stamp (default: git's HEAD of this tree)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--kernel_checks", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--work_dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = [arch for arch in args.archs if arch not in CATALOG]
     if unknown:
         parser.error(f"unknown architecture(s) {', '.join(unknown)} (known: {', '.join(CATALOG)})")
-    if args.worker:
-        worker_main(args)
+    if args.worker or args.kernel_checks:
+        (worker_main if args.worker else kernel_checks_main)(args)
         return
 
     import torch
 
     started = time.time()
-    budget = args.budget_s if args.budget_s is not None else (300.0 if args.tiny else 440.0)
+    budget = args.budget_s if args.budget_s is not None else (400.0 if args.tiny else 520.0)
     deadline = started + budget
     shape = Shape(args.tiny, args.compile_backend)
     if not args.tiny and not torch.cuda.is_available():
@@ -607,6 +864,10 @@ def main(argv: list[str] | None = None) -> None:
         cli = cli_checks(args, work, deadline)
         for name, check in cli.items():
             print(f"gpu_check: {name}: " + ("passed" if check["ok"] else f"FAILED: {check['error']}"), flush=True)
+        print("gpu_check: the fused kernels against their torch forms", flush=True)
+        kernels = run_kernel_checks(args, work, deadline)
+        for row in kernels:
+            print(f"gpu_check: {row['kernel']} {row['dtype']}: {row['status']}", flush=True)
         (work / "models").mkdir()
         results = run_models(args, shape, work / "models", deadline)
     first = next((r for r in results.values() if r.get("device_name")), {})
@@ -623,18 +884,20 @@ def main(argv: list[str] | None = None) -> None:
         "shape": {"tiny": shape.tiny, "batch": shape.batch, "seq_len": shape.seq_len, "dtype": shape.dtype,
                   "vocab": TINY_VOCAB if shape.tiny else VOCAB, "decode_batches": list(shape.decode_batches),
                   "decode_positions": list(shape.decode_positions), "compile_backend": shape.compile_backend},
-        "fields": shape.fields(),
+        "fields": [*shape.fields(), "best_form", "vs_gpt"], "kernel_tol": KERNEL_TOL, "target_vs_gpt": TARGET_VS_GPT,
     }
     for result in results.values():
         for key in ("deadline", "done", "phase", "phase_fields", "share_s", "device_name", "peak_flops",
                     "peak_source"):
             result.pop(key, None)
-    report = {"meta": meta, "results": [results[arch] for arch in args.archs], "cli": cli}
+    against_gpt(results)
+    report = {"meta": meta, "kernels": kernels, "results": [results[arch] for arch in args.archs], "cli": cli}
     Path(f"{args.out}.json").write_text(json.dumps(report, indent=2))
     Path(f"{args.out}.md").write_text(markdown(report))
     print(markdown(report))
     print(f"gpu_check: wrote {args.out}.json and {args.out}.md in {meta['seconds']:.0f} s")
-    failures = sum(len(r["errors"]) for r in report["results"]) + sum(not c["ok"] for c in cli.values())
+    failures = (sum(len(r["errors"]) for r in report["results"]) + sum(not c["ok"] for c in cli.values())
+                + sum(not row["ok"] for row in kernels))
     if failures:
         print(f"gpu_check: {failures} measurement(s) or check(s) failed: the report lists them", file=sys.stderr)
         sys.exit(1)
