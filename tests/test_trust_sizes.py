@@ -166,3 +166,17 @@ def test_absurd_model_flags_are_one_line_before_building(tmp_path, fit_env, caps
     assert_mentions(line, "n_layer 100,000", "more than 10,000 weight tensors",
                     "lower --model.backbone.init_args.n_layer")
     assert nothing_built == []
+
+
+def test_a_max_len_past_memory_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    """ltcx evaluate's loss by position: --max_len, not the data module's --data.block_size, is named."""
+    from helpers import write_corpus
+
+    torch.manual_seed(0)
+    path = write_model_checkpoint(tmp_path / "rope.ckpt", CATALOG["gpt"].build_tiny(320, "rope"), train_block_size=32)
+    monkeypatch.setattr(MEMORY, lambda: GIB)
+    out = tmp_path / "eval"
+    line = one_error_line(["evaluate", "--ckpt_path", str(path), "--data.path", str(write_corpus(tmp_path / "c", 6, 2)),
+                           "--max_len", "1000000000", "--out", str(out)], capsys)
+    assert_mentions(line, "--max_len 1000000000", f"'{path}'", "1.0 GiB of memory here", "or less")
+    assert "--data." not in line and not out.exists()

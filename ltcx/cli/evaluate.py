@@ -143,6 +143,7 @@ def evaluate_main(argv: list[str]) -> None:
                 f"embeddings): scored up to {limit}, not {requested}",
                 file=sys.stderr,
             )
+        _check_memory(args, path, backbone, evaluated, args.piece_len or train_context or evaluated)
         runs.append(dict(path=path, backbone=backbone, tokenizer=tokenizer, train_context=train_context, limit=limit,
                          requested=requested, evaluated=evaluated))
 
@@ -197,6 +198,25 @@ def _max_len(text: str) -> tuple[int | None, int | None]:
         raise ConfigError(f"--max_len '{text}' is neither a number of tokens (2048) nor a multiple of the training "
                           "length (4x) of at least 1")
     return (value, None) if match.group(1) else (None, value)
+
+
+def _check_memory(args, path: str, backbone, length: int, piece_len: int) -> None:
+    """One line naming --max_len (and the most tokens that fit) when scoring ``path``'s model on sequences of
+    ``length`` tokens (its batch, its state, the ``--num_sequences`` blocks read) takes more than the memory here,
+    before any text is read."""
+    from ltcx.eval.long_context import largest_fitting, scoring_bytes
+    from ltcx.persist import file_fits
+
+    def need(tokens: int) -> int:
+        return scoring_bytes(backbone, tokens, args.batch_size, piece_len) + 8 * args.num_sequences * (tokens + 1)
+
+    limit = file_fits.memory_limit()
+    if limit is None or need(length) <= limit:
+        return
+    most = largest_fitting(need, limit, length - 1)
+    raise ConfigError(f"--max_len {args.max_len}: scoring '{path}' on {args.num_sequences} sequences of {length:,} "
+                      f"tokens takes about {need(length) / 2**30:,.1f} GiB, more than the {limit / 2**30:,.1f} GiB "
+                      f"of memory here: pass --max_len {most} or less (tokens), or lower --num_sequences")
 
 
 def _read_blocks(args, tokenizer: str, length: int, val_split: str | None):

@@ -34,7 +34,7 @@ from ltcx.eval.scoring import target_log_probs
 
 __all__ = ["DEPTHS", "FACTORS", "TASKS", "ScoreGrid", "check_lengths_fit", "check_task", "evaluate_mqar",
            "evaluate_niah", "evaluate_task", "lengths_within_context", "plot_accuracy_by_length",
-           "plot_needle_heatmaps", "scoring_bytes", "trained_task"]
+           "largest_fitting", "plot_needle_heatmaps", "scoring_bytes", "trained_task"]
 
 FACTORS = (1, 2, 4, 8)  # lengths L, 2L, 4L, 8L
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -75,6 +75,15 @@ def scoring_bytes(backbone: nn.Module, length: int, batch_size: int, piece_len: 
     return batch_size * (DATA_BYTES_PER_TOKEN * length + int(state) + 2 * 4 * piece * vocab)
 
 
+def largest_fitting(need: Callable[[int], int], limit: int, high: int) -> int:
+    """The largest ``n`` in ``0..high`` whose ``need(n)`` (growing with ``n``) is at most ``limit``: a bisection."""
+    low = 0
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if need(middle) <= limit else (low, middle - 1)
+    return low
+
+
 def check_lengths_fit(backbone: nn.Module, train_length: int, factors: Sequence[int], batch_size: int,
                       piece_len: int | None, limit: int | None, source: str) -> None:
     """One ``ConfigError`` line naming ``--factors`` and the largest factor that fits, before any sequence is made,
@@ -87,14 +96,9 @@ def check_lengths_fit(backbone: nn.Module, train_length: int, factors: Sequence[
     need = scoring_bytes(backbone, longest, batch_size, piece_len)
     if need <= limit:
         return
-    low, high = 0, longest // train_length - 1  # the largest factor that fits: a bisection (the need grows with it)
-    while low < high:
-        middle = (low + high + 1) // 2
-        if scoring_bytes(backbone, middle * train_length, batch_size, piece_len) <= limit:
-            low = middle
-        else:
-            high = middle - 1
-    fix = f"use --factors up to {low}" if low else "lower --batch_size (and --piece_len)"
+    most = largest_fitting(lambda f: scoring_bytes(backbone, f * train_length, batch_size, piece_len), limit,
+                           longest // train_length - 1)
+    fix = f"use --factors up to {most}" if most else "lower --batch_size (and --piece_len)"
     raise ConfigError(
         f"--factors {longest // train_length}: scoring {source} on {batch_size} sequences of {longest:,} tokens "
         f"({longest // train_length} x its training length {train_length}) takes about {need / 2**30:,.1f} GiB, more "
