@@ -129,8 +129,8 @@ def titans_memory_case(tiny: bool, device, dtype):
     retain, momentum, rate = (torch.randn(B, H, T, generator=g) for _ in range(3))
     step = torch.sigmoid(rate) * torch.sigmoid(-momentum) / chunk
     w1, w2 = torch.randn(H, dm, dk, generator=g) / dk**0.5, torch.randn(H, dk, dm, generator=g) / dm**0.5
-    inputs = [x.to(device, dtype) for x in (q, k, v, F.logsigmoid(3.0 - retain), F.logsigmoid(momentum), step, w1,
-                                             w2)]
+    gates = F.logsigmoid(3.0 - retain), F.logsigmoid(momentum), step
+    inputs = [x.to(device, dtype) for x in (q, k, v, *gates, w1, w2)]
 
     def run(memory_fn):
         leaves = [x.clone().requires_grad_() for x in inputs]
@@ -248,11 +248,8 @@ def run_kernel_checks(args, work: Path, deadline: float) -> list[dict]:
 
 def child_environment(tiny: bool) -> dict:
     """The environment of the children: Triton's interpreter for --tiny (read when Triton is imported)."""
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
-                                                                            os.environ.get("PYTHONPATH")]))}
-    if tiny:
-        environment["TRITON_INTERPRET"] = "1"
-    return environment
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **({"TRITON_INTERPRET": "1"} if tiny else {})}
 
 
 # -- the worker: the models, one after another -----------------------------------------------------------------
@@ -471,11 +468,11 @@ def measure_model(arch: str, shape: Shape, device, peak: tuple, record: Recorder
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         full = loss_step(trained, idx, trained.configure_optimizers()["optimizer"], autocast, path="full")
-        full()
-        full()
+        for _ in range(2):
+            full()
         sync(device)
         record.set(peak_memory_full_logits_mb=peak_memory_mb(device))
-        del full
+        del full, trained
         release_memory()
 
     with record.measuring("sdpa", "sdpa_train", "sdpa_decode"):
@@ -514,10 +511,7 @@ def worker_main(args) -> None:
         torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)  # CPU: products of tiny decay factors reach slow float32 denormals
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    if args.peak_flops is not None:
-        peak = (args.peak_flops, "--peak_flops")
-    else:
-        peak = default_peak_flops(device)
+    peak = (args.peak_flops, "--peak_flops") if args.peak_flops is not None else default_peak_flops(device)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "CPU")
     work = Path(args.work_dir)
     for index, arch in enumerate(args.archs):
@@ -566,11 +560,8 @@ def run_models(args, shape: Shape, work: Path, deadline: float) -> dict[str, dic
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--work_dir", str(work),
                    "--deadline", repr(deadline), "--archs", *pending]
         for flag, value in (("--compile_backend", args.compile_backend), ("--threads", args.threads),
-                            ("--peak_flops", args.peak_flops)):
-            if value is not None:
-                command += [flag, str(value)]
-        if args.tiny:
-            command.append("--tiny")
+                            ("--peak_flops", args.peak_flops), ("--tiny", args.tiny or None)):
+            command += [] if value is None else [flag] if value is True else [flag, str(value)]
         # its own group, stopped with its children; Triton's interpreter for --tiny's fused forms
         worker = subprocess.Popen(command, start_new_session=True, env=child_environment(args.tiny))
         why = None
