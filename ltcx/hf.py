@@ -60,6 +60,7 @@ class LtcxConfig(PretrainedConfig):
             # a config.json written before a backbone field was renamed: this version's names
             stored = {"backbone_class": entry.class_path, "backbone_config": backbone_config or {}}
             backbone_config = current_names("config.json", stored)["backbone_config"]
+            _check_settings(entry, backbone_config)
         self.architecture = architecture
         self.backbone_config = dict(backbone_config or {})
         self.tokenizer_vocab_size = tokenizer_vocab_size
@@ -82,6 +83,17 @@ def _check_backbone_config(backbone_config: Any) -> None:
                             "the model")
 
 
+def _check_settings(entry: catalog.Architecture, backbone_config: dict) -> None:
+    """One line for a setting (in this version's names) that ``entry``'s class does not take or of another type than
+    it annotates, instead of its constructor's TypeError."""
+    backbone_class = resolve_backbone(entry.class_path)
+    unknown = unknown_settings(backbone_config, backbone_class)
+    if unknown:
+        raise LtcxError(f"config.json has backbone_config {', '.join(unknown)}, which this version's "
+                        f"{backbone_class.__name__} does not take: re-export the model with this version of ltcx")
+    check_setting_types(backbone_config, backbone_class, "config.json", "backbone_config.")
+
+
 def _entry(architecture: Any, backbone_config: dict) -> catalog.Architecture:
     """The catalogue entry ``architecture`` names, consistent with ``backbone_config`` (Titans' ``variant``); one line
     for anything else (a class path, an unknown name)."""
@@ -90,12 +102,6 @@ def _entry(architecture: Any, backbone_config: dict) -> catalog.Architecture:
         raise LtcxError(f"config.json names architecture {str(architecture)[:100]!r}, which is not one of ltcx's "
                         f"(known: {known}): the folder is not an ltcx export, or needs a newer ltcx")
     entry = catalog.get(architecture)
-    backbone_class = resolve_backbone(entry.class_path)
-    unknown = unknown_settings(backbone_config, backbone_class)
-    if unknown:
-        raise LtcxError(f"config.json has backbone_config {', '.join(unknown)}, which this version's "
-                        f"{backbone_class.__name__} does not take: re-export the model with this version of ltcx")
-    check_setting_types(backbone_config, backbone_class, "config.json", "backbone_config.")
     if catalog.architecture_name(entry.class_path, backbone_config) not in (None, architecture):
         raise LtcxError(f"config.json names architecture '{architecture}' but its backbone_config is that of "
                         f"'{catalog.architecture_name(entry.class_path, backbone_config)}': re-export the model")
