@@ -32,6 +32,7 @@ from ltcx.cli.one_line_errors import OneLineErrors
 from ltcx.cli.predict import write_predictions
 from ltcx.cli.resume import checkpoint_model_config, model_keys
 from ltcx.cli.run_folders import find_last_checkpoint, name_after_architecture, resolve_under_root
+from ltcx.cli.sizes import check_run_sizes
 from ltcx.data import RecallDataModule, TextDataModule  # noqa: F401 - the --data classes fit --help lists
 from ltcx.ddp import launcher_outlives_workers, peer_stopped_line, watch_workers
 from ltcx.errors import ConfigError, LtcxError
@@ -184,6 +185,7 @@ class LtcxCLI(LightningCLI):
                               "tests a checkpoint)")
         set_cpu_threads(config.get("num_threads"), config.trainer, on_cpu)
         context_from_data(config)
+        check_run_sizes(config)  # the model and one batch against this machine's memory, before anything is built
         max_steps = config.trainer.max_steps
         if max_steps is not None and max_steps < -1:
             raise ConfigError(f"trainer.max_steps ({max_steps}) must be >= -1 (-1: no limit): fix --trainer.max_steps")
