@@ -46,8 +46,7 @@ def model_flops_per_token(backbone: nn.Module, seq_len: int) -> float:
 def loggers_write_now(trainer: Any) -> bool:
     """Whether Lightning's loggers write what this training batch logs: every ``trainer.log_every_n_steps`` optimizer
     steps and when training stops (Lightning's own test). The per-step metrics are logged on those batches only:
-    a value logged in between is never written, and each ``self.log`` costs some 0.5 ms of Python (seven of them
-    were a quarter of a small CPU model's training step)."""
+    a value logged in between is never written, and each ``self.log`` costs Python time in every step."""
     return trainer._logger_connector.should_update_logs
 
 

@@ -30,8 +30,6 @@ E is the embedding width everywhere, also for the block-diagonal projections (no
   biases 0.
 
 The up-projection widths are rounded up to multiples of 64 as the reference does (``proj_round_to``).
-Before this rule the q/k/v were drawn with the 4-wide block size in place of E (about 10x the reference's
-std), the sLSTM input weights with the head width, R ~ N(0, 0.02) and the sLSTM forget biases 3..6.
 
 State (per block, a tuple): mLSTM ``(C, n, m, conv_buffer)``; sLSTM ``(c, n, h, m, conv_buffer)``;
 the conv buffer holds the block's last ``conv_kernel_size - 1`` conv inputs ``[B, K-1, channels]``.
@@ -233,10 +231,9 @@ class HeadwiseLinear(nn.Module):
     """Block-diagonal linear map ``[..., dim] -> [..., dim]`` with blocks of ``block_size`` (no bias).
 
     Computed as one batched product over groups of ``group`` neighbouring blocks, each group's blocks laid out as
-    one block-diagonal matrix of about 32 x 32 (the zeros between them exact, so each output is the same sum): a
-    product per 4 x 4 block ran hundreds of products with an inner dimension of 4, 2.3-3.1x slower forward and
-    backward at the 29M config's and the scaled shapes' widths (1 thread). ``group`` is the largest divisor of the
-    block count up to 32 / block_size (1 for blocks of 32 and wider: the plain per-block product).
+    one block-diagonal matrix of about 32 x 32 (the zeros between them exact, so each output is the same sum), where a
+    product per 4 x 4 block would run hundreds of products with an inner dimension of 4. ``group`` is the largest
+    divisor of the block count up to 32 / block_size (1 for blocks of 32 and wider: the plain per-block product).
     """
 
     GROUP_WIDTH = 32
@@ -366,9 +363,8 @@ class MLSTMBlock(nn.Module):
     def _gates(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """The input and forget gates' pre-activations ``[B, H, T]`` each: igate and fgate of [q, k, v] (each
         ``[B, T, I]``), as one product per part with both gates' weights side by side, so that neither [q, k, v]
-        (``[B, T, 3I]``) nor a second pass over it is made (2.5x faster forward and backward at the 29M config).
-        Each product is W part^T ``[2H, B T]``, not part W^T: the weight's gradient is then g part, one wide product,
-        where (part^T g)^T ran as a product 2H columns wide at a tenth of the matmul rate (the gates 1.9x faster)."""
+        (``[B, T, 3I]``) nor a second pass over it is made. Each product is W part^T ``[2H, B T]``, not part W^T: the
+        weight's gradient is then g part, one wide product, not (part^T g)^T, a product only 2H columns wide."""
         weight = torch.cat([self.igate.weight, self.fgate.weight])  # [2H, 3I]
         gates = torch.cat([self.igate.bias, self.fgate.bias]).unsqueeze(-1)  # [2H, 1]
         for part, w in zip((q, k, v), weight.split(q.shape[-1], dim=-1)):

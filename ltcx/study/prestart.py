@@ -1,7 +1,7 @@
 """A study's runs started from a pre-imported process: Python's ``multiprocessing`` fork server with ltcx's Lightning
 command line preloaded.
 
-A fresh ``ltcx fit`` spends about 7 CPU-s importing torch, Lightning (which imports torchmetrics, and through it
+A fresh ``ltcx fit`` spends seconds of CPU importing torch, Lightning (which imports torchmetrics, and through it
 scipy.signal and transformers) and torch._dynamo before its first step; the quick-recall preset starts 96 of them.
 The fork server imports all that once (and measures the CPU's matmul rate for MFU once: ``ltcx/study/preload.py``),
 and each run is a fork of it: a new process with nothing of any other run in it, which starts training in under a

@@ -1,8 +1,8 @@
 """The study's timing pass: after every run has finished, one trained checkpoint per (architecture, size, cell) is
 timed against the others in this one process, round after round, the models in turn.
 
-Timing each run inside its own training measured the machine's load at that hour, not the model: on a shared
-machine a ratio is only meaningful between models timed in the same minutes. In every round each model takes one
+A run timed inside its own training measures the machine's load at that hour, not the model: on a shared machine a
+ratio is only meaningful between models timed in the same minutes. In every round each model takes one
 training step through ``LanguageModel.loss`` (the fused head, AdamW, the study's batch and block) and four cached
 decode steps (batch 1, after block // 2 tokens), the first model of the round rotating; each figure is the median of
 its samples. The 1-minute load average is recorded; above the usable core count the figures are marked unreliable.
