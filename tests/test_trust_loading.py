@@ -141,3 +141,12 @@ def test_an_unknown_backbone_setting_of_an_hf_folder_is_one_line(tmp_path, files
     with pytest.raises(LtcxError) as error:
         AutoModelForCausalLM.from_pretrained(folder)
     assert_mentions(str(error.value), "backbone_config n_wings", "re-export")
+
+
+def test_generate_on_an_hf_folder_says_what_it_is_and_how_to_load_it(files, capsys):
+    """An `ltcx export --format hf` folder was written by ltcx export: generate says it is one, names the transformers
+    loader and the formats it reads, rather than that export did not write it."""
+    _, _, hf_folder = files
+    line = one_error_line(["generate", "--ckpt_path", str(hf_folder), "--prompt", "a"], capsys)
+    assert_mentions(line, "--format hf", "AutoModelForCausalLM.from_pretrained", "--format ltcx")
+    assert "was not written by" not in line

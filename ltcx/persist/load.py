@@ -119,6 +119,10 @@ def load_exported(folder: str | Path, *, model_class: type[M], map_location: str
         raise LtcxError(f"'{folder}' has no {EXPORT_CONFIG}: pass a folder written by `ltcx export`") from None
     except (OSError, ValueError) as error:
         raise LtcxError(f"{source}: {EXPORT_CONFIG} could not be read ({error})") from None
+    if isinstance(config, dict) and config.get("model_type") == "ltcx" and "format" not in config:
+        raise LtcxError(f"{source} is an `ltcx export --format hf` folder, which transformers loads (`import ltcx.hf; "
+                        f"AutoModelForCausalLM.from_pretrained('{folder}')`): pass its checkpoint, or a folder of "
+                        "`ltcx export` in its default format (--format ltcx)")
     if not isinstance(config, dict) or config.get("format") != EXPORT_FORMAT:
         raise LtcxError(f"{source}: {EXPORT_CONFIG} was not written by `ltcx export` (format {EXPORT_FORMAT})")
     config = current_names(source, config)  # written before a backbone field was renamed: this version's names
