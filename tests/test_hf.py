@@ -6,7 +6,9 @@ asking for code of its own is refused and runs none; lm_eval's own ``hf`` model 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import warnings
 
 import pytest
 import torch
@@ -177,14 +179,38 @@ def test_lm_eval_hf_model_scores_as_ltcx_lm_eval(tmp_path):
         assert [ll for ll, _ in a] == pytest.approx([ll for ll, _ in b], rel=1e-9, abs=1e-9)
 
 
-def test_the_model_card_reports_the_runs_last_validation(tmp_path, fit_env, capsys):
+@pytest.mark.parametrize("given", ["file", "run folder"])
+def test_the_model_card_reports_the_runs_last_validation(tmp_path, fit_env, capsys, given):
     """A fit records its latest validation in each checkpoint (ltcx entry); the card's metadata and text give its
-    loss in nats per token and its bits per byte."""
+    loss in nats per token and its bits per byte, whether --ckpt_path is the file or the run's folder (the README's
+    `ltcx export --ckpt_path checkpoints/gpt ...`)."""
     main(fit_args(fit_env, "--trainer.max_steps", "2"))
     checkpoint = tmp_path / "checkpoints/gpt/version_0/last.ckpt"
     validation = torch.load(checkpoint, weights_only=True)["ltcx"]["validation"]
     assert validation["step"] == 2 and {"val/loss", "val/bpb"} <= set(validation)
-    main(["export", "--ckpt_path", str(checkpoint), "--out", str(tmp_path / "card"), "--format", "hf"])
+    path = checkpoint if given == "file" else tmp_path / "checkpoints/gpt"
+    main(["export", "--ckpt_path", str(path), "--out", str(tmp_path / "card"), "--format", "hf"])
     card = (tmp_path / "card/README.md").read_text()
     assert_mentions(card, f"{validation['val/loss']:.5f} nats per token", "bits per byte",
                     f"{validation['val/bpb']:.5f}", "type: bits_per_byte")
+    assert "not recorded" not in card
+
+
+def test_a_plain_generate_with_max_new_tokens_draws_no_warning(tmp_path):
+    """The exported generation_config.json sets no max_length, so transformers does not warn that both it and
+    max_new_tokens are set (a model's context is config.json's max_position_embeddings)."""
+    _, _, folder = exported(tmp_path, "gpt")
+    assert "max_length" not in json.loads((folder / "generation_config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    transformers_logger = logging.getLogger("transformers")
+    transformers_logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            model.generate(torch.tensor([list(b"The")]), max_new_tokens=3, do_sample=False)
+    finally:
+        transformers_logger.removeHandler(handler)
+    assert not [r.getMessage() for r in records] and not [str(w.message) for w in warned]

@@ -41,7 +41,7 @@ def export_hf(ckpt_path: str | Path, out: str | Path, tokenizer: str | None = No
 
         check_gpt2_layout(backbone)  # before transformers is imported
     hf_tok = hf_tokenizer(tok)
-    facts = _run_facts(ckpt_path, meta, backbone)
+    facts = _run_facts(meta, backbone)
 
     def write(folder: Path) -> None:
         from transformers import GenerationConfig
@@ -84,10 +84,7 @@ def _generation_settings(tok, backbone, layout: str) -> dict[str, Any]:
     vocab = backbone.config_dict().get("vocab_size", tok.vocab_size)
     if layout == "hf" and vocab > tok.vocab_size:
         settings["suppress_tokens"] = list(range(tok.vocab_size, vocab))
-    context = backbone.max_seq_len
-    if context is not None:
-        settings["max_length"] = context
-    return settings
+    return settings  # no max_length: generate(max_new_tokens=...) would warn that both are set
 
 
 def hf_tokenizer(tok):
@@ -123,7 +120,7 @@ def hf_tokenizer(tok):
                     "or a Hugging Face tokenizer")
 
 
-def _run_facts(ckpt_path, meta: dict, backbone) -> dict[str, Any]:
+def _run_facts(meta: dict, backbone) -> dict[str, Any]:
     """What the model card states: architecture, parameters, training tokens and steps, the data set (a hub id)
     and the validation loss, where the checkpoint records them."""
     from ltcx.models.catalog import architecture_name
@@ -136,7 +133,8 @@ def _run_facts(ckpt_path, meta: dict, backbone) -> dict[str, Any]:
         "global_step": meta.get("global_step"),
         "train_block_size": meta.get("train_block_size"),
     }
-    if os.path.isfile(ckpt_path):  # a checkpoint (already read and checked whole by the load): its run's facts
+    ckpt_path = meta.get("checkpoint_path")  # the file the load read (a run folder's last.ckpt); None: an export
+    if ckpt_path is not None:  # a checkpoint (already read and checked whole by the load): its run's facts
         import torch
 
         from ltcx.tokenizers import _HUB_ID

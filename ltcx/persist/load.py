@@ -47,7 +47,8 @@ def load_language_model(ckpt_path: str | Path, *, model_class: type[M], map_loca
 
     The file is read as data only (``weights_only=True``) and the backbone class is looked up in ltcx's
     registry (``ltcx.models.registry``), never imported from the string in the file. Returns the model in
-    eval mode and the checkpoint's ``ltcx`` metadata (backbone class and config, tokenizer name).
+    eval mode and the checkpoint's ``ltcx`` metadata (backbone class and config, tokenizer name; for a checkpoint,
+    ``checkpoint_path``: the file read, a folder's ``last.ckpt``).
     """
     if os.path.isdir(ckpt_path):
         if os.path.isfile(os.path.join(ckpt_path, EXPORT_CONFIG)):
@@ -55,7 +56,7 @@ def load_language_model(ckpt_path: str | Path, *, model_class: type[M], map_loca
         ckpt_path = checkpoint_in_folder(ckpt_path)
     checkpoint = read_checkpoint(ckpt_path, map_location=map_location)
     data_hparams = checkpoint.get("datamodule_hyper_parameters")
-    meta = {**checkpoint["ltcx"], "global_step": checkpoint.get("global_step"),
+    meta = {**checkpoint["ltcx"], "global_step": checkpoint.get("global_step"), "checkpoint_path": str(ckpt_path),
             "train_block_size": data_hparams.get("block_size") if isinstance(data_hparams, dict) else None}
     model = build_language_model(model_class, meta, checkpoint.get("hyper_parameters", {}),
                                  f"checkpoint '{ckpt_path}'", ("model.", "model.backbone.init_args."))
