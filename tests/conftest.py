@@ -1,6 +1,7 @@
 import sys
 
 import pytest
+import torch.nn as nn
 
 # The CLI imports Lightning when a command runs; the tests import it here, at collection, so that no test that
 # captures stderr around main() is where Lightning's loggers bind their stream (pytest closes it after the test).
@@ -59,3 +60,26 @@ def no_backoff(monkeypatch):
     monkeypatch.setattr(time, "sleep", slept.append)
     yield slept
     assert sum(slept) < 1, f"slept {slept} between retries"
+
+
+class Built(BaseException):
+    """A real (not meta) weight was made: the refusal came too late. A BaseException, so no handler takes it."""
+
+
+@pytest.fixture
+def nothing_built():
+    """Records every parameter or buffer registered off the meta device while a test runs, and stops the build at
+    the first big one or after a thousand (so that a regression fails at once instead of allocating gigabytes)."""
+    built = []
+
+    def record(module, name, tensor):
+        if tensor is not None and tensor.device.type != "meta":
+            built.append((name, tuple(tensor.shape)))
+            if tensor.numel() > 10**6 or len(built) > 1000:
+                raise Built(f"{name} {tuple(tensor.shape)} built for real")
+
+    hooks = [nn.modules.module.register_module_parameter_registration_hook(record),
+             nn.modules.module.register_module_buffer_registration_hook(record)]
+    yield built
+    for hook in hooks:
+        hook.remove()

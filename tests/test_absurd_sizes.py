@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
 
 from helpers import ROOT, assert_mentions, lean_fit_args, one_error_line, write_corpus
 from ltcx.cli import main
@@ -23,29 +22,6 @@ from ltcx.persist import DIGEST_KEY, atomic_save, export_model
 ABSURD = [("n_layer", 100000), ("n_embd", 10**7), ("vocab_size", 10**9), ("vocab_size", 10**18)]
 BYTES = ["--data.tokenizer", "bytes"]  # the small checkpoint's tokenizer
 OTHER_CONFIG = ("another version of ltcx or another config", "the version that wrote it", "start a new run")
-
-
-class Built(BaseException):
-    """A real (not meta) weight was made: the refusal came too late. A BaseException, so no handler takes it."""
-
-
-@pytest.fixture
-def nothing_built():
-    """Records every parameter or buffer registered off the meta device while a test runs, and stops the build at
-    the first big one or after a thousand (so that a regression fails at once instead of allocating gigabytes)."""
-    built = []
-
-    def record(module, name, tensor):
-        if tensor is not None and tensor.device.type != "meta":
-            built.append((name, tuple(tensor.shape)))
-            if tensor.numel() > 10**6 or len(built) > 1000:
-                raise Built(f"{name} {tuple(tensor.shape)} built for real")
-
-    hooks = [nn.modules.module.register_module_parameter_registration_hook(record),
-             nn.modules.module.register_module_buffer_registration_hook(record)]
-    yield built
-    for hook in hooks:
-        hook.remove()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import shutil
 
 import pytest
 import torch
-import torch.nn as nn
 from transformers import AutoModelForCausalLM
 
 import ltcx.hf  # noqa: F401 - registers the ltcx architectures
@@ -24,29 +23,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 MEMORY = "ltcx.persist.file_fits.memory_limit"
 GIB = 2**30
-
-
-class Built(BaseException):
-    """A real (not meta) weight was made: the refusal came too late. A BaseException, so no handler takes it."""
-
-
-@pytest.fixture
-def nothing_built():
-    """Records every parameter or buffer registered off the meta device while a test runs, and stops the build at
-    the first big one or after a thousand (so that a regression fails at once instead of allocating gigabytes)."""
-    built = []
-
-    def record(module, name, tensor):
-        if tensor is not None and tensor.device.type != "meta":
-            built.append((name, tuple(tensor.shape)))
-            if tensor.numel() > 10**6 or len(built) > 1000:
-                raise Built(f"{name} {tuple(tensor.shape)} built for real")
-
-    hooks = [nn.modules.module.register_module_parameter_registration_hook(record),
-             nn.modules.module.register_module_buffer_registration_hook(record)]
-    yield built
-    for hook in hooks:
-        hook.remove()
 
 
 # -- a Hugging Face folder's config.json --------------------------------------------------------------------------
