@@ -5,7 +5,7 @@ import torch
 
 from ltcx.ops import conv
 from ltcx.ops.conv import causal_depthwise_conv
-from ltcx.ops.naive.conv import causal_conv_reference
+from ltcx.ops.naive.conv import causal_conv_reference, masked_causal_conv_reference
 
 
 def _inputs(kernel: int, dtype=torch.float64, weight_dtype=None, seed=0):
@@ -60,3 +60,27 @@ def test_bf16_inputs_with_float32_weights_keep_autograds_dtypes():
                                     torch.autograd.grad(out_ref, leaves, cotangent)):
         assert grad.dtype == grad_ref.dtype == leaf.dtype
         torch.testing.assert_close(grad, grad_ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kernel", [1, 2, 4])
+@pytest.mark.parametrize("with_buffer", [False, True], ids=["start", "buffer"])
+def test_a_mask_convolves_the_real_tokens_alone(kernel, with_buffer):
+    """With a mask (left, right and inner gaps, a fully masked row), each real output equals the convolution of its
+    row's real tokens alone after the buffer, and the new buffer holds the last K-1 real inputs (the buffer's tail
+    where a row has fewer); gradients reach x, the buffer and the weight through real positions only."""
+    x, buffer, weight, bias = _inputs(kernel)
+    buffer = buffer if with_buffer else None
+    mask = torch.tensor([[0, 0, 1, 1, 0, 1, 1, 1, 0], [0] * 9], dtype=torch.bool)
+    mask = torch.cat([mask, torch.tensor([[1, 1, 1, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)])
+    x = torch.cat([x, x[:1]]).requires_grad_()
+    buffer = None if buffer is None else torch.cat([buffer, buffer[:1]])
+    out, new_buffer = causal_depthwise_conv(x, weight, bias, buffer, mask=mask)
+    expected = masked_causal_conv_reference(x, weight, bias, buffer, mask)
+    torch.testing.assert_close(out[mask], expected[mask], rtol=1e-13, atol=1e-13)
+    assert torch.isfinite(out).all()
+    before = torch.zeros(3, kernel - 1, 5, dtype=x.dtype) if buffer is None else buffer
+    for b in range(3):
+        history = torch.cat([before[b], x[b, mask[b]]])
+        assert torch.equal(new_buffer[b], history[history.shape[0] - (kernel - 1):])
+    (grad,) = torch.autograd.grad(out[mask].sum(), x)
+    assert grad[~mask].abs().max() == 0 and grad[mask].abs().max() > 0

@@ -7,8 +7,12 @@
 a sequence in pieces with the state gives the logits of feeding it whole. An architecture writes:
 
 * ``config_class``: its config dataclass (``ltcx/models/config.py`` derives the constructor from it);
-* ``forward_hidden(idx, state=None, with_state=True) -> (hidden [B, T, C], new state or None)``: everything before
-  the output head (``with_state=False``: the state is not wanted, so it need not be kept);
+* ``forward_hidden(idx, state=None, with_state=True, mask=None) -> (hidden [B, T, C], new state or None)``:
+  everything before the output head (``with_state=False``: the state is not wanted, so it need not be kept);
+  ``mask`` [B, T] (bool, True = a real token; None = every token real) lets prompts of different lengths share a
+  batch: a masked position leaves every part of the state as it was and does not count as a position, so each real
+  position's hidden state equals that of its row's real tokens run alone; a masked position's output is finite
+  and meaningless;
 * ``output_head() -> nn.Linear``: the head applied to the hidden states;
 
 and may override ``max_seq_len`` (a context limit), ``no_weight_decay_param_names``, ``reorder_cache`` and the
@@ -39,38 +43,44 @@ class Backbone(ConfiguredModule, metaclass=BackboneType):
 
     max_seq_len: int | None = None  # the context limit in tokens; None: none (recurrent state, rotary positions)
 
-    def forward_hidden(self, idx: torch.Tensor, state: Any = None,
-                       with_state: bool = True) -> tuple[torch.Tensor, Any]:
-        """idx [B, T] following ``state``'s positions -> (final hidden states [B, T, C], new state; None with
-        ``with_state`` False)."""
+    def forward_hidden(self, idx: torch.Tensor, state: Any = None, with_state: bool = True,
+                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        """idx [B, T] following ``state``'s positions, mask [B, T] or None -> (final hidden states [B, T, C], new
+        state; None with ``with_state`` False)."""
         raise NotImplementedError(f"{type(self).__name__} must define forward_hidden")
 
     def output_head(self) -> nn.Linear:
         """The linear head from hidden states [..., C] to logits [..., V]."""
         raise NotImplementedError(f"{type(self).__name__} must define output_head")
 
-    def forward(self, idx: torch.Tensor, state: Any = None, *, targets: torch.Tensor | None = None,
-                with_state: bool = True) -> tuple[torch.Tensor, Any]:
-        """idx [B, T] -> (logits [B, T, V], new state; None with ``with_state`` False).
+    def forward(self, idx: torch.Tensor, state: Any = None, *, mask: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None, with_state: bool = True) -> tuple[torch.Tensor, Any]:
+        """idx [B, T], mask [B, T] or None (see ``forward_hidden``) -> (logits [B, T, V], new state; None with
+        ``with_state`` False).
 
-        With ``targets`` [B, T] (``IGNORE_INDEX`` where nothing is asked; no ``state``): (the summed cross-entropy of
-        the asked targets [], their count []), the head fused with the loss."""
+        With ``targets`` [B, T] (``IGNORE_INDEX`` where nothing is asked; no ``state``, no ``mask``): (the summed
+        cross-entropy of the asked targets [], their count []), the head fused with the loss."""
         if targets is not None:
-            if state is not None:
-                raise ValueError("a loss (targets given) starts from the empty state: pass state=None")
+            if state is not None or mask is not None:
+                raise ValueError("a loss (targets given) starts from the empty state with every token real: pass "
+                                 "state=None and mask=None (IGNORE_INDEX targets leave positions out of the loss)")
             hidden, _ = self.forward_hidden(idx, with_state=False)
             head = self.output_head()
             return chunked_linear_cross_entropy(hidden.flatten(0, -2), head.weight, targets.flatten(), head.bias)
-        if state is None and not with_state:
+        if state is None and not with_state and mask is None:
             hidden, _ = self.forward_hidden(idx, with_state=False)
             return self.output_head()(hidden), None
-        return self._forward_with_state(idx, state)
+        return self._forward_with_state(idx, state, mask, with_state)
 
     @torch.compiler.disable
-    def _forward_with_state(self, idx: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
+    def _forward_with_state(self, idx: torch.Tensor, state: Any, mask: torch.Tensor | None,
+                            with_state: bool) -> tuple[torch.Tensor, Any]:
         # Prefill and decoding stay eager under backbone.compile(): a state's tensors as outputs of a compiled graph
         # (views of the caches) and a new graph per decoding length would cost more than they save.
-        hidden, new_state = self.forward_hidden(idx, state)
+        if mask is None:
+            hidden, new_state = self.forward_hidden(idx, state, with_state)
+        else:
+            hidden, new_state = self.forward_hidden(idx, state, with_state, mask=mask)
         return self.output_head()(hidden), new_state
 
     def reorder_cache(self, state: Any, index: torch.Tensor) -> Any:

@@ -9,14 +9,18 @@ from .written_backward import wants_written_backward
 
 
 def causal_depthwise_conv(
-    x: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor | None = None
+    x: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor | None = None, mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """out_t = bias + sum_j weight[:, 0, j] * x_{t-K+1+j}, per channel, over time only.
 
     x [B, T, C]; weight [C, 1, K]; bias [C] or None; buffer [B, K-1, C]: the K-1 inputs before x (None =
     zeros, the start of a sequence). Returns (out [B, T, C], the new buffer [B, K-1, C]), so feeding a
-    sequence in pieces equals feeding it whole.
+    sequence in pieces equals feeding it whole. mask [B, T] (bool, True = a real token; None = all real): the
+    convolution runs over the real tokens only, as if the masked ones were not there; a masked position's output
+    is finite and meaningless, and the buffer keeps the last K-1 real inputs.
     """
+    if mask is not None:
+        return _masked_conv(x, weight, bias, buffer, mask)
     batch, _, channels = x.shape
     kernel = weight.shape[-1]
     if buffer is None:
@@ -28,6 +32,25 @@ def causal_depthwise_conv(
     args = (padded, taps, bias, x.shape[1])
     out = _ShiftedSum.apply(*args) if wants_written_backward(*args) else _shifted_sum(*args)
     return out, padded[:, padded.shape[1] - (kernel - 1):]
+
+
+def _masked_conv(x: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor | None,
+                 mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``causal_depthwise_conv`` over the real tokens only: each row of [buffer, x] is reordered (stably) to
+    [masked inputs, buffer, real inputs], convolved from zeros, and the outputs put back in place; a real token's
+    window then holds the real inputs (and the buffer) before it, whatever lies between them."""
+    batch, length, channels = x.shape
+    kernel = weight.shape[-1]
+    if buffer is None:
+        buffer = x.new_zeros(batch, kernel - 1, channels)
+    combined = torch.cat([buffer.to(x.dtype), x], dim=1)  # [B, K-1+T, C]
+    rank = torch.cat([mask.new_ones(batch, kernel - 1, dtype=torch.long), 2 * mask.long()], dim=1)
+    order = torch.argsort(rank, dim=1, stable=True)  # masked (0), buffer (1), real (2)
+    gather = order.unsqueeze(-1).expand(-1, -1, channels)
+    reordered = combined.gather(1, gather)
+    out_reordered, _ = causal_depthwise_conv(reordered, weight, bias)
+    out = torch.empty_like(out_reordered).scatter_(1, gather, out_reordered)
+    return out[:, kernel - 1:], reordered[:, length:]
 
 
 def _shifted_sum(padded: Tensor, taps: Tensor, bias: Tensor | None, length: int) -> Tensor:

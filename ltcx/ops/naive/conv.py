@@ -14,3 +14,16 @@ def causal_conv_reference(x, weight, bias=None, buffer=None):
     full = torch.cat([before, x], dim=1)
     out = torch.stack([sum(full[:, t + j] * weight[:, 0, j] for j in range(kernel)) for t in range(x.shape[1])], 1)
     return out if bias is None else out + bias
+
+
+def masked_causal_conv_reference(x, weight, bias=None, buffer=None, mask=None):
+    """``causal_conv_reference`` over each row's real tokens alone (mask [B, T], True = real): the real inputs of a
+    row, gathered in order, convolved after its buffer, and put back at their positions; masked positions are 0.
+    Checks ``causal_depthwise_conv(..., mask=)``."""
+    out = torch.zeros_like(x)
+    for b in range(x.shape[0]):
+        real = mask[b].nonzero().flatten()
+        if len(real):
+            row_buffer = None if buffer is None else buffer[b:b + 1]
+            out[b, real] = causal_conv_reference(x[b:b + 1, real], weight, bias, row_buffer)[0]
+    return out
