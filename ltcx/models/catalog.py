@@ -127,6 +127,19 @@ _ENTRIES = [
                    yaml_parameters=parameters, scaling=_titans_rule(variant))
       for variant, parameters in (("mag", 28_753_644), ("mac", 28_755_948), ("mal", 28_773_558),
                                   ("lmm", 28_763_628))),
+    Architecture("gated_deltanet", "ltcx.models.gated_deltanet", "GatedDeltaNet", "configs/gated_deltanet.yaml",
+                 dict(n_embd=16, n_layer=2, n_head=2, head_dim=4, mlp_hidden=32, chunk_size=4),
+                 # chunks that do not divide the tests' lengths; values as wide as the keys, a shorter convolution
+                 variants={"chunk_odd": dict(chunk_size=5), "square_heads": dict(head_v_dim=4, conv_kernel_size=2)},
+                 yaml_parameters=28_777_992,
+                 scaling=ScalingRule(scaling.gated_deltanet, scaling.head_widths, depth=6,
+                                     knobs={"params": _MLP, "flops": _MLP, "state": Knob("head_v_dim", step=2)})),
+    Architecture("mamba2", "ltcx.models.mamba2", "Mamba2", "configs/mamba2.yaml",
+                 dict(n_embd=16, n_layer=2, n_head=4, head_dim=8, d_state=4, chunk_size=4),
+                 variants={"chunk_odd": dict(chunk_size=5)},
+                 yaml_parameters=28_758_760,
+                 scaling=ScalingRule(scaling.mamba2, scaling.head_widths, depth=10,
+                                     knobs={kind: Knob("d_state", step=2) for kind in ("params", "flops", "state")})),
 ]
 
 _CATALOG: dict[str, Architecture] = {entry.name: entry for entry in _ENTRIES}

@@ -12,12 +12,17 @@ The rules (head dim ``D`` = 64, the YAMLs'; a caller may ask for another, as the
   of D, as many as the attention heads (``mem_heads x mem_head_dim = n_embd``), memory MLP of 2 D, window and
   segment of 128 tokens (the sequence's length when shorter, the segment rounded up to the memory's chunks of 16).
 * xLSTM: 4 mLSTM and 4 sLSTM heads, one sLSTM block in 8 (7:1), the last of each 8; widths multiples of 4.
+* Gated DeltaNet: ``n_embd / D`` heads of keys 3 D / 4 and values 3 D / 2 (the YAML's 6 of 48 and 96: fla's
+  n_head x head_dim = 0.75 n_embd, expand_v 2), SwiGLU MLP of 8 n_embd / 3. Mamba-2: heads of D, 2 n_embd / D of
+  them (expand 2), state width 64. Both: chunks of 64.
 * The context (``block_size``) is the sequence length; the xLSTM's chunk is 128 tokens where its mLSTM heads are
   wider than 128 (configs/xlstm.yaml's 208), else 64, or the sequence when shorter.
 * The fine knob lands a budget within 2%: the MLP's hidden width for parameters and FLOPs (the GPT family's
   ``mlp_hidden``, home 4 x width; Titans', home 2 x width, the YAMLs' 2.1-3.2 x having been set to match the
   GPT), Titans' memory MLP (``mem_hidden``, home 2 D) for the state; in steps of 8, from a quarter of its home value
-  to twice it. The xLSTM has no knob: its widths step by 4, its inner widths by 64 (``proj_round_to``).
+  to twice it. Gated DeltaNet's knobs: the MLP (parameters, FLOPs) and the value width (state, steps of 2);
+  Mamba-2's: the state width N for all three (steps of 2). The xLSTM has no knob: its widths step by 4, its inner
+  widths by 64 (``proj_round_to``).
 
 No torch here: the catalogue imports this module, and importing the catalogue stays cheap.
 """
@@ -28,8 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["HEAD_DIM", "Knob", "ScalingRule", "gpt", "gqa_heads", "gqa_widths", "gta", "gta_widths", "ltc", "titans",
-           "xlstm", "xlstm_widths"]
+__all__ = ["HEAD_DIM", "Knob", "ScalingRule", "gated_deltanet", "gpt", "gqa_heads", "gqa_widths", "gta", "gta_widths",
+           "head_widths", "ltc", "mamba2", "titans", "xlstm", "xlstm_widths"]
 
 HEAD_DIM = 64  # every YAML's attention head
 MAX_WIDTH = 8192
@@ -77,6 +82,11 @@ def gta_widths(max_width: int = MAX_WIDTH, head_dim: int = HEAD_DIM) -> list[int
     the number of key and latent heads)."""
     return [w for w in (head_dim, 2 * head_dim, 3 * head_dim) if w <= max_width] + list(
         range(6 * head_dim, max_width + 1, 6 * head_dim))
+
+
+def head_widths(max_width: int = MAX_WIDTH, head_dim: int = HEAD_DIM) -> list[int]:
+    """The multiples of D (Gated DeltaNet's and Mamba-2's widths: whole heads)."""
+    return list(range(head_dim, max_width + 1, head_dim))
 
 
 def xlstm_widths(max_width: int = MAX_WIDTH) -> list[int]:
@@ -139,3 +149,17 @@ def titans(variant: str) -> Callable[..., dict[str, Any]]:
 
     shape.__name__ = shape.__qualname__ = f"titans_{variant}"
     return shape
+
+
+def gated_deltanet(width: int, n_layer: int, seq_len: int, head_dim: int = HEAD_DIM) -> dict[str, Any]:
+    """configs/gated_deltanet.yaml's proportions (its mlp_hidden aside: the knob)."""
+    heads = max(1, width // head_dim)
+    key = max(1, 3 * width // (4 * heads))
+    return dict(n_embd=width, n_layer=n_layer, n_head=heads, head_dim=key, head_v_dim=2 * key,
+                mlp_hidden=8 * -(-width // 3), conv_kernel_size=4, chunk_size=64, backend="torch")
+
+
+def mamba2(width: int, n_layer: int, seq_len: int, head_dim: int = HEAD_DIM) -> dict[str, Any]:
+    """configs/mamba2.yaml's proportions."""
+    return dict(n_embd=width, n_layer=n_layer, n_head=max(1, 2 * width // head_dim), head_dim=head_dim, d_state=64,
+                conv_kernel_size=4, chunk_size=64, backend="torch")

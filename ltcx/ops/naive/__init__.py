@@ -9,9 +9,11 @@ module you need, e.g. ``from ltcx.ops.naive.ltc import ltc_attention_reference``
   ``reference_attention`` (persistent slots, RoPE, any mask) for ``ltcx/ops/attention.py``
 - ``conv.py``: ``causal_conv_reference`` for ``ltcx/ops/conv.py``
 - ``fused_loss.py``: ``linear_cross_entropy_reference`` for ``ltcx/ops/fused_loss.py``
+- ``gated_delta.py``: ``gated_delta_reference`` for ``ltcx/ops/gated_delta.py``
 - ``ltc.py``: ``ltc_attention_reference`` for ``ltcx/ops/ltc.py``
 - ``mlstm.py``: ``mlstm_parallel_naive`` for ``ltcx/ops/mlstm.py``
 - ``slstm.py``: ``slstm_reference`` for ``ltcx/ops/slstm.py``
+- ``ssd.py``: ``ssd_reference`` for ``ltcx/ops/ssd.py``
 - ``titans.py``: ``reference_memory``, ``paper_recurrence``, ``gradients_at_init`` (and their pieces
   ``_gelu``, ``_read``, ``_autograd_step``) for ``ltcx/ops/titans.py``
 """
