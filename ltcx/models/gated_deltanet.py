@@ -38,7 +38,7 @@ from ltcx.ops.gated_delta import gated_delta_chunked, gated_delta_step
 from ltcx.ops.precision import compute_dtype
 
 BACKENDS = ("torch", "kernels")
-FLA_CHUNKS = (16, 32, 64)
+FLA_CHUNK = 64  # the chunks fla's kernels tile with
 EPS = 1e-6
 INIT_STD = 0.02
 
@@ -65,7 +65,7 @@ class GatedDeltaNetConfig:
     conv_kernel_size: int = 4
     """Kernel of the short causal convolutions over q, k and v."""
     chunk_size: int = 64
-    """Chunk length of the chunked form (training); fla's kernels take 16, 32 or 64."""
+    """Chunk length of ltcx's chunked form (training); fla's kernels tile with their own (64)."""
     backend: Literal["torch", "kernels"] = "torch"
     """'torch' (ltcx's chunked form, any device) or 'kernels' (flash-linear-attention's chunk_gated_delta_rule on
     CUDA, `pip install 'ltcx[kernels]'`; on other devices the torch form, with one notice)."""
@@ -78,9 +78,6 @@ class GatedDeltaNetConfig:
                 _positive(self, name)
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend ({self.backend!r}) must be one of {list(BACKENDS)}")
-        if self.backend == "kernels" and self.chunk_size not in FLA_CHUNKS:
-            raise ConfigError(f"chunk_size ({self.chunk_size}) must be one of {list(FLA_CHUNKS)} with backend "
-                              "'kernels' (fla's chunks)")
 
     @property
     def value_dim(self) -> int:
@@ -141,7 +138,7 @@ class GatedDeltaMixer(nn.Module):
             o, S = gated_delta_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[..., 0], beta[..., 0], S)
             o = o.unsqueeze(2)
         elif self.backend == "kernels" and fla_kernels_for("Gated DeltaNet", x.device, self.training):
-            o, S = gated_delta_fla(q, k, v, g, beta, S, chunk_size=self.chunk_size)
+            o, S = gated_delta_fla(q, k, v, g, beta, S)
         else:
             o, S = gated_delta_chunked(q, k, v, g, beta, S, chunk_size=self.chunk_size)
         o = o.transpose(1, 2)  # [B, T, H, Dv]
@@ -224,12 +221,12 @@ class GatedDeltaNet(Backbone):
         * the chunked rule per head, in chunks of L = min(chunk_size, T) (the last padded; N of them): each chunk's
           k k^T and q k^T (4 L^2 Dk), the intra-chunk read P U (2 L^2 Dv), and the products with the chunk's state
           W S, (e^{G_L - G} k)^T U and (e^G q) S (6 L Dk Dv); the triangular solve (a ``solve_triangular``, not a
-          product) is not counted;
+          product) is not counted. fla's kernels (``backend: kernels``, as on CUDA) tile with L = 64;
         * head: 2 E V (tied with the embedding: counted once).
         """
         cfg = self.config
         E, H, dk, dv, V = cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.value_dim, cfg.vocab_size
-        size = min(cfg.chunk_size, seq_len)
+        size = min(FLA_CHUNK if cfg.backend == "kernels" else cfg.chunk_size, seq_len)
         chunks = -(-seq_len // size)
         rule = H * chunks * (4 * size * size * dk + 2 * size * size * dv + 6 * size * dk * dv) / seq_len
         block = 2 * E * (2 * H * dk + 2 * H * dv + 2 * H) + 2 * H * dv * E + 6 * E * cfg.hidden + rule

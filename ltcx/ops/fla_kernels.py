@@ -63,10 +63,9 @@ def _notice_once(text: str) -> None:
         print(f"ltcx: {text}", file=sys.stderr)
 
 
-def gated_delta_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None = None,
-                    chunk_size: int = 64) -> tuple[Tensor, Tensor]:
-    """``gated_delta_chunked`` (ltcx/ops/gated_delta.py) through fla's ``chunk_gated_delta_rule``; ``chunk_size``
-    16, 32 or 64 (fla's)."""
+def gated_delta_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                    state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``gated_delta_chunked`` (ltcx/ops/gated_delta.py) through fla's ``chunk_gated_delta_rule`` (chunks of 64)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     def tokens_first(t: Tensor) -> Tensor:
@@ -74,7 +73,7 @@ def gated_delta_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, st
 
     o, final = chunk_gated_delta_rule(
         *map(tokens_first, (q, k, v, g.float(), beta.float())),
-        initial_state=None if state is None else state.float(), output_final_state=True, chunk_size=chunk_size)
+        initial_state=None if state is None else state.float(), output_final_state=True)
     return o.transpose(1, 2), final
 
 

@@ -1,0 +1,163 @@
+"""Gated DeltaNet's gated delta rule (``ltcx/ops/gated_delta.py``) against its token-by-token reference
+(``ltcx/ops/naive/gated_delta.py``): float64 to 1e-12 (chunk sizes that divide the length and ones that do not, a
+state carried in and out, the gradient of every input), float32 within a stated tolerance; against
+flash-linear-attention's own recurrence and through the bridge to its kernels (``ltcx/ops/fla_kernels.py``, its
+kernel replaced by that recurrence: fla's Triton kernels do not run in Triton's CPU interpreter); the model's padding
+mask; its config errors. The contract (pieces, decoding, gradients, FLOPs) is tests/test_contract.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ltcx.errors import ConfigError
+from ltcx.models.gated_deltanet import GatedDeltaNet
+from ltcx.ops.gated_delta import gated_delta_chunked, gated_delta_step
+from ltcx.ops.naive.gated_delta import gated_delta_reference
+
+B, H, T, DK, DV = 2, 3, 13, 8, 6
+F64_TOL = 1e-12  # max |error| / max |reference|
+F32_TOL = 1e-5  # float32 against the float64 reference (measured ~1e-7 at these shapes)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def inputs(dtype=torch.float64, length=T, seed=0, grad=False):
+    """q, k (L2-normed, as the layer makes them), v, g (<= 0), beta in (0, 1), a state."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, length, DK, generator=gen, dtype=dtype)
+    k = F.normalize(torch.randn(B, H, length, DK, generator=gen, dtype=dtype), dim=-1)
+    v = torch.randn(B, H, length, DV, generator=gen, dtype=dtype)
+    g = -F.softplus(torch.randn(B, H, length, generator=gen, dtype=dtype))
+    beta = torch.rand(B, H, length, generator=gen, dtype=dtype)
+    state = torch.randn(B, H, DK, DV, generator=gen, dtype=dtype)
+    return [t.requires_grad_(grad) for t in (q, k, v, g, beta, state)]
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 13, 64])
+@pytest.mark.parametrize("carried", [False, True])
+def test_chunked_equals_the_recurrence_in_float64(chunk, carried):
+    q, k, v, g, beta, state = inputs()
+    state = state if carried else None
+    o, final = gated_delta_chunked(q, k, v, g, beta, state, chunk_size=chunk)
+    ref_o, ref_final = gated_delta_reference(q, k, v, g, beta, state)
+    assert rel(o, ref_o) < F64_TOL and rel(final, ref_final) < F64_TOL
+
+
+def test_steps_equal_the_recurrence_and_pieces_continue():
+    q, k, v, g, beta, state = inputs()
+    ref_o, ref_final = gated_delta_reference(q, k, v, g, beta, state)
+    S, outputs = state, []
+    for t in range(T):
+        o, S = gated_delta_step(q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t], S)
+        outputs.append(o)
+    assert rel(torch.stack(outputs, 2), ref_o) < F64_TOL and rel(S, ref_final) < F64_TOL
+    first, S = gated_delta_chunked(*(t[:, :, :5] for t in (q, k, v, g, beta)), state, chunk_size=4)
+    rest, S = gated_delta_chunked(*(t[:, :, 5:] for t in (q, k, v, g, beta)), S, chunk_size=4)
+    assert rel(torch.cat([first, rest], 2), ref_o) < F64_TOL and rel(S, ref_final) < F64_TOL
+
+
+@pytest.mark.parametrize("chunk", [4, 5])
+def test_gradients_of_every_input_equal_the_recurrences(chunk):
+    gen = torch.Generator().manual_seed(1)
+    weights = torch.randn(B, H, T, DV, generator=gen, dtype=torch.float64)
+    state_weights = torch.randn(B, H, DK, DV, generator=gen, dtype=torch.float64)
+    grads = []
+    for form in (lambda *a: gated_delta_chunked(*a, chunk_size=chunk), gated_delta_reference):
+        tensors = inputs(grad=True)
+        o, final = form(*tensors)
+        ((o * weights).sum() + (final * state_weights).sum()).backward()
+        grads.append([t.grad for t in tensors])
+    for name, fast, slow in zip(("q", "k", "v", "g", "beta", "state"), *grads):
+        assert rel(fast, slow) < 1e-11, name
+
+
+def test_float32_within_tolerance_of_the_float64_reference():
+    tensors = inputs(length=70)
+    ref_o, ref_final = gated_delta_reference(*tensors)
+    o, final = gated_delta_chunked(*(t.float() for t in tensors), chunk_size=16)
+    assert o.dtype == torch.float32 and final.dtype == torch.float32
+    assert rel(o.double(), ref_o) < F32_TOL and rel(final.double(), ref_final) < F32_TOL
+
+
+def test_equals_flash_linear_attentions_recurrence():
+    """fla's own naive recurrence (it computes in float32): the same rule, scale and state layout."""
+    fla_gdr = pytest.importorskip("fla.ops.gated_delta_rule")
+    q, k, v, g, beta, state = inputs()
+    o, final = gated_delta_chunked(q, k, v, g, beta, state, chunk_size=4)
+
+    def tokens_first(t):
+        return t.transpose(1, 2).float()
+
+    fla_o, fla_final = fla_gdr.naive_recurrent_gated_delta_rule(
+        *map(tokens_first, (q, k, v, beta, g)), initial_state=state.float(), output_final_state=True)
+    assert rel(fla_o.transpose(1, 2).double(), o) < F32_TOL and rel(fla_final.double(), final) < F32_TOL
+
+
+def test_the_kernel_bridge_passes_fla_its_conventions(monkeypatch):
+    """``gated_delta_fla`` with fla's chunk kernel replaced by fla's recurrence (the same arguments' meaning): the
+    layouts, the log-space decay, beta after its sigmoid and the state in and out agree with ltcx's form."""
+    fla_gdr = pytest.importorskip("fla.ops.gated_delta_rule")
+    from ltcx.ops.fla_kernels import gated_delta_fla
+
+    def recurrent(q, k, v, g, beta, initial_state=None, output_final_state=False):
+        return fla_gdr.naive_recurrent_gated_delta_rule(q, k, v, beta, g, initial_state=initial_state,
+                                                        output_final_state=output_final_state)
+
+    monkeypatch.setattr(fla_gdr, "chunk_gated_delta_rule", recurrent)
+    q, k, v, g, beta, state = inputs()
+    o, final = gated_delta_fla(*(t.float() for t in (q, k, v, g, beta, state)))
+    ref_o, ref_final = gated_delta_reference(q, k, v, g, beta, state)
+    assert rel(o.double(), ref_o) < F32_TOL and rel(final.double(), ref_final) < F32_TOL
+
+
+def tiny(**overrides):
+    torch.manual_seed(0)
+    return GatedDeltaNet(vocab_size=64, n_embd=16, n_layer=2, n_head=2, head_dim=4, mlp_hidden=32, chunk_size=4,
+                         **overrides).double().eval()
+
+
+def test_a_left_padded_batch_equals_each_prompt_alone_and_decodes_on():
+    """mask: a padded position writes nothing and decays nothing (b = 0, g = 0) and the convolution skips it, so
+    each row's real logits, its state and the decoding after it are the prompt's alone."""
+    model = tiny()
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 64, (n,), generator=gen) for n in (9, 4)]
+    nexts = torch.randint(0, 64, (2, 3), generator=gen)
+    width = max(len(p) for p in prompts)
+    idx = torch.stack([F.pad(p, (width - len(p), 0)) for p in prompts])
+    mask = torch.stack([torch.arange(width) >= width - len(p) for p in prompts])
+    with torch.no_grad():
+        logits, state = model(idx, mask=mask)
+        decoded, _ = model(nexts, state)
+        for row, prompt in enumerate(prompts):
+            alone, alone_state = model(prompt[None])
+            assert rel(logits[row, width - len(prompt):], alone[0]) < 1e-12
+            alone_decoded, _ = model(nexts[row:row + 1], alone_state)
+            assert rel(decoded[row], alone_decoded[0]) < 1e-12
+    assert torch.isfinite(logits).all()
+
+
+def test_backend_kernels_off_cuda_runs_the_torch_form(capsys):
+    torch_model, kernels_model = tiny(), tiny(backend="kernels")
+    idx = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(kernels_model(idx)[0], torch_model(idx)[0], rtol=0, atol=0)
+    assert "runs on CUDA only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fields,named", [
+    (dict(head_dim=0), "head_dim (0) must be a positive integer"),
+    (dict(head_v_dim=-2), "head_v_dim (-2) must be a positive integer"),
+    (dict(backend="triton"), "backend ('triton') must be one of"),
+    (dict(chunk_size=True), "chunk_size (True) must be a positive integer"),
+])
+def test_config_errors_name_the_field_and_the_rule(fields, named):
+    with pytest.raises(ConfigError) as error:
+        GatedDeltaNet(vocab_size=64, **fields)
+    assert named in str(error.value) and "\n" not in str(error.value)

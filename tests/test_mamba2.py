@@ -1,0 +1,170 @@
+"""Mamba-2's SSD (``ltcx/ops/ssd.py``) against its token-by-token reference (``ltcx/ops/naive/ssd.py``): float64 to
+1e-12 (chunk sizes that divide the length and ones that do not, a state carried in and out, the gradient of every
+input), float32 within a stated tolerance; against flash-linear-attention's simple-GLA recurrence (SSD with one group
+is that recurrence) and through the bridge to its kernel (``ltcx/ops/fla_kernels.py``, the kernel replaced by that
+recurrence: fla's Triton kernels do not run in Triton's CPU interpreter); the model's padding mask; its config
+errors. The contract (pieces, decoding, gradients, FLOPs) is tests/test_contract.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ltcx.errors import ConfigError
+from ltcx.models.mamba2 import Mamba2
+from ltcx.ops.naive.ssd import ssd_reference
+from ltcx.ops.ssd import ssd_chunked, ssd_step
+
+B, H, T, P, N = 2, 3, 13, 4, 5
+F64_TOL = 1e-12  # max |error| / max |reference|
+F32_TOL = 1e-5  # float32 against the float64 reference (measured ~1e-7 at these shapes)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def inputs(dtype=torch.float64, length=T, seed=0, grad=False):
+    """x, dt > 0, A < 0, B, C, a state."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, H, length, P, generator=gen, dtype=dtype)
+    dt = F.softplus(torch.randn(B, H, length, generator=gen, dtype=dtype))
+    A = -torch.rand(H, generator=gen, dtype=dtype) * 2
+    Bm = torch.randn(B, length, N, generator=gen, dtype=dtype)
+    C = torch.randn(B, length, N, generator=gen, dtype=dtype)
+    state = torch.randn(B, H, P, N, generator=gen, dtype=dtype)
+    return [t.requires_grad_(grad) for t in (x, dt, A, Bm, C, state)]
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 13, 64])
+@pytest.mark.parametrize("carried", [False, True])
+def test_chunked_equals_the_recurrence_in_float64(chunk, carried):
+    x, dt, A, Bm, C, state = inputs()
+    state = state if carried else None
+    y, final = ssd_chunked(x, dt, A, Bm, C, state, chunk_size=chunk)
+    ref_y, ref_final = ssd_reference(x, dt, A, Bm, C, state)
+    assert rel(y, ref_y) < F64_TOL and rel(final, ref_final) < F64_TOL
+
+
+def test_steps_equal_the_recurrence_and_pieces_continue():
+    x, dt, A, Bm, C, state = inputs()
+    ref_y, ref_final = ssd_reference(x, dt, A, Bm, C, state)
+    h, outputs = state, []
+    for t in range(T):
+        y, h = ssd_step(x[:, :, t], dt[:, :, t], A, Bm[:, t], C[:, t], h)
+        outputs.append(y)
+    assert rel(torch.stack(outputs, 2), ref_y) < F64_TOL and rel(h, ref_final) < F64_TOL
+    first, h = ssd_chunked(x[:, :, :5], dt[:, :, :5], A, Bm[:, :5], C[:, :5], state, chunk_size=4)
+    rest, h = ssd_chunked(x[:, :, 5:], dt[:, :, 5:], A, Bm[:, 5:], C[:, 5:], h, chunk_size=4)
+    assert rel(torch.cat([first, rest], 2), ref_y) < F64_TOL and rel(h, ref_final) < F64_TOL
+
+
+@pytest.mark.parametrize("chunk", [4, 5])
+def test_gradients_of_every_input_equal_the_recurrences(chunk):
+    gen = torch.Generator().manual_seed(1)
+    weights = torch.randn(B, H, T, P, generator=gen, dtype=torch.float64)
+    state_weights = torch.randn(B, H, P, N, generator=gen, dtype=torch.float64)
+    grads = []
+    for form in (lambda *a: ssd_chunked(*a, chunk_size=chunk), ssd_reference):
+        tensors = inputs(grad=True)
+        y, final = form(*tensors)
+        ((y * weights).sum() + (final * state_weights).sum()).backward()
+        grads.append([t.grad for t in tensors])
+    for name, fast, slow in zip(("x", "dt", "A", "B", "C", "state"), *grads):
+        assert rel(fast, slow) < 1e-11, name
+
+
+def test_float32_within_tolerance_of_the_float64_reference():
+    tensors = inputs(length=70)
+    ref_y, ref_final = ssd_reference(*tensors)
+    y, final = ssd_chunked(*(t.float() for t in tensors), chunk_size=16)
+    assert y.dtype == torch.float32 and final.dtype == torch.float32
+    assert rel(y.double(), ref_y) < F32_TOL and rel(final.double(), ref_final) < F32_TOL
+
+
+def as_simple_gla(x, dt, A, Bm, C):
+    """SSD's inputs as fla's simple GLA takes them ([B, T, H, D], float32): q = C, k = B per head, v = dt x,
+    g = dt A."""
+    q, k = (t.unsqueeze(2).expand(-1, -1, H, -1).float() for t in (C, Bm))
+    return q, k, (x * dt.unsqueeze(-1)).transpose(1, 2).float(), (dt * A[:, None]).transpose(1, 2).float()
+
+
+def test_equals_flash_linear_attentions_simple_gla_recurrence():
+    """fla's naive simple-GLA recurrence (float32) with state [N, P]: ltcx's [P, N] transposed."""
+    fla_sgla = pytest.importorskip("fla.ops.simple_gla.naive")
+    x, dt, A, Bm, C, state = inputs()
+    y, final = ssd_chunked(x, dt, A, Bm, C, state, chunk_size=4)
+    fla_y, fla_final = fla_sgla.naive_recurrent_simple_gla(
+        *as_simple_gla(x, dt, A, Bm, C), scale=1.0, initial_state=state.transpose(-1, -2).float())
+    assert rel(fla_y.transpose(1, 2).double(), y) < F32_TOL
+    assert rel(fla_final.transpose(-1, -2).double(), final) < F32_TOL
+
+
+def test_the_kernel_bridge_passes_fla_its_conventions(monkeypatch):
+    """``ssd_fla`` with fla's chunk kernel replaced by fla's recurrence: the layouts, q = C and k = B over the heads,
+    v = dt x, g = dt A, scale 1 and the [P, N] state (``state_v_first``) agree with ltcx's form."""
+    fla_sgla = pytest.importorskip("fla.ops.simple_gla")
+    from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
+
+    from ltcx.ops.fla_kernels import ssd_fla
+
+    def recurrent(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False, state_v_first=False):
+        assert state_v_first
+        y, final = naive_recurrent_simple_gla(q, k, v, g, scale=scale, initial_state=initial_state.transpose(-1, -2),
+                                              output_final_state=output_final_state)
+        return y, final.transpose(-1, -2)
+
+    monkeypatch.setattr(fla_sgla, "chunk_simple_gla", recurrent)
+    tensors = inputs()
+    y, final = ssd_fla(*(t.float() for t in tensors))
+    ref_y, ref_final = ssd_reference(*tensors)
+    assert rel(y.double(), ref_y) < F32_TOL and rel(final.double(), ref_final) < F32_TOL
+
+
+def tiny(**overrides):
+    torch.manual_seed(0)
+    return Mamba2(vocab_size=64, n_embd=16, n_layer=2, n_head=4, head_dim=8, d_state=4, chunk_size=4,
+                  **overrides).double().eval()
+
+
+def test_a_left_padded_batch_equals_each_prompt_alone_and_decodes_on():
+    """mask: dt = 0 at a padded position (decay e^0 = 1, no input) and the convolution skips it, so each row's real
+    logits, its state and the decoding after it are the prompt's alone."""
+    model = tiny()
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 64, (n,), generator=gen) for n in (9, 4)]
+    nexts = torch.randint(0, 64, (2, 3), generator=gen)
+    width = max(len(p) for p in prompts)
+    idx = torch.stack([F.pad(p, (width - len(p), 0)) for p in prompts])
+    mask = torch.stack([torch.arange(width) >= width - len(p) for p in prompts])
+    with torch.no_grad():
+        logits, state = model(idx, mask=mask)
+        decoded, _ = model(nexts, state)
+        for row, prompt in enumerate(prompts):
+            alone, alone_state = model(prompt[None])
+            assert rel(logits[row, width - len(prompt):], alone[0]) < 1e-12
+            alone_decoded, _ = model(nexts[row:row + 1], alone_state)
+            assert rel(decoded[row], alone_decoded[0]) < 1e-12
+    assert torch.isfinite(logits).all()
+
+
+def test_backend_kernels_off_cuda_runs_the_torch_form(capsys):
+    torch_model, kernels_model = tiny(), tiny(backend="kernels")
+    idx = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(kernels_model(idx)[0], torch_model(idx)[0], rtol=0, atol=0)
+    assert "runs on CUDA only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fields,named", [
+    (dict(d_state=0), "d_state (0) must be a positive integer"),
+    (dict(head_dim=2.5), "head_dim (2.5) must be a positive integer"),
+    (dict(backend="mamba_ssm"), "backend ('mamba_ssm') must be one of"),
+])
+def test_config_errors_name_the_field_and_the_rule(fields, named):
+    with pytest.raises(ConfigError) as error:
+        Mamba2(vocab_size=64, **fields)
+    assert named in str(error.value) and "\n" not in str(error.value)
