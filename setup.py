@@ -8,7 +8,8 @@ EXTRAS = {
     # `mlstm_backend: kernels`: NX-AI's TFLA Triton kernels for the xLSTM's mLSTM on CUDA (Triton comes with
     # PyTorch's CUDA build); Python >= 3.11. NXAI Community License (attribution; a commercial licence above
     # EUR 100M yearly revenue), so it is not in requirements.txt.
-    "kernels": ["mlstm_kernels>=2.0.6,<3"],
+    # Gated DeltaNet's and Mamba-2's `backend: kernels`: flash-linear-attention's Triton kernels (MIT).
+    "kernels": ["mlstm_kernels>=2.0.6,<3", "fla-core>=0.6.0,<0.7"],
 }
 
 setup(

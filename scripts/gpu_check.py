@@ -10,7 +10,8 @@ then every catalogued architecture eager, compiled and fused; written as JSON an
    sLSTM scan (``slstm_scan_head_major_triton`` against ``slstm_scan_head_major``) at the 29M configs' shapes, 509
    tokens fed as 37 + 472 (no chunk divides either) with the state carried between the calls: the largest absolute
    and relative differences of the outputs, the final state and every input's gradient, pass or fail against
-   ``KERNEL_TOL``; float32, and bf16 where the torch form takes bf16.
+   ``KERNEL_TOL``; float32, and bf16 where the torch form takes bf16. On CUDA also ``FLA_CASES``: Gated DeltaNet's
+   and Mamba-2's ``backend: kernels`` (flash-linear-attention) against ltcx's chunked forms (``fla_case``).
 3. Each catalogue entry (its configs/<arch>.yaml, vocabulary 50,304) at batch 24 x 512 under bf16 autocast, one
    training step (``LanguageModel.loss`` with its fused head, backward, AdamW: ``ltcx.throughput.loss_step``) in
    three forms: eager, compiled (as ``--model.compile true``) and fused (the Triton backend, ``FUSED_BACKENDS``;
@@ -208,6 +209,78 @@ def check_kernel(kernel: str, dtype_name: str, tiny: bool, device) -> dict:
     return row
 
 
+# -- flash-linear-attention's kernels (``backend: kernels``) against ltcx's chunked forms, on CUDA only: fla's kernels
+# do not run in Triton's interpreter (tests/test_gated_deltanet.py and tests/test_mamba2.py check the bridge on a CPU)
+
+FLA_CASES = (("gated_delta_fla", "float32"), ("gated_delta_fla", "bf16"), ("ssd_fla", "float32"), ("ssd_fla", "bf16"))
+
+
+def kernel_cases(tiny: bool) -> tuple:
+    return KERNEL_CASES if tiny else KERNEL_CASES + FLA_CASES
+
+
+def fla_case(kernel: str, device, dtype):
+    """(run(form) -> (outputs, gradients), shape): configs/gated_deltanet.yaml's rule (6 heads, keys 48, values 96)
+    or configs/mamba2.yaml's SSD (12 heads of 64, state 64) over 509 tokens fed as 37 + 472 from a given state carried
+    between the calls; the projected inputs in ``dtype`` (as a block hands them under autocast), gates and state
+    float32; the gradients of every input."""
+    import torch
+    import torch.nn.functional as F
+
+    B, pieces, g = 24, (37, 472), torch.Generator().manual_seed(0)
+    T = sum(pieces)
+    if kernel == "gated_delta_fla":
+        H, dk, dv = 6, 48, 96
+        q, k = (F.normalize(torch.randn(B, H, T, dk, generator=g), dim=-1) for _ in range(2))
+        inputs = [q.to(device, dtype), k.to(device, dtype), torch.randn(B, H, T, dv, generator=g).to(device, dtype),
+                  (-F.softplus(torch.randn(B, H, T, generator=g)) / 4).to(device),
+                  torch.rand(B, H, T, generator=g).to(device), torch.randn(B, H, dk, dv, generator=g).to(device)]
+        time_dims, shape = (2, 2, 2, 2, 2), f"B {B}, heads {H}, keys {dk}, values {dv}"
+    else:
+        H, P, N = 12, 64, 64
+        inputs = [torch.randn(B, H, T, P, generator=g).to(device, dtype),
+                  (F.softplus(torch.randn(B, H, T, generator=g) - 3)).to(device),
+                  (-torch.rand(H, generator=g) * 8).to(device),
+                  *(torch.randn(B, T, N, generator=g).to(device, dtype) for _ in range(2)),
+                  torch.randn(B, H, P, N, generator=g).to(device)]
+        time_dims, shape = (2, 2, None, 1, 1), f"B {B}, heads {H} x {P}, state {N}"  # x, dt, A, B, C
+
+    def run(form):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        state, outs, position = leaves[-1], [], 0
+        for n in pieces:
+            part = [x if dim is None else x.narrow(dim, position, n) for x, dim in zip(leaves, time_dims)]
+            out, state = form(*part, state)
+            outs.append(out)
+            position += n
+        outputs = [torch.cat(outs, dim=2), state]
+        return outputs, torch.autograd.grad(objective(outputs), leaves)
+
+    return run, f"{shape}, T {' + '.join(map(str, pieces))}"
+
+
+def check_fla_kernel(kernel: str, dtype_name: str, tiny: bool, device) -> dict:
+    """One row of the fla checks: ``ltcx/ops/fla_kernels.py``'s form and ltcx's chunked form on the same inputs."""
+    import torch
+
+    from ltcx.ops import fla_kernels
+    from ltcx.ops.gated_delta import gated_delta_chunked
+    from ltcx.ops.ssd import ssd_chunked
+
+    row = {"kernel": kernel, "dtype": dtype_name, "tol": KERNEL_TOL[dtype_name]}
+    if fla_kernels.kernels_unavailable() is not None:
+        return {**row, "ok": True, "status": f"skipped ({fla_kernels.kernels_unavailable()})"}
+    fused, reference = ((fla_kernels.gated_delta_fla, gated_delta_chunked) if kernel == "gated_delta_fla"
+                        else (fla_kernels.ssd_fla, ssd_chunked))
+    run, row["shape"] = fla_case(kernel, device, torch.bfloat16 if dtype_name == "bf16" else torch.float32)
+    (values, grads), (values_ref, grads_ref) = run(fused), run(reference)
+    row["values_max_abs"], row["values_max_rel"] = differences(values, values_ref)
+    row["grads_max_abs"], row["grads_max_rel"] = differences(grads, grads_ref)
+    row["ok"] = max(row["values_max_rel"], row["grads_max_rel"]) <= row["tol"]
+    row["status"] = "passed" if row["ok"] else "FAILED"
+    return row
+
+
 def kernel_checks_main(args) -> None:
     """``--kernel_checks``: every row of ``KERNEL_CASES`` into ``<work_dir>/kernels.json``, rewritten after each."""
     import torch
@@ -216,9 +289,10 @@ def kernel_checks_main(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     path, rows = Path(args.work_dir) / "kernels.json", []
-    for kernel, dtype_name in KERNEL_CASES:
+    for kernel, dtype_name in kernel_cases(args.tiny):
         try:
-            rows.append(check_kernel(kernel, dtype_name, args.tiny, device))
+            check = check_fla_kernel if (kernel, dtype_name) in FLA_CASES else check_kernel
+            rows.append(check(kernel, dtype_name, args.tiny, device))
         except Exception as error:  # noqa: BLE001 - a failing check is a result, the next one goes on
             traceback.print_exc()
             rows.append({"kernel": kernel, "dtype": dtype_name, "ok": False, "status": f"error: {first_line(error)}"})
@@ -233,7 +307,8 @@ def kernel_checks_main(args) -> None:
 def run_kernel_checks(args, work: Path, deadline: float) -> list[dict]:
     """The rows of the kernel checks, run by a child (interpreted with --tiny); a row it did not reach says why."""
     if not triton_installed():
-        return [{"kernel": k, "dtype": d, "ok": True, "status": "skipped (no triton)"} for k, d in KERNEL_CASES]
+        return [{"kernel": k, "dtype": d, "ok": True, "status": "skipped (no triton)"}
+                for k, d in kernel_cases(args.tiny)]
     command = [sys.executable, str(Path(__file__).resolve()), "--kernel_checks", "--work_dir", str(work),
                *(["--tiny"] if args.tiny else []), *(["--threads", str(args.threads)] if args.threads else [])]
     limit = min(300.0 if args.tiny else 120.0, deadline - time.time())
@@ -243,7 +318,7 @@ def run_kernel_checks(args, work: Path, deadline: float) -> list[dict]:
         rows = read_json(work / "kernels.json") or []
     reason = error or "the check ended before it"
     return rows + [{"kernel": k, "dtype": d, "ok": False, "status": f"not run: {reason}"}
-                   for k, d in KERNEL_CASES[len(rows):]]
+                   for k, d in kernel_cases(args.tiny)[len(rows):]]
 
 
 def child_environment(tiny: bool) -> dict:

@@ -88,8 +88,8 @@ def test_every_preset_loads_and_is_found_by_name(tmp_path, monkeypatch):
     assert sorted(quick.archs) == sorted(CATALOG) and len(quick.seeds) == 3 and len(quick.learning_rates) >= 3
     from ltcx.study.plan import plan_shapes
 
-    zoology = load_spec(find_spec("zoology"))  # Zoology's 2,176 runs: 17 of its 20 cells hold their pairs
-    assert len(plan_shapes(zoology)) * len(zoology.learning_rates) == 2176
+    zoology = load_spec(find_spec("zoology"))  # 2,720 runs: 17 of its 20 cells hold their pairs
+    assert len(plan_shapes(zoology)) * len(zoology.learning_rates) == 2720
     reference = load_spec(find_spec("reference"))
     assert reference.archs == ["gpt", "ltc"] and reference.steps == 23404 and reference.batch_size == 24
     from ltcx.study.plan import make_run, plan_shapes
