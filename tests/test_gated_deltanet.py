@@ -118,8 +118,8 @@ def test_the_kernel_bridge_passes_fla_its_conventions(monkeypatch):
 
 def tiny(**overrides):
     torch.manual_seed(0)
-    return GatedDeltaNet(vocab_size=64, n_embd=16, n_layer=2, n_head=2, head_dim=4, mlp_hidden=32, chunk_size=4,
-                         **overrides).double().eval()
+    return GatedDeltaNet(vocab_size=64, n_embd=16, n_layer=2, n_head=2, head_dim=4, mlp_hidden=32,
+                         **{"chunk_size": 4, **overrides}).double().eval()
 
 
 def test_a_left_padded_batch_equals_each_prompt_alone_and_decodes_on():
@@ -141,6 +141,20 @@ def test_a_left_padded_batch_equals_each_prompt_alone_and_decodes_on():
             alone_decoded, _ = model(nexts[row:row + 1], alone_state)
             assert rel(decoded[row], alone_decoded[0]) < 1e-12
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("length,chunk", [(13, 4), (16, 8), (5, 64)])
+def test_the_flops_formula_counts_every_product_of_the_forward(length, chunk):
+    """forward_flops_per_token = FlopCounterMode's count per token (chunks that divide the length, that do not, and
+    one chunk longer than it)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = tiny(chunk_size=chunk)
+    idx = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(4))
+    with FlopCounterMode(display=False) as counter:
+        model(idx)
+    assert counter.get_total_flops() / (2 * length) == pytest.approx(model.forward_flops_per_token(length), rel=1e-12)
+    assert tiny(backend="kernels").forward_flops_per_token(100) == tiny(chunk_size=64).forward_flops_per_token(100)
 
 
 def test_backend_kernels_off_cuda_runs_the_torch_form(capsys):

@@ -85,6 +85,16 @@ def test_float32_within_tolerance_of_the_float64_reference():
     assert rel(y.double(), ref_y) < F32_TOL and rel(final.double(), ref_final) < F32_TOL
 
 
+def test_float32_keeps_its_digits_across_many_chunks_of_strong_decay():
+    """400 steps of log-decay about -3 (1,200 in all) in 100 chunks: each decay between chunk boundaries is summed
+    from its own steps, so float32 stays within tolerance where differences of running sums would lose digits."""
+    x, dt, A, Bm, C, state = inputs(length=400)
+    dt = dt + 1.0
+    ref_y, ref_final = ssd_reference(x, dt, A - 1.0, Bm, C, state)
+    y, final = ssd_chunked(*(t.float() for t in (x, dt, A - 1.0, Bm, C, state)), chunk_size=4)
+    assert rel(y.double(), ref_y) < F32_TOL and rel(final.double(), ref_final) < F32_TOL
+
+
 def as_simple_gla(x, dt, A, Bm, C):
     """SSD's inputs as fla's simple GLA takes them ([B, T, H, D], float32): q = C, k = B per head, v = dt x,
     g = dt A."""
@@ -126,8 +136,8 @@ def test_the_kernel_bridge_passes_fla_its_conventions(monkeypatch):
 
 def tiny(**overrides):
     torch.manual_seed(0)
-    return Mamba2(vocab_size=64, n_embd=16, n_layer=2, n_head=4, head_dim=8, d_state=4, chunk_size=4,
-                  **overrides).double().eval()
+    return Mamba2(vocab_size=64, n_embd=16, n_layer=2, n_head=4, head_dim=8, d_state=4,
+                  **{"chunk_size": 4, **overrides}).double().eval()
 
 
 def test_a_left_padded_batch_equals_each_prompt_alone_and_decodes_on():
@@ -149,6 +159,19 @@ def test_a_left_padded_batch_equals_each_prompt_alone_and_decodes_on():
             alone_decoded, _ = model(nexts[row:row + 1], alone_state)
             assert rel(decoded[row], alone_decoded[0]) < 1e-12
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("length,chunk", [(13, 4), (16, 8), (5, 64)])
+def test_the_flops_formula_counts_every_product_of_the_forward(length, chunk):
+    """forward_flops_per_token = FlopCounterMode's count per token (chunks that divide the length, that do not, and
+    one chunk longer than it)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = tiny(chunk_size=chunk)
+    idx = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(4))
+    with FlopCounterMode(display=False) as counter:
+        model(idx)
+    assert counter.get_total_flops() / (2 * length) == pytest.approx(model.forward_flops_per_token(length), rel=1e-12)
 
 
 def test_backend_kernels_off_cuda_runs_the_torch_form(capsys):

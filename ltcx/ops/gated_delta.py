@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ltcx.ops.precision import compute_dtype, without_autocast
+from ltcx.ops.ssd import decays
 
 __all__ = ["gated_delta_chunked", "gated_delta_step"]
 
@@ -56,10 +57,7 @@ def gated_delta_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
 
         q, k, v, g, beta = map(split, (q, k, v, g, beta))
         G = g.cumsum(-1)  # [B, H, N, L]
-        decay = G.unsqueeze(-1) - G.unsqueeze(-2)  # G_i - G_j
-        lower = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
-        # masked before exp: above the diagonal G_i - G_j > 0 could overflow
-        D = decay.masked_fill(~lower, float("-inf")).exp()  # [B, H, N, L, L]
+        D = decays(g)  # [B, H, N, L, L]: e^{G_i - G_j} for j <= i
         A = (beta.unsqueeze(-1) * (k @ k.transpose(-1, -2)) * D).tril(-1)
         T = A + torch.eye(size, dtype=dtype, device=q.device)
         rhs = torch.cat([beta.unsqueeze(-1) * v, (beta * G.exp()).unsqueeze(-1) * k], dim=-1)

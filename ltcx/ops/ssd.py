@@ -29,14 +29,17 @@ from torch import Tensor
 
 from ltcx.ops.precision import compute_dtype, without_autocast
 
-__all__ = ["ssd_chunked", "ssd_step"]
+__all__ = ["decays", "ssd_chunked", "ssd_step"]
 
 
-def _decays(G: Tensor) -> Tensor:
-    """e^{G_i - G_j} for j <= i, else 0: G [..., L] -> [..., L, L] (masked before exp, where it could overflow)."""
-    size = G.shape[-1]
-    lower = torch.ones(size, size, dtype=torch.bool, device=G.device).tril()
-    return (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
+def decays(g: Tensor) -> Tensor:
+    """exp(g_{j+1} + ... + g_i) for j <= i, else 0: per-step log-decays g [..., L] -> [..., L, L]. Each entry is
+    summed from its own steps, not taken as a difference of running sums, which would lose float32 digits once the
+    sums grow large (mamba_ssm's segsum); masked before exp, where it could overflow."""
+    size = g.shape[-1]
+    lower = torch.ones(size, size, dtype=torch.bool, device=g.device).tril()
+    steps = g.unsqueeze(-1).expand(*g.shape, size).masked_fill(~lower.tril(-1), 0)  # [i, j]: g_i where i > j
+    return steps.cumsum(-2).masked_fill(~lower, float("-inf")).exp()
 
 
 def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, state: Tensor | None = None,
@@ -53,16 +56,17 @@ def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, state: T
         dt = F.pad(dt.to(dtype), (0, pad)).unflatten(2, (chunks, size))  # [B, H, N, L]
         B = F.pad(B.to(dtype), (0, 0, 0, pad)).unflatten(1, (chunks, size)).unsqueeze(1)  # [B, 1, N, L, Ns]
         C = F.pad(C.to(dtype), (0, 0, 0, pad)).unflatten(1, (chunks, size)).unsqueeze(1)
-        G = (dt * A.to(dtype)[:, None, None]).cumsum(-1)  # [B, H, N, L]
+        g = dt * A.to(dtype)[:, None, None]  # [B, H, N, L]
+        G = g.cumsum(-1)
         xdt = x * dt.unsqueeze(-1)
         # within each chunk, from the chunk's own inputs (C B^T once for all heads)
-        y = ((C @ B.transpose(-1, -2)) * _decays(G)) @ xdt
+        y = ((C @ B.transpose(-1, -2)) * decays(g)) @ xdt
         # each chunk's contribution to the state at its end, then every chunk boundary's state at once
         contribution = (xdt * (G[..., -1:] - G).exp().unsqueeze(-1)).transpose(-1, -2) @ B  # [B, H, N, P, Ns]
         first = x.new_zeros(batch, heads, 1, *contribution.shape[-2:]) if state is None else \
             state.to(dtype).unsqueeze(2)
-        boundaries = F.pad(G[..., -1].cumsum(-1), (1, 0))  # [B, H, N + 1]: log-decay from the start to each boundary
-        states = _decays(boundaries) @ torch.cat([first, contribution], dim=2).flatten(-2)  # [B, H, N + 1, P Ns]
+        # the state at each chunk boundary: the state given and every chunk's contribution, decayed by the chunks since
+        states = decays(F.pad(G[..., -1], (1, 0))) @ torch.cat([first, contribution], dim=2).flatten(-2)
         states = states.unflatten(-1, contribution.shape[-2:])
         y = y + G.exp().unsqueeze(-1) * (C @ states[:, :, :-1].transpose(-1, -2))
     return y.flatten(2, 3)[:, :, :length].to(out_dtype), states[:, :, -1]
