@@ -101,8 +101,12 @@ def test_every_preset_loads_and_is_found_by_name(tmp_path, monkeypatch):
     assert args[args.index("--trainer.max_steps") + 1] == "23404"
 
 
-def test_the_dry_run_prints_every_run_and_writes_nothing(tmp_path, capsys):
+def test_the_dry_run_prints_every_run_and_writes_nothing(tmp_path, capsys, monkeypatch):
     from ltcx.cli import main
+    from ltcx.study import cost
+
+    monkeypatch.setattr(cost, "measured_rate", lambda: 1e10)  # rates passed in: no timing here
+    monkeypatch.setattr(cost, "measured_step_s", lambda arch: 0.01)
 
     main(["study", "--spec", str(write_spec(tmp_path)), "--out", str(tmp_path / "results"), "--dry_run"])
     out = capsys.readouterr().out

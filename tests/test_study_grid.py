@@ -98,8 +98,14 @@ def test_the_extension_stops_at_its_bound_and_says_so(tmp_path, monkeypatch):
     assert pick["lr"] == 0.0316 and pick["edge"] and pick["next"] is None and pick["tried"][-1] == 0.0316
     assert "0.0316 (edge of the rates tried)" in (tmp_path / "results/grid/summary.md").read_text()
     dry = []
+    from ltcx.study import cost
+
+    monkeypatch.setattr(cost, "measured_rate", lambda: 1e10)  # rates passed in: no timing here
+    monkeypatch.setattr(cost, "measured_step_s", lambda arch: 0.01)
     runner.run_study(spec, tmp_path / "dry", dry_run=True, say=dry.append)
     assert any("up to 1 rates more" in line for line in dry)
+    [line] = [line for line in dry if line.startswith("estimated CPU time: ")]
+    assert "at 10 GFLOP per CPU-second" in line and "5 processes" in line and "add at most" in line  # 3 + 1 + 1
 
 
 def test_every_seed_the_tuning_seeds_included_is_in_the_curves_and_the_runs(tmp_path, monkeypatch):

@@ -46,7 +46,10 @@ class Estimate:
 
 
 def _minutes(seconds: float) -> str:
-    return f"{seconds / 60:.1f} CPU-minutes" if seconds < 5400 else f"{seconds / 3600:.1f} CPU-hours"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} CPU-minutes"
+    hours = seconds / 3600
+    return f"{hours:,.1f} CPU-hours" if hours < 100 else f"{hours:,.0f} CPU-hours"
 
 
 def run_flops(flops_per_token: float, steps: int, batch_size: int, block_size: int, eval_batches: int) -> float:

@@ -402,13 +402,20 @@ def curve_band(summary: dict, arch: str, size: str) -> tuple[list[int], list[flo
 
 def _plain_ticks(ax, x_si: bool = False) -> None:
     """Tick labels as plain numbers (0.45, 2, 10 M), not matplotlib's 4.5x10^-1 on a log axis."""
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    from matplotlib.ticker import FuncFormatter
 
-    plain = FuncFormatter(lambda value, _: f"{value:.3g}")
-    for axis, si in ((ax.yaxis, False), (ax.xaxis, x_si)):
-        axis.set_major_formatter(FuncFormatter(lambda value, _: _si(value)) if si else plain)
+    def label(si: bool):
+        return lambda value, _: _si(value) if si else f"{value:.3g}"
+
+    for axis, si, limits in ((ax.yaxis, False, ax.get_ylim()), (ax.xaxis, x_si, ax.get_xlim())):
+        axis.set_major_formatter(FuncFormatter(label(si)))
         if axis.get_scale() == "log":
-            axis.set_minor_formatter(NullFormatter() if si else plain)
+            low, high = sorted(abs(v) for v in limits)
+            if low > 0 and high / low < 10:  # under a decade: every minor tick labelled, else 2 and 5 of each
+                axis.set_minor_formatter(FuncFormatter(label(si)))
+            else:
+                axis.set_minor_formatter(FuncFormatter(
+                    lambda value, _, si=si: label(si)(value, _) if f"{value:.1e}"[:3] in ("2.0", "5.0") else ""))
 
 
 def figures(summary: dict, folder: Path) -> list[Path]:
@@ -583,3 +590,37 @@ def write_report(summary: dict, folder: Path) -> list[Path]:
     images = figures(summary, folder)
     atomic_write_text(folder / "report.html", html_report(summary, images))
     return [folder / "summary.json", folder / "summary.md", *images, folder / "report.html"]
+
+
+# ----------------------------------------------------------------------------- a docs table from a kept summary
+
+
+def recall_table(summary: dict) -> str:
+    """docs/recall.md's table from a study's ``summary.json``: per architecture, each size's chosen rate (marked at
+    the edge of the rates tried) and its test metric, mean +- 95% interval (the seeds' values in brackets); a row
+    with runs missing is marked."""
+    sizes = summary["sizes"]
+    metric = summary["metric"]
+    header = ["architecture"] + [f"{size}: {what}" for size in sizes for what in ("lr", f"test {metric} (seeds)")]
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|---|" * len(sizes)]
+    rows: dict[str, dict] = {}
+    for e in summary["results"]:
+        rows.setdefault(e["arch"], {})[e["size_label"]] = e
+    for arch, by_size in rows.items():
+        cells = [arch]
+        for size in sizes:
+            e = by_size.get(size)
+            if e is None or e["test"] is None:
+                cells += ["-", "incomplete" if e is not None else "-"]
+                continue
+            seeds = ", ".join(f"{e['test_by_seed'][s]:.3g}" for s in sorted(e["test_by_seed"], key=int))
+            cells += [f"{e['lr']:g}" + (" (edge)" if e["edge"] else ""),
+                      _pm(e["test"], spec=".3f") + f" ({seeds})" + (" incomplete" if e.get("incomplete") else "")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m ltcx.study.report docs/results/quick-recall.json: the docs' table
+    import sys
+
+    print(recall_table(json.loads(Path(sys.argv[1]).read_text())))
