@@ -188,3 +188,18 @@ def test_the_report_names_its_budget_flags_every_timed_column_and_renders_bold(t
     assert titles and all(titles)
     assert "Compute ladder: test/loss against training FLOPs, power-law fits" in titles
     assert labels and not [t for t in labels if "times" in t or "^" in t or "$" in t], labels
+
+
+def test_a_study_from_before_the_extension_resumes_with_lr_extend_0_only(tmp_path):
+    from ltcx.errors import ConfigError
+    from ltcx.study.results import check_folder
+
+    out = tmp_path / "results/grid"
+    out.mkdir(parents=True)
+    old = load_spec(spec_file(tmp_path, lr_extend=0)).defining()
+    del old["lr_extend"]  # its spec.json has no such key: its grid was taken as given
+    write_json(out / "spec.json", old)
+    check_folder(load_spec(spec_file(tmp_path, lr_extend=0)), out)
+    with pytest.raises(ConfigError) as error:
+        check_folder(load_spec(spec_file(tmp_path)), out)
+    assert "another 'lr_extend' (0, now 3)" in str(error.value)

@@ -241,9 +241,9 @@ def tables(summary: dict) -> list[tuple[str, list[str], list[list[str]], str]]:
                        "state", "steps", "tokens", "training FLOPs",
                        f"budget distance ({budget})" if budget else "budget distance"], shapes,
             "FLOPs per token: training (3 x forward). State: inference state after one context, batch 1."
-            + (f" Budget distance: the {spec.get('match')} figure over {base}'s at the same size, less 1 (the "
-               f"planned shape, built at the data's vocabulary); beyond {tolerance:.0%} it is marked." if budget
-               else ""))]
+            + (f" Budget distance: the {spec.get('match')} figure over {base}'s at the same size, less 1 ({base}'s "
+               "own row: its parameters over the size asked), of the planned shape built at the data's vocabulary; "
+               f"beyond {tolerance:.0%} it is marked." if budget else ""))]
     grid = sorted({g["lr"] for pick in summary["learning_rates"] for g in pick["grid"]})
     rows = []
     for pick in summary["learning_rates"]:

@@ -129,7 +129,7 @@ def check_folder(spec: StudySpec, out: Path) -> None:
     anything runs."""
     stored = out / "spec.json"
     if stored.is_file():
-        before = read_spec_record(stored)
+        before = {"lr_extend": 0, **read_spec_record(stored)}  # a study from before lr_extend: its grid as given
         now = json.loads(json.dumps(spec.defining()))
         changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
         if changed:
