@@ -1,7 +1,7 @@
 """A study's plan against the models its runs build: planned parameters, FLOPs and state are those of the model built
 at the vocabulary the data really gives it (GPT-2's 50,304 padded, the bytes tokenizer's 320), for every catalogue
-entry; and every head_dim a spec may give either plans shapes that build or is refused in one line naming the values
-that build."""
+entry; and every head_dim a spec may give (16, 24, 32, 48 here) either plans shapes that build or is refused in one
+line naming the values that build."""
 
 import pytest
 import torch
@@ -52,7 +52,7 @@ def test_planned_budgets_are_those_of_the_model_built_at_the_datas_vocabulary(tm
 def test_every_head_dim_plans_shapes_that_build_or_is_one_line_naming_those_that_do(tmp_path, name):
     data = {"configs": ["data/mqar"], "data": {"vocab_size": 64, "num_kv_pairs": 2}, "metric": "recall_acc"}
     for size_by, sizes in (("width", [32, 64]), ("params", [2e5])):
-        for head_dim in (8, 16, 24, 32, 48, 64):
+        for head_dim in (16, 24, 32, 48):  # the issue's 16, a divisor of no width, the presets' 32, one above some
             spec = spec_file(tmp_path, archs=[name], size_by=size_by, sizes=sizes, head_dim=head_dim, layers=2,
                              match="params", **data)
             try:
