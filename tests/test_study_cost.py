@@ -68,7 +68,7 @@ def test_the_recall_pages_table_is_its_kept_results_or_says_it_awaits_them(tmp_p
     if kept.is_file():
         assert recall_table(json.loads(kept.read_text())) in page
     else:
-        assert "Awaiting a re-measure" in page and "| gpt |" not in page
+        assert "Awaiting a measurement" in page and "| gpt |" not in page
     summary = {"sizes": ["size32"], "metric": "recall_acc", "results": [
         {"arch": "gpt", "size_label": "size32", "lr": 0.01, "edge": True, "incomplete": [],
          "test": {"mean": 0.9, "ci95": 0.05}, "test_by_seed": {"1": 0.88, "0": 0.92}}]}
