@@ -214,7 +214,8 @@ def test_submitit_requeues_a_preempted_job_and_resubmits_a_killed_one(tiny):
 
 
 def test_a_failing_run_is_reported_with_its_last_line_and_the_others_finish(tiny):
-    """xlstm has no n_kv_head: its fit stops at the command line; gpt's runs finish and the report holds them."""
+    """xlstm has no n_kv_head: its fit stops at the command line; gpt's runs finish and the report holds them, and
+    names xlstm's run, its row marked incomplete."""
     spec = write_spec(tiny.root, "tiny-failing.yaml", name="failing", archs=["xlstm", "gpt"], baseline="gpt",
                       seeds=[0], args=["--model.backbone.init_args.n_kv_head=1"])
     out = tiny.root / "failing"
@@ -230,8 +231,11 @@ def test_a_failing_run_is_reported_with_its_last_line_and_the_others_finish(tiny
         "left 0" in done.out
     [held_back] = [line for line in done.out.splitlines() if "tune: xlstm size16: " in line]
     assert_mentions(held_back, "tuning run failed", "no seeds", "rerun")
-    summary = json.loads((out / "failing/summary.json").read_text())
-    assert [entry["arch"] for entry in summary["results"]] == ["gpt"]
+    summary = json.loads((out / "failing/summary.json").read_text())  # xlstm's row kept, marked incomplete
+    assert [(e["arch"], e["incomplete"]) for e in summary["results"]] == [("gpt", []), ("xlstm", [
+        "xlstm size16 lr=0.003 seed 0"])]
+    assert "**Incomplete**: 1 runs missing or failed (xlstm size16 lr=0.003 seed 0: failed)" in (
+        out / "failing/summary.md").read_text()
 
 
 def test_the_report_is_written_again_from_the_folder_alone(tiny, capsys):

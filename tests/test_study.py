@@ -101,8 +101,12 @@ def test_every_preset_loads_and_is_found_by_name(tmp_path, monkeypatch):
     assert args[args.index("--trainer.max_steps") + 1] == "23404"
 
 
-def test_the_dry_run_prints_every_run_and_writes_nothing(tmp_path, capsys):
+def test_the_dry_run_prints_every_run_and_writes_nothing(tmp_path, capsys, monkeypatch):
     from ltcx.cli import main
+    from ltcx.study import cost
+
+    monkeypatch.setattr(cost, "measured_rate", lambda: 1e10)  # rates passed in: no timing here
+    monkeypatch.setattr(cost, "measured_step_s", lambda arch: 0.01)
 
     main(["study", "--spec", str(write_spec(tmp_path)), "--out", str(tmp_path / "results"), "--dry_run"])
     out = capsys.readouterr().out
@@ -115,6 +119,10 @@ def test_the_dry_run_prints_every_run_and_writes_nothing(tmp_path, capsys):
     assert len(planned) == 8 and all("ltcx fit --config " in line for line in planned)
     [gpt] = [line for line in planned if line.startswith("gpt size32 lr=0.003 seed 0: ")]
     assert "8 steps" in gpt  # 6 steps rounded up to a multiple of the 4 evaluations
+    [extend] = [line for line in lines if line.startswith("extend: ")]
+    assert_mentions(extend, "up to 3 rates more per shape", "outward by the grid's ratio")
+    [cost] = [line for line in lines if line.startswith("estimated CPU time: ")]
+    assert_mentions(cost, "CPU-minutes", "GFLOP per CPU-second", "12 processes")  # 8 tuning, 2 seeds, 2 tests
     assert not (tmp_path / "results").exists()
 
 
@@ -234,7 +242,7 @@ def test_the_rate_is_chosen_on_validation_and_the_results_are_tests():
     assert xlstm["vs_baseline"]["paired_seeds"] == 3 and 0 < xlstm["vs_baseline"]["p"] < 0.01
     md = markdown(summary)
     assert "| gpt | size16 | 2.0000 | 1.5000 | diverged | 0.003 |" in md
-    assert "| xlstm | size16 | 2.5000 | 2.4000 | 2.2000 | 0.01 (edge of the grid) |" in md
+    assert "| xlstm | size16 | 2.5000 | 2.4000 | 2.2000 | 0.01 (edge of the rates tried) |" in md
     assert "| gpt | size16 | 0.003 | 3 | 3.1000 +- 0.2484 | 1.5000 +- 0.0000 | - | - |" in md
     assert summary["ladder"] == {}  # one size: no ladder
 
@@ -463,7 +471,7 @@ def study_spec(tmp_path: Path, archs, sizes, lrs, seeds, signal_args=()) -> Path
     spec = dict(name="tiny", archs=archs, configs=["data/mqar"], size_by="width", sizes=sizes, layers=1, head_dim=8,
                 data={"vocab_size": 32, "num_kv_pairs": 2, "random_fillers": False, "val_batches": 1},
                 trainer={"log_every_n_steps": 1}, block_size=16, batch_size=4, steps=6, evals=2,
-                learning_rates=lrs, seeds=seeds, metric="recall_acc", args=list(signal_args))
+                learning_rates=lrs, lr_extend=0, seeds=seeds, metric="recall_acc", args=list(signal_args))
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path

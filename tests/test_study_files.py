@@ -30,7 +30,7 @@ def planted_study(tmp_path: Path) -> tuple[Path, Path, dict]:
     spec_path = tmp_path / "tiny.yaml"
     spec_path.write_text(yaml.safe_dump(dict(
         name="tiny", archs=["gpt", "ltc"], configs=["data/mqar"], size_by="config", block_size=16, batch_size=4,
-        steps=6, evals=2, learning_rates=LRS, seeds=SEEDS, metric="loss", timing_rounds=0)))
+        steps=6, evals=2, learning_rates=LRS, lr_extend=0, seeds=SEEDS, metric="loss", timing_rounds=0)))
     spec = load_spec(spec_path)
     out = tmp_path / "results" / "tiny"
     out.mkdir(parents=True)
@@ -105,8 +105,8 @@ def test_a_damaged_run_is_named_with_its_fix_and_the_report_of_the_others_comes_
 
 
 def test_a_damaged_tuning_run_leaves_its_shape_out_said_and_listed(tmp_path, capsys):
-    """A tuning run's result.json (gpt at the rate not chosen) cut short: gpt's rate cannot be chosen, so its rows are
-    left out of the tables and the damaged run is listed; ltc's rows come out."""
+    """A tuning run's result.json (gpt at the rate not chosen) cut short: gpt's rate cannot be chosen, so its row is
+    empty and marked incomplete and the damaged run is listed; ltc's rows come out."""
     spec_path, out, folders = planted_study(tmp_path)
     damaged = folders[("gpt", 1e-3, 0)]
     (damaged / "result.json").write_text('{"arch": "gpt", "val": ')
@@ -114,8 +114,64 @@ def test_a_damaged_tuning_run_leaves_its_shape_out_said_and_listed(tmp_path, cap
     assert code == 1 and "Traceback" not in stderr, stderr
     assert_mentions(stderr, str(damaged / "result.json"), f"delete that run's folder {damaged}")
     summary = json.loads((out / "summary.json").read_text())
-    assert [e["arch"] for e in summary["results"]] == ["ltc"]
+    ltc, gpt = summary["results"]
+    assert ltc["arch"] == "ltc" and ltc["test"]["n"] == 2 and not ltc["incomplete"]
+    assert gpt["arch"] == "gpt" and gpt["test"] is None and gpt["incomplete"] == ["gpt config lr=0.001 seed 0"]
     assert_mentions((out / "summary.md").read_text(), "gpt config lr=0.001 seed 0", "damaged")
+
+
+@pytest.mark.parametrize("phase", ["seed", "tuning"])
+def test_a_missing_run_is_named_and_what_needs_it_is_marked_incomplete(tmp_path, capsys, phase):
+    """--report_only with one run's folder gone (ltc's seed 1 at the chosen rate, or its tuning run at the other
+    rate): it is named in the output and in summary.md, and ltc's row is kept, marked incomplete, not dropped."""
+    spec_path, out, folders = planted_study(tmp_path)
+    gone = folders[("ltc", 3e-3, 1) if phase == "seed" else ("ltc", 1e-3, 0)]
+    for file in gone.iterdir():
+        file.unlink()
+    gone.rmdir()
+    label = "ltc config lr=0.003 seed 1" if phase == "seed" else "ltc config lr=0.001 seed 0"
+    code, stdout, stderr = study(spec_path, capsys, "--report_only")
+    assert code == 0, stderr
+    assert_mentions(stdout, f"{label}: missing", "1 runs missing or failed")
+    summary = json.loads((out / "summary.json").read_text())
+    rows = {e["arch"]: e for e in summary["results"]}
+    assert set(rows) == {"gpt", "ltc"} and not rows["gpt"]["incomplete"] and rows["ltc"]["incomplete"] == [label]
+    assert rows["ltc"]["seeds"] == ([0] if phase == "seed" else [])
+    assert [(e["run"], e["why"]) for e in summary["left_out"]] == [(label, "missing")]
+    md = (out / "summary.md").read_text()
+    assert_mentions(md.splitlines()[2], "**Incomplete**: 1 runs missing or failed", label)
+    [row] = [line for line in md.splitlines() if line.startswith("| ltc | config | ") and "incomplete" in line]
+    assert "<strong>Incomplete</strong>" in (out / "report.html").read_text()
+
+
+def test_a_missing_run_marks_the_ladder_fit_and_the_multiplier_incomplete():
+    """A ladder whose ltc lacks a seed at its largest size: the fit and the multiplier are kept and marked."""
+    from ltcx.study.report import summarize, tables
+    from ltcx.study.spec import StudySpec
+
+    spec = StudySpec(archs=["gpt", "ltc"], sizes=[1e5, 1e6], size_by="params", block_size=16, batch_size=8, steps=10,
+                     learning_rates=[1e-3], seeds=[0, 1], timing_rounds=0)
+    final, chosen = [], {}
+    for arch in ("gpt", "ltc"):
+        for size, flops in ((1e5, 6e3), (1e6, 6e4)):
+            label = f"size{size:g}"
+            chosen[(arch, label)] = {"lr": 1e-3, "edge": False, "grid": [{"lr": 1e-3, "value": 1.0, "diverged": False}]}
+            for seed in (0, 1):
+                if (arch, size, seed) == ("ltc", 1e6, 1):
+                    continue  # the missing run
+                loss = 5.0 * (flops / 6e3) ** -0.1 * (1 + 0.01 * seed) * (0.95 if arch == "ltc" else 1.0)
+                final.append({"arch": arch, "size": size, "size_label": label, "cell": {}, "lr": 1e-3, "seed": seed,
+                              "steps": 10, "tokens": 100, "diverged": False, "init_args": {"n_embd": 8, "n_layer": 2},
+                              "distance": 0.0, "val": {"val/loss": loss}, "test": {"test/loss": loss},
+                              "curves": {}, "params": size, "flops_per_token": flops, "state_bytes": 64})
+    gone = {"run": "ltc size1e+06 lr=0.001 seed 1", "folder": "f", "why": "missing", "damaged": False, "line": "x",
+            "arch": "ltc", "size_label": "size1e+06", "size": 1e6, "cell": {}, "lr": 1e-3, "seed": 1}
+    summary = summarize(spec, [], final, chosen, None, [gone])
+    ltc = summary["ladder"]["archs"]["ltc"]
+    assert ltc["fit"] is not None and ltc["incomplete"] == ["size1e+06"] and ltc["multiplier_incomplete"]
+    [ladder] = [rows for title, _, rows, _ in tables(summary) if title.startswith("Compute ladder")]
+    [row] = [r for r in ladder if r[0] == "ltc"]
+    assert "incomplete: size1e+06" in row[3] and row[4].endswith("(incomplete)")
 
 
 def test_a_plain_rerun_names_a_damaged_run_and_reports_the_others(tmp_path, capsys):

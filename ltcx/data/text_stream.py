@@ -406,6 +406,12 @@ class ValBlocks(IterableDataset):
                 f"of {self.block_len} tokens; use more {self.split} data, a larger {fraction}, a smaller "
                 "block_size or fewer devices"
             )
+        if len(blocks) < total:  # never repeated unsaid: a mean over repeats is a mean over fewer blocks
+            fraction = "holdout_fraction" if self.split == "validation" else "test_fraction"
+            batches = "val_batches" if self.split == "validation" else "test_batches"
+            print(f"ltcx: the {self.split} split holds {len(blocks)} distinct blocks of {self.block_len} tokens, fewer "
+                  f"than the {total} its batches read, so they repeat: give more {self.split} data, a larger "
+                  f"data.{fraction} or fewer data.{batches}", file=sys.stderr)
         full = list(itertools.islice(itertools.cycle(blocks), total))
         yield from full[len(blocks) :]
         self._blocks = full

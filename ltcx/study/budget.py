@@ -36,7 +36,7 @@ import torch.nn as nn
 from ltcx.errors import ConfigError
 from ltcx.models import catalog
 
-__all__ = ["KINDS", "Match", "figures", "match_shape", "matched_table", "non_embedding_parameters"]
+__all__ = ["KINDS", "Match", "figures", "match_shape", "matched_table", "non_embedding_parameters", "shape_problem"]
 
 KINDS = ("params", "flops", "state")
 TOLERANCE = 0.02
@@ -101,6 +101,15 @@ def _config_only(name: str, init_args: dict[str, Any]) -> nn.Module:
     return model
 
 
+def shape_problem(name: str, init_args: dict[str, Any]) -> str | None:
+    """Why ``name``'s config refuses ``init_args`` (its first line), or None when it builds."""
+    try:
+        _config_only(name, init_args)
+    except (ValueError, TypeError) as error:
+        return str(error).splitlines()[0] if str(error) else type(error).__name__
+    return None
+
+
 def figures(name: str, init_args: dict[str, Any], seq_len: int, tokens: int,
             dtype: torch.dtype = torch.float32) -> tuple[int, float, int]:
     """(non-embedding parameters, training FLOPs per token at ``seq_len``, state bytes after ``tokens``) of
@@ -144,12 +153,14 @@ def _depths(n_layers: int | Sequence[int] | Callable[[int], int] | None, home: i
 def match_shape(name: str, kind: str, target: float, seq_len: int, vocab_size: int,
                 n_layers: int | Sequence[int] | Callable[[int], int] | None = None, tokens: int | None = None,
                 tolerance: float = TOLERANCE, dtype: torch.dtype = torch.float32, max_width: int = 8192,
-                **options: Any) -> Match:
+                where: str = "", **options: Any) -> Match:
     """The shape of ``name`` whose ``kind`` figure (``params``: non-embedding parameters, ``flops``: training FLOPs
     per token at ``seq_len``, ``state``: inference-state bytes after ``tokens`` tokens, default ``seq_len``, at
     batch 1 in ``dtype``) is nearest ``target`` by the rule of the module docstring, at the depths ``n_layers``
     (an int, a list, a function of the width, or None: the YAML's and up to 2 either side); ``options`` go to the
-    scaling rule (e.g. ``head_dim``). Never silently off: ``distance`` and ``within`` say how near it came."""
+    scaling rule (e.g. ``head_dim``: the widths searched are then its multiples). Only widths whose config builds
+    are searched; none is one line (``where`` starts it). Never silently off: ``distance`` and ``within`` say how
+    near it came."""
     entry = catalog.get(name)
     rule = entry.scaling
     if rule is None:
@@ -177,13 +188,28 @@ def match_shape(name: str, kind: str, target: float, seq_len: int, vocab_size: i
             return (0, abs(math.log(layers / rule.depth)), departure, distance, width)
         return (1, distance, 0.0, 0.0, width)
 
+    head_dim = options.get("head_dim")
+
+    def builds(width: int, depth) -> bool:
+        return (head_dim is None or width % head_dim == 0) and shape_problem(name, shape(width, depth)[1]) is None
+
     candidates = []  # (depth, knob departure, width, init_args)
     for ring in _depths(n_layers, rule.depth):  # nearest the YAML's depth first: stop at the first that reaches
         for depth in ring:
-            candidates += _candidates(depth, widths, shape, figure, knob, target)
+            valid = [w for w in widths if builds(w, depth)]
+            if valid:
+                candidates += _candidates(depth, valid, shape, figure, knob, target)
+        if not candidates:
+            continue
         if min(rank(c)[0] for c in candidates) == 0:
             break
 
+    if not candidates:
+        lead = f"{where}: " if where else ""
+        given = ", ".join(f"{k} {v}" for k, v in options.items())
+        raise ConfigError(f"{lead}{name} builds at no width up to {max_width}" + (f" with {given}" if given else "")
+                          + f" ({shape_problem(name, shape(widths[-1], rule.depth)[1]) or 'no width divides'}): "
+                          + ("give a head_dim that divides its widths, e.g. 32 or 64" if head_dim else "fix its rule"))
     *_, best = min(candidates, key=rank)
     parameters, flops, state = figures(name, best, seq_len, tokens, dtype)
     chosen = {"params": parameters, "flops": flops, "state": state}[kind]

@@ -16,10 +16,10 @@ from typing import Any
 from ltcx.errors import ConfigError
 from ltcx.study.spec import StudySpec, arch_name
 
-__all__ = ["CELL_NAMES", "DEFAULT_VOCAB", "Run", "Shape", "grid_cells", "make_run", "plan_shapes", "run_steps",
+__all__ = ["CELL_NAMES", "Run", "Shape", "data_args", "grid_cells", "make_run", "plan_shapes", "run_steps",
            "vocab_size"]
 
-DEFAULT_VOCAB = 50304  # GPT-2's padded vocabulary: the shapes' figures when the data sets none
+TEXT_DATA = "ltcx.data.TextDataModule"  # the CLI's data class when a config names none
 
 
 @dataclass(frozen=True)
@@ -78,8 +78,76 @@ class Run:
         return self.shape.block_size(spec)
 
 
-def vocab_size(spec: StudySpec) -> int:
-    return int(spec.data.get("vocab_size", DEFAULT_VOCAB))
+def _config_data(path: Path) -> list[dict]:
+    """The ``data`` sections of a fit YAML in the order the CLI applies them: its ``config:`` includes first."""
+    import yaml
+
+    raw = yaml.safe_load(path.read_text()) or {}
+    parts: list[dict] = []
+    included = raw.get("config")
+    for name in [included] if isinstance(included, str) else included or []:
+        parts += _config_data(path.parent / name)
+    if isinstance(raw.get("data"), dict):
+        parts.append(raw["data"])
+    return parts
+
+
+def data_args(spec: StudySpec, entry: str, cell: tuple = ()) -> tuple[str, dict[str, Any]]:
+    """(class path, init args) of the data module a run of ``entry`` (a catalogue name or a model YAML) in ``cell``
+    gets: its YAML's ``data``, then the spec's ``configs``, ``data`` and the cell, the study's block and batch sizes,
+    merged as the CLI merges them (a new ``class_path`` starts its own arguments)."""
+    from ltcx.study.processes import arch_config, composed_configs
+
+    parts = _config_data(Path(arch_config(Shape("", 0.0, {}, entry=entry))))
+    for path in composed_configs(spec):
+        parts += _config_data(Path(path))
+    parts += [spec.data, dict(cell)]
+    class_path, args = TEXT_DATA, {}
+    for part in parts:
+        if part.get("class_path", class_path) != class_path:
+            class_path, args = part["class_path"], {}
+        args.update({k: v for k, v in part.items() if k not in ("class_path", "init_args")})
+        args.update(part.get("init_args") or {})
+    args.update(block_size=int(dict(cell).get("block_size", spec.block_size)), batch_size=spec.batch_size)
+    return class_path, args
+
+
+_vocabs: dict[str, tuple[int, int]] = {}
+
+
+def vocab_size(spec: StudySpec, entry: str | None = None, cell: tuple = ()) -> tuple[int, int]:
+    """(the data's ids, the model's vocabulary: the ids padded as the data pads them) for a run of ``entry``
+    (default: the first architecture) in ``cell``: the figures of the data module the run builds (its tokenizer's,
+    or MQAR's ``vocab_size``), so that planned parameters, FLOPs and state are the trained model's."""
+    import json
+
+    class_path, args = data_args(spec, entry or spec.archs[0], cell)
+    key = json.dumps([class_path, args], sort_keys=True, default=str)
+    if key not in _vocabs:
+        try:
+            data = _data_class(spec, class_path)(**args)
+            _vocabs[key] = (int(data.vocab_size), int(data.padded_vocab_size))
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"study spec {spec.source}: its data ({class_path}) cannot be built to read its "
+                              f"vocabulary: {str(error).splitlines()[0]}: fix 'data' or 'configs'") from None
+    return _vocabs[key]
+
+
+def _data_class(spec: StudySpec, class_path: str) -> type:
+    import importlib
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        raise ConfigError(f"study spec {spec.source}: no data class '{class_path}': fix its class_path") from None
+
+
+def _default(spec: StudySpec, class_path: str, name: str) -> Any:
+    import inspect
+
+    parameter = inspect.signature(_data_class(spec, class_path)).parameters.get(name)
+    return None if parameter is None else parameter.default
 
 
 def grid_cells(spec: StudySpec) -> list[tuple[tuple[str, Any], ...]]:
@@ -91,10 +159,12 @@ def grid_cells(spec: StudySpec) -> list[tuple[tuple[str, Any], ...]]:
     cells = []
     for values in itertools.product(*(spec.grid[key] for key in keys)):
         cell = tuple(zip(keys, values))
-        pairs = dict(cell).get("num_kv_pairs", spec.data.get("num_kv_pairs"))
-        if pairs is not None and isinstance(pairs, int):
+        class_path, args = data_args(spec, spec.archs[0], cell)
+        pairs = args.get("num_kv_pairs")
+        if isinstance(pairs, int):
+            vocab = args.get("vocab_size", _default(spec, class_path, "vocab_size"))
             try:
-                check_mqar(vocab_size(spec), int(dict(cell).get("block_size", spec.block_size)), pairs, 1.0)
+                check_mqar(vocab, args["block_size"], pairs, 1.0)
             except ConfigError:
                 continue
         cells.append(cell)
@@ -110,36 +180,79 @@ def plan_shapes(spec: StudySpec) -> list[Shape]:
                           "block_size >= 4 * num_kv_pairs): fix the grid")
     if spec.size_by == "config":
         return [Shape(arch_name(entry), 0.0, {}, cell=cell, entry=entry) for cell in cells for entry in spec.archs]
-    return [dataclasses.replace(shape, cell=cell) for size in spec.sizes for cell in cells
-            for shape in _shapes_at(spec, size, int(dict(cell).get("block_size", spec.block_size)))]
+    return [shape for size in spec.sizes for cell in cells for shape in _shapes_at(spec, size, cell)]
 
 
-def _shapes_at(spec: StudySpec, size: float, block_size: int) -> list[Shape]:
-    """Every architecture at ``size`` for sequences of ``block_size``."""
-    from ltcx.models import catalog
+def _shapes_at(spec: StudySpec, size: float, cell: tuple) -> list[Shape]:
+    """Every architecture at ``size`` in ``cell``, each matched at the vocabulary its data gives it."""
     from ltcx.study.budget import match_shape
 
+    block_size = int(dict(cell).get("block_size", spec.block_size))
     options = {} if spec.head_dim is None else {"head_dim": spec.head_dim}
-    shapes = []
+    for arch in spec.archs:
+        check_shape_fields(spec, arch)
     if spec.size_by == "width":
+        shapes = []
         for arch in spec.archs:
-            entry = catalog.get(arch)
-            if entry.scaling is None:
-                raise ConfigError(f"architecture '{arch}' has no scaling rule: give its catalogue entry one "
-                                  "(Architecture.scaling, ltcx/models/scaling.py) or use size_by: config")
-            layers = spec.layers or entry.scaling.depth
-            shapes.append(Shape(arch, size, _initialised(arch, entry.scaled(int(size), layers, block_size, **options),
-                                                         spec), entry=arch))
+            args = _width_shape(spec, arch, int(size), block_size, vocab_size(spec, arch, cell)[1])
+            shapes.append(Shape(arch, size, _initialised(arch, args, spec), cell=cell, entry=arch))
         return shapes
-    reference = match_shape(spec.reference, "params", size, block_size, vocab_size(spec), n_layers=spec.layers,
-                            **options)
+    where = f"study spec {spec.source}"
+    reference = match_shape(spec.reference, "params", size, block_size, vocab_size(spec, spec.reference, cell)[1],
+                            n_layers=spec.layers, where=where, **options)
     target = reference.figure(spec.match)
+    shapes = []
     for arch in spec.archs:
         match = reference if arch == spec.reference else match_shape(
-            arch, spec.match, target, block_size, vocab_size(spec), n_layers=spec.layers, **options)
+            arch, spec.match, target, block_size, vocab_size(spec, arch, cell)[1], n_layers=spec.layers, where=where,
+            **options)
         args = {k: v for k, v in match.init_args.items() if k != "vocab_size"}
-        shapes.append(Shape(arch, size, _initialised(arch, args, spec), match.distance, entry=arch))
+        shapes.append(Shape(arch, size, _initialised(arch, args, spec), match.distance, cell=cell, entry=arch))
     return shapes
+
+
+def check_shape_fields(spec: StudySpec, arch: str) -> None:
+    """The spec's shape fields (``head_dim``) are ones ``arch``'s scaling rule takes: else one line."""
+    import inspect
+
+    from ltcx.models import catalog
+
+    rule = catalog.get(arch).scaling
+    if rule is None:
+        raise ConfigError(f"study spec {spec.source}: architecture '{arch}' has no scaling rule (Architecture.scaling, "
+                          "ltcx/models/scaling.py): use size_by: config, or give its catalogue entry one")
+    taken = inspect.signature(rule.shape).parameters
+    if spec.head_dim is not None and "head_dim" not in taken:
+        raise ConfigError(f"study spec {spec.source}: key 'head_dim': architecture '{arch}' sets its own heads (its "
+                          "scaling rule takes no head_dim): leave head_dim out or leave the architecture out")
+
+
+def _width_shape(spec: StudySpec, arch: str, width: int, block_size: int, vocab: int) -> dict[str, Any]:
+    """``arch`` at ``width`` (``size_by: width``), or one line naming the widths or head dims it builds at."""
+    from ltcx.models import catalog
+    from ltcx.study.budget import shape_problem
+
+    rule = catalog.get(arch).scaling
+    layers = spec.layers or rule.depth
+
+    def problem(w: int, head_dim: int | None) -> str | None:
+        options = {} if head_dim is None else {"head_dim": head_dim}
+        if head_dim is not None and w % head_dim:
+            return f"head_dim {head_dim} does not divide the width {w}"
+        return shape_problem(arch, {**catalog.get(arch).scaled(w, layers, block_size, **options), "vocab_size": vocab})
+
+    found = problem(width, spec.head_dim)
+    if found is None:
+        return catalog.get(arch).scaled(width, layers, block_size,
+                                        **({} if spec.head_dim is None else {"head_dim": spec.head_dim}))
+    widths = [w for w in rule.widths(4 * max(width, 64)) if problem(w, spec.head_dim) is None][:6]
+    valid = f"widths it builds at: {', '.join(map(str, widths))}" if widths else "no width near it builds"
+    if spec.head_dim is not None:
+        dims = [d for d in range(1, width + 1) if width % d == 0 and problem(width, d) is None]
+        valid += f"; head_dim values it builds at width {width}: {', '.join(map(str, dims)) or 'none'}"
+    raise ConfigError(f"study spec {spec.source}: {arch} at width {width} x {layers} layers"
+                      + (f" with head_dim {spec.head_dim}" if spec.head_dim is not None else "")
+                      + f" is no valid shape ({found}): {valid}")
 
 
 def _initialised(arch: str, init_args: dict[str, Any], spec: StudySpec) -> dict[str, Any]:
@@ -165,7 +278,8 @@ def run_steps(spec: StudySpec, shape: Shape) -> tuple[int, int]:
             raise ConfigError(f"study spec {spec.source}: size_by: config needs 'steps' (tokens_per_param needs a "
                               "shape the study sets)")
         block_size = shape.block_size(spec)
-        params = figures(shape.arch, {**shape.init_args, "vocab_size": vocab_size(spec)}, block_size, block_size)[0]
+        vocab = vocab_size(spec, shape.entry or shape.arch, shape.cell)[1]
+        params = figures(shape.arch, {**shape.init_args, "vocab_size": vocab}, block_size, block_size)[0]
         steps = math.ceil(spec.tokens_per_param * params / (spec.batch_size * block_size))
     every = max(1, math.ceil(steps / spec.evals))
     return every * spec.evals, every

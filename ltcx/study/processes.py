@@ -252,7 +252,10 @@ def execute_job(spec: StudySpec, job: Job, out: Path, say: Callable[[str], None]
 # ----------------------------------------------------------------------------- the plan, printed
 
 
-def print_plan(spec: StudySpec, out: Path, shapes: list[Shape], tuning: list[Run], say, launch) -> None:
+def print_plan(spec: StudySpec, out: Path, shapes: list[Shape], tuning: list[Run], say, launch,
+               rate: float | None = None) -> None:
+    """What would run where, each run's command, and the study's estimated CPU time (``ltcx/study/cost.py``) at
+    ``rate`` FLOPs per CPU-second (default: measured here)."""
     say(f"study {spec.name} (dry run, nothing is trained): results in {out}, {launch.kind} launcher")
     say(f"tune: {len(tuning)} runs on seed {spec.tune_seed}")
     to_run = 0
@@ -262,9 +265,22 @@ def print_plan(spec: StudySpec, out: Path, shapes: list[Shape], tuning: list[Run
         to_run += not done
         say(f"  {run.label}: {run.steps} steps [{'done' if done else 'to run'}]{where}: "
             f"ltcx {' '.join(fit_args(spec, run, run.folder(out)))}")
+    if spec.lr_extend and len(spec.learning_rates) > 1:
+        say(f"extend: up to {spec.lr_extend} rates more per shape, one at a time outward by the grid's ratio, "
+            "while its chosen rate is at the edge of the rates tried")
     others = [s for s in spec.seeds if s != spec.tune_seed]
     say(f"seeds: {len(shapes) * len(others)} runs more (seeds {', '.join(map(str, others)) or 'none'}) at each shape's "
         "chosen learning rate, then `ltcx test` on every seed's run")
     for shape in shapes:
         say(f"  {shape.arch} {shape.label}: {make_run(spec, shape, spec.learning_rates[0], 0).steps} steps x "
             f"{len(others)} seeds")
+    from ltcx.study.cost import START_S, measured_rate, measured_step_s, study_estimate
+
+    start_s = START_S["forked" if prestart.available() else "fresh"]
+    from ltcx.models.catalog import CATALOG
+
+    steps = {arch: measured_step_s(arch) for arch in dict.fromkeys(s.arch if s.arch in CATALOG else "gpt"
+                                                                      for s in shapes)}
+    base, grown = study_estimate(spec, shapes, tuning, rate or measured_rate(), steps, start_s)
+    say(f"estimated CPU time: {base.describe()}" + (f"; the grid's extensions add at most {grown.describe()}"
+                                                     if grown.processes else ""))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ltcx.persist.files import atomic_write, atomic_write_text
+from ltcx.study.budget import TOLERANCE
 from ltcx.study.ladder import compute_multiplier, fit_power_law, frontier
 from ltcx.study.spec import StudySpec
 from ltcx.study.stats import mean_interval, paired_difference
@@ -45,7 +46,8 @@ def summarize(spec: StudySpec, tuning: list[dict], final: list[dict], chosen: di
     """Every number of the study from its results (``processes.train``'s dicts; ``final`` with their ``test``) and the
     timing pass's record (``ltcx/study/timing.py``; its rows are keyed ``"<arch> <size label>"``). ``left_out``: the
     runs that failed or whose files are damaged (``{"run", "folder", "damaged", "line"}``), listed so that none is
-    dropped unsaid."""
+    dropped unsaid: each entry's row (``arch``, ``size_label``) is kept, marked ``incomplete``, and so are the ladder
+    fit and the compute multiplier that need it."""
     metric = spec.metric
     test_key, val_key = f"test/{metric}", f"val/{metric}"
     sizes = list(dict.fromkeys(r["size_label"] for r in final))
@@ -70,6 +72,17 @@ def summarize(spec: StudySpec, tuning: list[dict], final: list[dict], chosen: di
             "decode_ms_per_token")
         entry["train_flops"] = (entry["flops_per_token"] or 0) * entry["tokens"] if entry["flops_per_token"] else None
         results.append(entry)
+    for gone in left_out:  # a row none of whose runs finished: kept, empty, marked
+        if (gone["arch"], gone["size_label"]) not in groups and gone.get("size_label") is not None:
+            groups[(gone["arch"], gone["size_label"])] = []
+            results.append({"arch": gone["arch"], "size_label": gone["size_label"], "size": gone["size"],
+                            "cell": gone["cell"], "lr": None, "edge": False, "seeds": [], "diverged_seeds": [],
+                            "test": None, "val": None, "test_by_seed": {}, "params": None, "flops_per_token": None,
+                            "state_bytes": None, "tokens": None, "steps": None, "init_args": None, "distance": None,
+                            "tokens_per_sec": None, "decode_ms_per_token": None, "train_flops": None})
+    for entry in results:
+        entry["incomplete"] = [g["run"] for g in left_out
+                               if (g["arch"], g["size_label"]) == (entry["arch"], entry["size_label"])]
     index = {(e["arch"], e["size_label"]): e for e in results}
     for entry in results:
         base = index.get((spec.reference, entry["size_label"]))
@@ -83,13 +96,13 @@ def summarize(spec: StudySpec, tuning: list[dict], final: list[dict], chosen: di
                                     "sd": diff.interval.sd, "p": diff.p_value, "paired_seeds": len(shared)}
         if entry["tokens_per_sec"] and base["tokens_per_sec"]:
             entry["throughput_vs_baseline"] = entry["tokens_per_sec"] / base["tokens_per_sec"] - 1
-    seen, runs = set(), []
+    # every run once: the tuning seed's run at the chosen rate is a run of both phases, kept with its test
+    runs: dict[tuple, dict] = {}
     for phase, items in (("tune", tuning), ("seeds", final)):
         for r in items:
             key = (r["arch"], r["size_label"], r["lr"], r["seed"])
-            if key not in seen:
-                seen.add(key)
-                runs.append({**r, "phase": phase})
+            runs[key] = {**runs.get(key, {}), **r, "phase": phase}
+    runs = list(runs.values())
     summary = {"name": spec.name, "spec": {"name": spec.name, **spec.defining()}, "metric": metric,
                "higher_is_better": spec.higher_is_better, "baseline": spec.reference, "sizes": sizes,
                "learning_rates": [{"arch": a, "size_label": s, **pick} for (a, s), pick in chosen.items()],
@@ -99,6 +112,7 @@ def summarize(spec: StudySpec, tuning: list[dict], final: list[dict], chosen: di
     summary["anchor"] = anchor(spec, results)
     summary["timing"] = timing and {k: v for k, v in timing.items() if k != "checkpoints"}
     summary["left_out"] = [dict(entry) for entry in left_out]
+    summary["tolerance"] = TOLERANCE
     return summary
 
 
@@ -132,16 +146,20 @@ def ladder(spec: StudySpec, results: list[dict]) -> dict:
     if spec.higher_is_better or len({r["size_label"] for r in results}) < 2:
         return {}
     by_arch: dict[str, list[dict]] = {}
+    incomplete: dict[str, list[str]] = {}  # arch -> its rows that lack a run
     for entry in results:
+        if entry.get("incomplete"):
+            incomplete.setdefault(entry["arch"], []).append(entry["size_label"])
         if entry["train_flops"] and entry["test"]:
             by_arch.setdefault(entry["arch"], []).append(entry)
     out: dict[str, Any] = {}
-    for arch, entries in by_arch.items():
+    for arch in dict.fromkeys(e["arch"] for e in results):
+        entries = by_arch.get(arch, [])
         points = [[e["train_flops"], value, int(seed)] for e in entries for seed, value in e["test_by_seed"].items()]
-        if len({p[0] for p in points}) < 2:
-            continue
-        fit = fit_power_law([p[0] for p in points], [p[1] for p in points])
-        out[arch] = {"points": points, "fit": fit.__dict__, "fit_text": fit.describe()}
+        out[arch] = {"points": points, "fit": None, "fit_text": None, "incomplete": incomplete.get(arch, [])}
+        if len({p[0] for p in points}) >= 2:
+            fit = fit_power_law([p[0] for p in points], [p[1] for p in points])
+            out[arch].update(fit=fit.__dict__, fit_text=fit.describe())
 
     def seed_fit(arch: str, seed: str):
         points = [(e["train_flops"], e["test_by_seed"][seed]) for e in by_arch.get(arch, [])
@@ -152,7 +170,7 @@ def ladder(spec: StudySpec, results: list[dict]) -> dict:
 
     base = spec.reference
     for arch, entry in out.items():
-        if arch == base:
+        if arch == base or not by_arch.get(arch):
             continue
         largest = max(by_arch[arch], key=lambda e: e["train_flops"])
         fits, losses = [], []
@@ -165,6 +183,9 @@ def ladder(spec: StudySpec, results: list[dict]) -> dict:
             found = compute_multiplier(fits, largest["train_flops"], losses)
             entry["multiplier"] = {"at_size": largest["size_label"], "compute": largest["train_flops"],
                                    **found.__dict__}
+    for arch, entry in out.items():  # a multiplier needs every run of the architecture's ladder and the baseline's
+        if arch != base and (entry["incomplete"] or out.get(base, {}).get("incomplete")):
+            entry["multiplier_incomplete"] = True
     points = [(e["train_flops"], e["test"]["mean"], e["arch"]) for es in by_arch.values() for e in es]
     return {"archs": out, "frontier": [list(p) for p in frontier(points)]}
 
@@ -203,38 +224,61 @@ def tables(summary: dict) -> list[tuple[str, list[str], list[list[str]], str]]:
     """(title, header, rows, note) of every table the report shows."""
     metric, base = summary["metric"], summary["baseline"]
     results = summary["results"]
+    spec = summary["spec"]
+    tolerance = summary.get("tolerance", TOLERANCE)
+    matched = spec.get("size_by") == "params"
+    budget = f"{spec.get('match', 'params')} vs {base}" if matched else None
+
+    def distance(e: dict) -> str:
+        if e["distance"] is None:
+            return "-"
+        return f"{e['distance']:+.2%}" + (f" (outside {tolerance:.0%})" if abs(e["distance"]) > tolerance else "")
+
     shapes = [[e["arch"], e["size_label"], _shape_text(e["init_args"]), _fmt(e["params"], ",.0f"),
-               _si(e["flops_per_token"]), _si(e["state_bytes"]) + "B", str(e["steps"]), _si(e["tokens"]),
-               _si(e["train_flops"]), "-" if e["distance"] is None else f"{e['distance']:+.2%}"] for e in results]
+               _si(e["flops_per_token"]), _si(e["state_bytes"]) + "B", _fmt(e["steps"], "d"), _si(e["tokens"]),
+               _si(e["train_flops"]), distance(e)] for e in results]
     out = [("Shapes", ["architecture", "size", "width x depth", "non-embedding parameters", "FLOPs / token",
-                       "state", "steps", "tokens", "training FLOPs", "budget distance"], shapes,
-            "FLOPs per token: training (3 x forward). State: inference state after one context, batch 1.")]
+                       "state", "steps", "tokens", "training FLOPs",
+                       f"budget distance ({budget})" if budget else "budget distance"], shapes,
+            "FLOPs per token: training (3 x forward). State: inference state after one context, batch 1."
+            + (f" Budget distance: the {spec.get('match')} figure over {base}'s at the same size, less 1 ({base}'s "
+               "own row: its parameters over the size asked), of the planned shape built at the data's vocabulary; "
+               f"beyond {tolerance:.0%} it is marked." if budget else ""))]
     grid = sorted({g["lr"] for pick in summary["learning_rates"] for g in pick["grid"]})
     rows = []
     for pick in summary["learning_rates"]:
         values = {g["lr"]: ("diverged" if g["diverged"] else _fmt(g["value"])) for g in pick["grid"]}
-        mark = " (edge of the grid)" if pick["edge"] else ""
+        mark = " (edge of the rates tried)" if pick["edge"] else ""
         rows.append([pick["arch"], pick["size_label"], *[values.get(lr, "-") for lr in grid],
                      f"{pick['lr']:g}{mark}"])
-    seed = summary["spec"]["tuning_seed"] if summary["spec"]["tuning_seed"] is not None else summary["spec"]["seeds"][0]
+    seed = spec["tuning_seed"] if spec["tuning_seed"] is not None else spec["seeds"][0]
+    base_grid = ", ".join(f"{lr:g}" for lr in spec["learning_rates"])
+    added = [f"{p['arch']} {p['size_label']}: {', '.join(f'{lr:g}' for lr in p.get('added', []))}"
+             for p in summary["learning_rates"] if p.get("added")]
     out.append((f"Learning rate (val/{metric}, seed {seed})", ["architecture", "size", *[f"lr {lr:g}" for lr in grid],
                                                                "chosen"], rows,
-                "Chosen on the validation split of the tuning seed only. A rate at the edge of the grid may not be "
-                "the best: extend the grid past it."))
+                f"Chosen on the validation split of the tuning seed only. Rates tried: the grid ({base_grid}), and "
+                "where the choice was at its edge the next rate outward by the grid's ratio, until the choice was "
+                f"interior or {spec.get('lr_extend', 0)} rates were added" + (f" ({'; '.join(added)})." if added else
+                                                                               " (none was needed).")))
     rows = []
     timing = summary.get("timing")
+    unreliable = " (unreliable)" if timing and timing["speed_unreliable"] else ""
     for e in results:
         diff = e.get("vs_baseline")
-        row = [e["arch"], e["size_label"], f"{e['lr']:g}", str(len(e["seeds"])) +
-               (f" ({len(e['diverged_seeds'])} diverged)" if e["diverged_seeds"] else ""),
+        seeds = str(len(e["seeds"])) + (f" ({len(e['diverged_seeds'])} diverged)" if e["diverged_seeds"] else "")
+        if e.get("incomplete"):
+            seeds += f" (incomplete: {len(e['incomplete'])} runs missing or failed)"
+        row = [e["arch"], e["size_label"], _fmt(e["lr"], "g"), seeds,
                _pm(e["test"]), _pm(e["val"]), _pm(diff) if diff else "-", _fmt(diff.get("p") if diff else None, ".3g")]
         if timing:
             change = e.get("throughput_vs_baseline")
             row += [_fmt(e["tokens_per_sec"], ",.0f"), "-" if change is None else f"{change:+.2%}",
                     _fmt(e["decode_ms_per_token"], ".2f")]
         rows.append(row)
-    mark = " (unreliable)" if timing and timing["speed_unreliable"] else ""
-    speed_header = [f"train tokens/s{mark}", f"throughput vs {base}", f"decode ms/token{mark}"] if timing else []
+    # every column built from the timing pass carries its verdict
+    speed_header = [f"train tokens/s{unreliable}", f"throughput vs {base}{unreliable}",
+                    f"decode ms/token{unreliable}"] if timing else []
     note = (f"Paired by seed against {base} at the same size (the same batches in the same order); p: the paired "
             "t-test's. An interval that holds 0 does not tell the two apart.")
     if timing:
@@ -249,13 +293,21 @@ def tables(summary: dict) -> list[tuple[str, list[str], list[list[str]], str]]:
     if summary["ladder"]:
         rows = []
         for arch, entry in summary["ladder"]["archs"].items():
-            fit, mult = entry["fit"], entry.get("multiplier")
+            fit, mult = entry.get("fit"), entry.get("multiplier")
             interval = "-" if not mult else (f"{mult['value']:.3g}" + (
                 "" if mult["low"] is None else f" [{mult['low']:.3g}, {mult['high']:.3g}]"))
+            if entry.get("multiplier_incomplete"):
+                interval += " (incomplete)"
+            missing = entry.get("incomplete")
+            points = str(len(entry["points"])) + (f" (incomplete: {', '.join(missing)})" if missing else "")
+            if fit is None:
+                rows.append([arch, "-", "-", points + " (no fit: fewer than 2 sizes)",
+                             "1 (baseline)" if arch == base else interval])
+                continue
             rows.append([arch, _fmt(fit["b"], ".4f") + ("" if fit["b_se"] is None else f" +- {fit['b_se']:.4f}"),
                          _fmt(fit["log_a"], ".4f") + ("" if fit["log_a_se"] is None else
                                                       f" +- {fit['log_a_se']:.4f}"),
-                         str(fit["n"]), "1 (baseline)" if arch == base else interval])
+                         points, "1 (baseline)" if arch == base else interval])
         out.append((f"Compute ladder: log test/{metric} = log a + b log C", ["architecture", "b", "log a", "points",
                                                                             f"compute multiplier vs {base}"], rows,
                     "Least squares over every seed's point, +- one standard error (none below 3 points). The compute "
@@ -264,9 +316,11 @@ def tables(summary: dict) -> list[tuple[str, list[str], list[list[str]], str]]:
                     "by seed, geometric mean and 95% interval."))
     if summary.get("left_out"):
         out.append(("Runs left out", ["run", "why", "what happened"],
-                    [[e["run"], "damaged" if e["damaged"] else "failed", e["line"]] for e in summary["left_out"]],
-                    "Not in the tables above, nor in the rows their choice of rate needs. A damaged run: delete its "
-                    "folder and rerun the same `ltcx study` command to retrain it; a failed one: rerun to retry it."))
+                    [[e["run"], e.get("why") or ("damaged" if e["damaged"] else "failed"), e["line"]]
+                     for e in summary["left_out"]],
+                    "Not in the tables above: their rows, fits and multipliers are marked incomplete. A damaged run: "
+                    "delete its folder and rerun the same `ltcx study` command to retrain it; a failed or missing "
+                    "one: rerun to train it."))
     return out
 
 
@@ -301,8 +355,20 @@ def _grid_table(summary: dict) -> tuple[str, list[str], list[list[str]], str]:
             "A dash: a cell the data cannot hold (MQAR: block_size < 4 x num_kv_pairs).")
 
 
+def incomplete_line(summary: dict) -> str | None:
+    """The report's first words when runs are missing or failed: how many, and each by name."""
+    gone = summary.get("left_out") or []
+    if not gone:
+        return None
+    return (f"**Incomplete**: {len(gone)} runs missing or failed ("
+            + "; ".join(f"{e['run']}: {e.get('why') or ('damaged' if e['damaged'] else 'failed')}" for e in gone)
+            + "); the rows, fits and multipliers that need them are marked incomplete.")
+
+
 def markdown(summary: dict) -> str:
     lines = [f"# Study {summary['name']}", ""]
+    if incomplete_line(summary):
+        lines += [incomplete_line(summary), ""]
     for title, header, rows, note in tables(summary):
         lines += [f"## {title}", "", "| " + " | ".join(header) + " |",
                   "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
@@ -319,6 +385,37 @@ def _colours(archs: list[str]) -> dict[str, Any]:
 
     cycle = matplotlib.colormaps["tab10"]
     return {arch: cycle(i % 10) for i, arch in enumerate(archs)}
+
+
+def curve_band(summary: dict, arch: str, size: str) -> tuple[list[int], list[float], list] | None:
+    """(the seeds, the training tokens, the ``Interval`` of val/<metric> at each) of ``arch`` at ``size``: every
+    seed's run at the chosen rate, the tuning seed's included; None when none logged a curve."""
+    metric = summary["metric"]
+    runs = [r for r in summary["runs"] if r["phase"] == "seeds" and r["arch"] == arch and r["size_label"] == size
+            and not r.get("diverged") and r["curves"].get(f"val/{metric}")]
+    if not runs:
+        return None
+    curves = [dict(map(tuple, r["curves"][f"val/{metric}"])) for r in runs]
+    tokens = sorted(set.intersection(*(set(c) for c in curves)))
+    return sorted(r["seed"] for r in runs), tokens, [mean_interval([c[t] for c in curves]) for t in tokens]
+
+
+def _plain_ticks(ax, x_si: bool = False) -> None:
+    """Tick labels as plain numbers (0.45, 2, 10 M), not matplotlib's 4.5x10^-1 on a log axis."""
+    from matplotlib.ticker import FuncFormatter
+
+    def label(si: bool):
+        return lambda value, _: _si(value) if si else f"{value:.3g}"
+
+    for axis, si, limits in ((ax.yaxis, False, ax.get_ylim()), (ax.xaxis, x_si, ax.get_xlim())):
+        axis.set_major_formatter(FuncFormatter(label(si)))
+        if axis.get_scale() == "log":
+            low, high = sorted(abs(v) for v in limits)
+            if low > 0 and high / low < 10:  # under a decade: every minor tick labelled, else 2 and 5 of each
+                axis.set_minor_formatter(FuncFormatter(label(si)))
+            else:
+                axis.set_minor_formatter(FuncFormatter(
+                    lambda value, _, si=si: label(si)(value, _) if f"{value:.1e}"[:3] in ("2.0", "5.0") else ""))
 
 
 def figures(summary: dict, folder: Path) -> list[Path]:
@@ -340,25 +437,25 @@ def figures(summary: dict, folder: Path) -> list[Path]:
         ax.set_visible(False)
     for ax, size in zip(axes.flat, sizes):
         for arch in archs:
-            runs = [r for r in summary["runs"] if r["phase"] == "seeds" and r["arch"] == arch
-                    and r["size_label"] == size and not r.get("diverged")]
-            curves = [dict(map(tuple, r["curves"].get(f"val/{metric}", []))) for r in runs]
-            curves = [c for c in curves if c]
-            if not curves:
+            band = curve_band(summary, arch, size)
+            if band is None:
                 continue
-            tokens = sorted(set.intersection(*(set(c) for c in curves)))
-            found = [mean_interval([c[t] for c in curves]) for t in tokens]
-            ax.plot(tokens, [f.mean for f in found], color=colours[arch], label=f"{arch} ({len(curves)} seeds)")
+            seeds, tokens, found = band
+            ax.plot(tokens, [f.mean for f in found], color=colours[arch], label=f"{arch} ({len(seeds)} seeds)")
             if all(f.half_width is not None for f in found):
                 ax.fill_between(tokens, [f.low for f in found], [f.high for f in found], color=colours[arch],
                                 alpha=0.2)
         ax.set(title=size, xlabel="training tokens", ylabel=f"val/{metric}")
+        _plain_ticks(ax, x_si=True)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:  # a size whose runs logged no curve has nothing to name
             ax.legend(fontsize=7)
     figure.suptitle("Validation curves at the chosen rate (mean, 95% band over seeds)", fontsize=9)
     written.append(_save(figure, folder / "curves.png"))
 
+    titles = {"final.png": f"test/{metric} against non-embedding parameters",
+              "ladder.png": f"Compute ladder: test/{metric} against training FLOPs, power-law fits",
+              "state.png": f"test/{metric} against inference state"}
     for name, x_key, x_label in (("final.png", "params", "non-embedding parameters"),
                                  ("ladder.png", "train_flops", "training FLOPs"),
                                  ("state.png", "state_bytes", "inference state (bytes)")):
@@ -384,7 +481,9 @@ def figures(summary: dict, folder: Path) -> list[Path]:
                     alpha=0.6, label="frontier")
             ax.set_yscale("log")
         ax.set_xscale("log")
-        ax.set(xlabel=x_label, ylabel=f"test/{metric} (mean, 95% CI)")
+        ax.set(title=titles[name], xlabel=x_label, ylabel=f"test/{metric} (mean, 95% CI)")
+        ax.title.set_fontsize(9)
+        _plain_ticks(ax, x_si=True)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
         written.append(_save(figure, folder / name))
@@ -429,6 +528,7 @@ def _grid_figure(summary: dict, path: Path, colours: dict) -> Path:
         ax.title.set_fontsize(9)
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=7)
+    figure.suptitle(f"test/{summary['metric']} across the grid's cells (mean, 95% CI over seeds)", fontsize=9)
     return _save(figure, path)
 
 
@@ -446,6 +546,16 @@ def _save(figure, path: Path) -> Path:
 # ----------------------------------------------------------------------------- html
 
 
+def _inline(text: str) -> str:
+    """``text`` escaped for HTML, its Markdown ``**bold**`` and ```code``` rendered (the notes are written once, for
+    summary.md, where Markdown renders them)."""
+    import re
+
+    escaped = html.escape(text)
+    escaped = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", escaped)
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", escaped)
+
+
 def html_report(summary: dict, images: list[Path]) -> str:
     """One self-contained page: every table, every figure as a base64 PNG, no script and no network."""
     parts = ["<!DOCTYPE html>", "<html lang=\"en\"><head><meta charset=\"utf-8\">",
@@ -457,11 +567,13 @@ def html_report(summary: dict, images: list[Path]) -> str:
              f"<h1>Study {html.escape(summary['name'])}</h1>",
              f"<p>metric: {html.escape(summary['metric'])} (chosen on validation, reported on test); baseline: "
              f"{html.escape(summary['baseline'])}</p>"]
+    if incomplete_line(summary):
+        parts.append(f"<p>{_inline(incomplete_line(summary))}</p>")
     for title, header, rows, note in tables(summary):
         parts += [f"<h2>{html.escape(title)}</h2>", "<table>",
                   "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>"]
         parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows]
-        parts += ["</table>", f"<p class=\"note\">{html.escape(note)}</p>"]
+        parts += ["</table>", f"<p class=\"note\">{_inline(note)}</p>"]
     parts.append("<h2>Figures</h2>")
     for image in images:
         data = base64.b64encode(image.read_bytes()).decode("ascii")
@@ -478,3 +590,37 @@ def write_report(summary: dict, folder: Path) -> list[Path]:
     images = figures(summary, folder)
     atomic_write_text(folder / "report.html", html_report(summary, images))
     return [folder / "summary.json", folder / "summary.md", *images, folder / "report.html"]
+
+
+# ----------------------------------------------------------------------------- a docs table from a kept summary
+
+
+def recall_table(summary: dict) -> str:
+    """docs/recall.md's table from a study's ``summary.json``: per architecture, each size's chosen rate (marked at
+    the edge of the rates tried) and its test metric, mean +- 95% interval (the seeds' values in brackets); a row
+    with runs missing is marked."""
+    sizes = summary["sizes"]
+    metric = summary["metric"]
+    header = ["architecture"] + [f"{size}: {what}" for size in sizes for what in ("lr", f"test {metric} (seeds)")]
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|---|" * len(sizes)]
+    rows: dict[str, dict] = {}
+    for e in summary["results"]:
+        rows.setdefault(e["arch"], {})[e["size_label"]] = e
+    for arch, by_size in rows.items():
+        cells = [arch]
+        for size in sizes:
+            e = by_size.get(size)
+            if e is None or e["test"] is None:
+                cells += ["-", "incomplete" if e is not None else "-"]
+                continue
+            seeds = ", ".join(f"{e['test_by_seed'][s]:.3g}" for s in sorted(e["test_by_seed"], key=int))
+            cells += [f"{e['lr']:g}" + (" (edge)" if e["edge"] else ""),
+                      _pm(e["test"], spec=".3f") + f" ({seeds})" + (" incomplete" if e.get("incomplete") else "")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m ltcx.study.report docs/results/quick-recall.json: the docs' table
+    import sys
+
+    print(recall_table(json.loads(Path(sys.argv[1]).read_text())))

@@ -12,6 +12,8 @@
     batch_size: 32
     steps: 400                    # or tokens_per_param: 20 (tokens = that x the non-embedding parameters)
     learning_rates: [1e-3, 3e-3, 1e-2]
+    lr_extend: 3                  # rates the grid may add per (architecture, size, cell), one at a time outward by
+                                  # its own ratio, while the chosen rate is at its edge (0: the grid as given)
     seeds: [0, 1, 2]
     metric: recall_acc            # chosen on val/<metric>, reported on test/<metric>: loss | bpb | recall_acc
     grid: {block_size: [64, 128], num_kv_pairs: [4, 8]}   # optional: cells (every combination of --data values);
@@ -72,6 +74,7 @@ class StudySpec:
     evals: int = 4
     warmup_fraction: float = 0.05
     min_lr_ratio: float = 0.1
+    lr_extend: int = 3
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     tuning_seed: int | None = None
     metric: str = "loss"
@@ -207,6 +210,10 @@ def _check(where: str, key: str, value: Any) -> Any:
     if key == "timing_rounds":
         if not (_is_int(value) and value >= 0):
             raise bad("an integer >= 0 (0: no timing pass)")
+        return value
+    if key == "lr_extend":
+        if not (_is_int(value) and value >= 0):
+            raise bad("an integer >= 0 (rates the grid may add outward; 0: none)")
         return value
     if key in ("block_size", "batch_size", "evals", "steps", "layers", "head_dim"):
         if not (_is_int(value) and value >= 1):
