@@ -155,11 +155,9 @@ class LtcxCache(Cache):
 
 
 def _batch_size(state: Any) -> int:
-    from ltcx.models.state import map_state_tensors
+    from ltcx.models.state import state_batch_size
 
-    sizes: list[int] = []
-    map_state_tensors(state, lambda t: sizes.append(t.shape[0]) or t)
-    return sizes[0] if sizes else -1
+    return state_batch_size(state)
 
 
 class LtcxForCausalLM(PreTrainedModel, GenerationMixin):

@@ -265,3 +265,20 @@ def test_a_generation_keeps_derived_weights_only_while_it_runs():
         model(prompt)
         raise RuntimeError
     assert not kept()
+
+
+def test_generate_cli_batches_prompts_of_different_lengths(tmp_path, capsys):
+    """Several --prompt of different lengths run as one padded batch: each labelled sample is the prompt's own
+    greedy continuation (the CLI on that prompt alone), with the end-of-text notice where a sample stops there."""
+    checkpoint = write_checkpoint(tmp_path / "model.ckpt")
+    prompts = ["The cat", "A", "Once upon a time"]
+    flags = ["--max_new_tokens", "12", "--temperature", "0"]
+    out, err = cli_output(checkpoint, capsys, *[arg for p in prompts for arg in ("--prompt", p)], *flags)
+    expected, notices = "", []
+    for prompt in prompts:
+        alone, alone_err = cli_output(checkpoint, capsys, "--prompt", prompt, *flags)
+        expected += f'--- prompt "{prompt}"\n' + alone
+        notices += [line.replace("ltcx: ", f'ltcx: prompt "{prompt}": ') for line in alone_err.splitlines()
+                    if "stopped at end-of-text" in line]
+    assert out == expected
+    assert [line for line in err.splitlines() if "stopped at end-of-text" in line] == notices

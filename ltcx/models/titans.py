@@ -41,7 +41,7 @@ from torch import Tensor
 from ltcx.errors import ConfigError
 from ltcx.models.base import Backbone
 from ltcx.models.gpt import MLP
-from ltcx.models.state import model_dtype
+from ltcx.models.state import RowStates, model_dtype, reorder_state
 from ltcx.ops.attention import apply_rope, attention_with_persistent, sliding_window_attention
 from ltcx.ops.conv import causal_depthwise_conv
 from ltcx.ops.precision import compute_dtype, without_autocast
@@ -656,10 +656,17 @@ class Titans(Backbone):
         """The tied head ``forward`` applies to ``forward_hidden``'s states."""
         return self.lm_head
 
-    def forward_hidden(self, idx: Tensor, state: TitansState | None = None,
-                       with_state: bool = True) -> tuple[Tensor, TitansState | None]:
+    def forward_hidden(self, idx: Tensor, state: TitansState | RowStates | None = None, with_state: bool = True,
+                       mask: Tensor | None = None) -> tuple[Tensor, TitansState | RowStates | None]:
         """``forward`` before the head: (final hidden states [B, T, C], after ln_f, new state; None with
-        ``with_state`` False, where the memories leave their last chunk's carry out)."""
+        ``with_state`` False, where the memories leave their last chunk's carry out).
+
+        With ``mask`` [B, T], each row runs alone on its real tokens: its memory chunks, MAC segments, window and
+        RoPE positions count its own tokens, so the rows of a padded batch sit at positions of their own, which one
+        batched state can not hold; the state is then ``RowStates`` (one per row), and later calls run row by row
+        too (a masked position's hidden state is 0)."""
+        if mask is not None or isinstance(state, RowStates):
+            return self._forward_rows(idx, state, with_state, mask)
         position = 0 if state is None else state.position
         x = self.drop(self.wte(idx))
         layer_states = []
@@ -667,6 +674,24 @@ class Titans(Backbone):
             x, layer_state = block(x, None if state is None else state.layers[i], position, with_state)
             layer_states.append(layer_state)
         return self.ln_f(x), TitansState(position + idx.shape[1], tuple(layer_states)) if with_state else None
+
+    def _forward_rows(self, idx: Tensor, state: TitansState | RowStates | None, with_state: bool,
+                      mask: Tensor | None) -> tuple[Tensor, RowStates | None]:
+        """``forward_hidden`` row by row over each row's real tokens (all, where ``mask`` is None)."""
+        batch, length = idx.shape
+        if isinstance(state, RowStates):
+            rows = list(state.rows)
+        elif state is None:
+            rows = [None] * batch
+        else:
+            rows = [reorder_state(state, torch.tensor([row], device=idx.device)) for row in range(batch)]
+        hidden = self.wte.weight.new_zeros(batch, length, self.config.n_embd)
+        for row in range(batch):
+            real = torch.arange(length, device=idx.device) if mask is None else mask[row].nonzero().flatten()
+            if len(real):
+                row_hidden, rows[row] = self.forward_hidden(idx[row:row + 1, real], rows[row], with_state)
+                hidden[row, real] = row_hidden[0].to(hidden.dtype)
+        return hidden, RowStates(tuple(rows)) if with_state else None
 
 
 
