@@ -135,3 +135,22 @@ def test_masked_attention_leaves_the_masked_keys_out(past):
         if len(new_real):
             expected = naive_attention(q[b:b + 1, :, new_real - past], k[b:b + 1, :, real], v[b:b + 1, :, real])
             torch.testing.assert_close(out[b, :, new_real - past], expected[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_lm_eval_generate_until_batches_requests_of_different_lengths(name):
+    """The lm-eval adapter's ``generate_until`` runs requests of different lengths in one padded batch: the texts
+    are those of each request alone (batch_size 1), float64 greedy."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from ltcx.eval.harness import LtcxLM
+    from ltcx.tokenizers import get_tokenizer
+
+    torch.manual_seed(0)
+    backbone, tokenizer = CATALOG[name].build_tiny(320).double().eval(), get_tokenizer("bytes")
+    requests = [Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": 6}), i)
+                for i, prompt in enumerate(["Once upon", "Hi", "A dog sat on", "x"])]
+    batched = LtcxLM(backbone, tokenizer, batch_size=4).generate_until(requests, disable_tqdm=True)
+    alone = LtcxLM(backbone, tokenizer, batch_size=1).generate_until(requests, disable_tqdm=True)
+    assert batched == alone and all(batched)
