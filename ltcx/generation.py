@@ -167,18 +167,36 @@ def generate_texts(
     stop_at_eot: bool = True,
     **sampling,
 ) -> list[str]:
-    """Complete each prompt; all share one batch (padded on the left, with a mask). Returns prompt + completion."""
+    """Complete each prompt; all share one batch, padded on the left with a mask (by token length for a backbone that
+    takes no mask, ``takes_mask``). Returns prompt + completion."""
     device = next(backbone.parameters()).device
     encoded = [tokenizer.encode(p) for p in prompts]
-    batch, mask = pad_prompts(encoded, tokenizer.eot_id, device)
-    out = generate(backbone, batch, max_new_tokens, stop_token=tokenizer.eot_id if stop_at_eot else None,
-                   vocab_limit=tokenizer.vocab_size, mask=mask, **sampling)
-    texts = []
-    for prompt_ids, new in zip(encoded, out[:, batch.shape[1]:].tolist()):
-        if stop_at_eot and tokenizer.eot_id in new:
-            new = new[:new.index(tokenizer.eot_id)]
-        texts.append(tokenizer.decode(prompt_ids + new))
+    texts: list[str] = [""] * len(prompts)
+    for rows in prompt_batches([len(ids) for ids in encoded], takes_mask(backbone)):
+        batch, mask = pad_prompts([encoded[i] for i in rows], tokenizer.eot_id, device)
+        out = generate(backbone, batch, max_new_tokens, stop_token=tokenizer.eot_id if stop_at_eot else None,
+                       vocab_limit=tokenizer.vocab_size, mask=mask, **sampling)
+        for row, new in zip(rows, out[:, batch.shape[1]:].tolist()):
+            if stop_at_eot and tokenizer.eot_id in new:
+                new = new[:new.index(tokenizer.eot_id)]
+            texts[row] = tokenizer.decode(encoded[row] + new)
     return texts
+
+
+def takes_mask(backbone: nn.Module) -> bool:
+    """Whether ``backbone`` takes a padding mask (``Backbone.takes_mask``)."""
+    return bool(getattr(backbone, "takes_mask", False))
+
+
+def prompt_batches(lengths: Sequence[int], masked: bool) -> list[list[int]]:
+    """The indices of prompts of ``lengths`` that share a batch: all of them where the backbone takes a padding mask
+    (``masked``), else those of equal length."""
+    if masked:
+        return [list(range(len(lengths)))]
+    by_length: dict[int, list[int]] = {}
+    for i, length in enumerate(lengths):
+        by_length.setdefault(length, []).append(i)
+    return list(by_length.values())
 
 
 def generation_tokenizer(tokenizer: Any, saved_name: Any, data_tokenizer: Any, model_vocab: int | None,

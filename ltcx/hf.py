@@ -161,9 +161,10 @@ def _batch_size(state: Any) -> int:
 
 
 class LtcxForCausalLM(PreTrainedModel, GenerationMixin):
-    """A catalogue backbone as a causal LM: ``forward(input_ids, labels=None, cache=None, use_cache=None)`` returns
-    ``CausalLMOutputWithPast`` (logits [B, T, V] as the backbone's, the mean next-token loss when ``labels`` [B, T]
-    are given, -100 ignored); ``generate`` runs on the backbone's state through ``LtcxCache``."""
+    """A catalogue backbone as a causal LM: ``forward(input_ids, attention_mask=None, labels=None, cache=None,
+    use_cache=None)`` returns ``CausalLMOutputWithPast`` (logits [B, T, V] as the backbone's, the mean next-token loss
+    when ``labels`` [B, T] are given, -100 ignored); ``generate`` runs on the backbone's state through ``LtcxCache``,
+    padded prompts through the backbone's padding mask."""
 
     config_class = LtcxConfig
     base_model_prefix = "backbone"

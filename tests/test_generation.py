@@ -282,3 +282,24 @@ def test_generate_cli_batches_prompts_of_different_lengths(tmp_path, capsys):
                     if "stopped at end-of-text" in line]
     assert out == expected
     assert [line for line in err.splitlines() if "stopped at end-of-text" in line] == notices
+
+
+def test_a_backbone_without_a_padding_mask_generates_prompts_by_length():
+    """``generate_texts`` batches a backbone whose ``forward_hidden`` takes no mask by token length, with the texts of
+    the same weights through the mask."""
+    from ltcx.generation import generate_texts, takes_mask
+    from ltcx.tokenizers import ByteTokenizer
+
+    class NoMask(GPT):
+        def forward_hidden(self, idx, state=None, with_state=True):
+            return super().forward_hidden(idx, state, with_state)
+
+    torch.manual_seed(0)
+    masked = GPT(block_size=32, vocab_size=320, n_layer=1, n_head=2, n_embd=16).double().eval()
+    unmasked = NoMask(**masked.config_dict()).double().eval()
+    unmasked.load_state_dict(masked.state_dict())
+    assert takes_mask(masked) and not takes_mask(unmasked)
+    prompts = ["ab", "xyz", "q", "cd"]
+    texts = [generate_texts(m, ByteTokenizer(), prompts, 5, temperature=0, stop_at_eot=False)
+             for m in (unmasked, masked)]
+    assert texts[0] == texts[1] and all(t.startswith(p) for t, p in zip(texts[0], prompts))

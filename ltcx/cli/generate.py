@@ -56,7 +56,7 @@ def generate_main(argv: list[str]) -> None:
     # Imported after the arguments are parsed: `ltcx generate --help` and a mistyped flag answer at once.
     import torch
 
-    from ltcx.generation import check_generation_args, pad_prompts, stream_tokens
+    from ltcx.generation import check_generation_args, pad_prompts, stream_tokens, takes_mask
     from ltcx.lm import LanguageModel
     from ltcx.persist.load import load_model_and_tokenizer
 
@@ -79,7 +79,7 @@ def generate_main(argv: list[str]) -> None:
         check_generation_args(backbone, len(ids), args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_token=stop,
                     vocab_limit=tokenizer.vocab_size, generator=generator)
-    if len(prompts) > 1:  # one batch of every prompt's samples, padded on the left; each printed at the end
+    if len(prompts) > 1 and takes_mask(backbone):  # one batch of all prompts and samples, printed at its end
         rows = [(prompt, ids, i) for prompt, ids in prompts for i in range(args.num_samples)]
         batch, mask = pad_prompts([ids for _, ids, _ in rows], tokenizer.eot_id, device)
         new = list(stream_tokens(backbone, batch, args.max_new_tokens, mask=mask, **sampling))

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from ltcx.errors import LtcxError
 from ltcx.eval.scoring import target_log_probs
-from ltcx.generation import pad_prompts, stream_tokens
+from ltcx.generation import pad_prompts, stream_tokens, takes_mask
 from ltcx.tokenizers import Tokenizer
 
 __all__ = ["LtcxLM"]
@@ -171,7 +171,8 @@ class LtcxLM(TemplateLM):
                 max_new = min(max_new, self.max_length - 1)
                 ids = ids[-(self.max_length - max_new) :]
             prepared.append((ids, until, max_new, sampling))
-            groups[(max_new, tuple(sorted(sampling.items())))].append(i)
+            by_length = () if takes_mask(self.backbone) else (len(ids),)  # without a padding mask: equal lengths
+            groups[(max_new, tuple(sorted(sampling.items())), *by_length)].append(i)
         results: list[str | None] = [None] * len(requests)
         size = self.batch_size
         for rows in groups.values():
