@@ -1,6 +1,7 @@
 """Every catalogue architecture in transformers (``ltcx/hf.py``, ``ltcx export --format hf``): the exported folder
 loads with ``AutoModelForCausalLM`` / ``AutoTokenizer`` offline and without remote code, its logits are the backbone's
-(float64), greedy ``generate`` is ``ltcx generate``'s, sampling and beam search run on the backbone's state; a folder
+(float64), greedy ``generate`` is ``ltcx generate``'s, sampling and beam search run on the backbone's state, padded
+prompts batch in ``generate`` and ``pipeline(batch_size=4)`` through the padding mask; a folder
 asking for code of its own is refused and runs none; lm_eval's own ``hf`` model scores as ``ltcx lm-eval`` does."""
 
 from __future__ import annotations
