@@ -21,7 +21,8 @@ the README says why.
 
 The state, per layer, batch-first: ``MemoryCache`` (memory state + conv buffer) for the memory,
 ``(k, v)`` of the last ``window - 1`` positions for sliding-window attention, and for MAC the current
-segment's keys/values, the segment-start memory weights and the x-stream query conv buffer.
+segment's keys/values, the segment-start memory weights and the x-stream query conv buffer. A padded batch (a
+mask) runs row by row, each row's chunks and segments at its own positions, its state ``RowStates``.
 """
 
 from __future__ import annotations
