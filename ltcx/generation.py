@@ -97,21 +97,30 @@ def stream_tokens(
     stop_token: int | None = None,
     vocab_limit: int | None = None,
     generator: torch.Generator | None = None,
+    mask: torch.Tensor | None = None,
 ) -> Iterator[torch.Tensor]:
-    """Yield the new tokens [B] one step at a time for prompts [B, T0] of equal length.
+    """Yield the new tokens [B] one step at a time for prompts [B, T0].
 
     The prompt is fed once; each later step feeds only the last token with the backbone's state (KV cache
-    or recurrent state). A row that produced ``stop_token`` keeps yielding it; the loop ends when every
+    or recurrent state). ``mask`` [B, T0] (True = a real token; None = all real) lets prompts of different lengths
+    share the batch, padded anywhere (``pad_prompts``: on the left): each row continues its real tokens as if alone.
+    A row that produced ``stop_token`` keeps yielding it; the loop ends when every
     row has stopped or ``max_new_tokens`` were produced. Non-finite logits (damaged weights) raise ``LtcxError``.
     """
-    check_generation_args(backbone, prompt.shape[1], max_new_tokens, temperature, top_k, top_p)
+    lengths = [prompt.shape[1]] if mask is None else mask.sum(dim=1).tolist()
+    check_generation_args(backbone, max(lengths) if min(lengths) else 0, max_new_tokens, temperature, top_k, top_p)
     if max_new_tokens == 0:
         return
     with keeping_derived(backbone):  # derived weights built once for all steps, dropped when the generation ends
-        logits, state = backbone(prompt, None)
+        if mask is None:
+            logits, state = backbone(prompt, None)
+            last = logits[:, -1]  # [B, V]
+        else:
+            logits, state = backbone(prompt, None, mask=mask.to(device=prompt.device, dtype=torch.bool))
+            last_real = prompt.shape[1] - 1 - mask.flip(1).to(torch.uint8).argmax(dim=1).to(prompt.device)
+            last = logits[torch.arange(prompt.shape[0], device=prompt.device), last_real]  # each row's last real
         finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
         for step in range(max_new_tokens):
-            last = logits[:, -1]  # [B, V]
             # Damaged weights: multinomial would raise a traceback, and greedy would print garbage.
             if not bool(torch.isfinite(last).all()):
                 raise LtcxError(
@@ -126,12 +135,28 @@ def stream_tokens(
             if step + 1 == max_new_tokens or (stop_token is not None and bool(finished.all())):
                 return
             logits, state = backbone(token[:, None], state)
+            last = logits[:, -1]
 
 
 def generate(backbone: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:
-    """prompts [B, T0] -> prompts followed by the generated tokens [B, T0 + n] (n <= max_new_tokens)."""
+    """prompts [B, T0] (``mask=`` [B, T0] for padded ones, as ``stream_tokens``) -> prompts followed by the generated
+    tokens [B, T0 + n] (n <= max_new_tokens)."""
     new = list(stream_tokens(backbone, prompt, max_new_tokens, **sampling))
     return torch.cat([prompt, torch.stack(new, dim=1)], dim=1) if new else prompt
+
+
+def pad_prompts(encoded: Sequence[Sequence[int]], pad_id: int,
+                device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token lists of any lengths -> (ids [B, T0] padded on the left with ``pad_id``, mask [B, T0]; None where every
+    list has T0 tokens), one batch for ``stream_tokens``."""
+    width = max(len(ids) for ids in encoded)
+    batch = torch.full((len(encoded), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(encoded), width, dtype=torch.bool)
+    for row, ids in enumerate(encoded):
+        if ids:
+            batch[row, width - len(ids):] = torch.tensor(list(ids), dtype=torch.long)
+            mask[row, width - len(ids):] = True
+    return batch.to(device), None if bool(mask.all()) else mask.to(device)
 
 
 def generate_texts(
@@ -142,28 +167,36 @@ def generate_texts(
     stop_at_eot: bool = True,
     **sampling,
 ) -> list[str]:
-    """Complete each prompt; prompts of equal token length share one batch. Returns prompt + completion."""
+    """Complete each prompt; all share one batch, padded on the left with a mask (by token length for a backbone that
+    takes no mask, ``takes_mask``). Returns prompt + completion."""
     device = next(backbone.parameters()).device
     encoded = [tokenizer.encode(p) for p in prompts]
-    texts: list[str | None] = [None] * len(prompts)
+    texts: list[str] = [""] * len(prompts)
+    for rows in prompt_batches([len(ids) for ids in encoded], takes_mask(backbone)):
+        batch, mask = pad_prompts([encoded[i] for i in rows], tokenizer.eot_id, device)
+        out = generate(backbone, batch, max_new_tokens, stop_token=tokenizer.eot_id if stop_at_eot else None,
+                       vocab_limit=tokenizer.vocab_size, mask=mask, **sampling)
+        for row, new in zip(rows, out[:, batch.shape[1]:].tolist()):
+            if stop_at_eot and tokenizer.eot_id in new:
+                new = new[:new.index(tokenizer.eot_id)]
+            texts[row] = tokenizer.decode(encoded[row] + new)
+    return texts
+
+
+def takes_mask(backbone: nn.Module) -> bool:
+    """Whether ``backbone`` takes a padding mask (``Backbone.takes_mask``)."""
+    return bool(getattr(backbone, "takes_mask", False))
+
+
+def prompt_batches(lengths: Sequence[int], masked: bool) -> list[list[int]]:
+    """The indices of prompts of ``lengths`` that share a batch: all of them where the backbone takes a padding mask
+    (``masked``), else those of equal length."""
+    if masked:
+        return [list(range(len(lengths)))]
     by_length: dict[int, list[int]] = {}
-    for i, ids in enumerate(encoded):
-        by_length.setdefault(len(ids), []).append(i)
-    for rows in by_length.values():
-        batch = torch.tensor([encoded[i] for i in rows], dtype=torch.long, device=device)
-        out = generate(
-            backbone,
-            batch,
-            max_new_tokens,
-            stop_token=tokenizer.eot_id if stop_at_eot else None,
-            vocab_limit=tokenizer.vocab_size,
-            **sampling,
-        )
-        for row, ids in zip(rows, out.tolist()):
-            if stop_at_eot and tokenizer.eot_id in ids[len(encoded[row]) :]:
-                ids = ids[: ids.index(tokenizer.eot_id, len(encoded[row]))]
-            texts[row] = tokenizer.decode(ids)
-    return texts  # type: ignore[return-value]
+    for i, length in enumerate(lengths):
+        by_length.setdefault(length, []).append(i)
+    return list(by_length.values())
 
 
 def generation_tokenizer(tokenizer: Any, saved_name: Any, data_tokenizer: Any, model_vocab: int | None,

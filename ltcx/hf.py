@@ -155,17 +155,16 @@ class LtcxCache(Cache):
 
 
 def _batch_size(state: Any) -> int:
-    from ltcx.models.state import map_state_tensors
+    from ltcx.models.state import state_batch_size
 
-    sizes: list[int] = []
-    map_state_tensors(state, lambda t: sizes.append(t.shape[0]) or t)
-    return sizes[0] if sizes else -1
+    return state_batch_size(state)
 
 
 class LtcxForCausalLM(PreTrainedModel, GenerationMixin):
-    """A catalogue backbone as a causal LM: ``forward(input_ids, labels=None, cache=None, use_cache=None)`` returns
-    ``CausalLMOutputWithPast`` (logits [B, T, V] as the backbone's, the mean next-token loss when ``labels`` [B, T]
-    are given, -100 ignored); ``generate`` runs on the backbone's state through ``LtcxCache``."""
+    """A catalogue backbone as a causal LM: ``forward(input_ids, attention_mask=None, labels=None, cache=None,
+    use_cache=None)`` returns ``CausalLMOutputWithPast`` (logits [B, T, V] as the backbone's, the mean next-token loss
+    when ``labels`` [B, T] are given, -100 ignored); ``generate`` runs on the backbone's state through ``LtcxCache``,
+    padded prompts through the backbone's padding mask."""
 
     config_class = LtcxConfig
     base_model_prefix = "backbone"
@@ -238,8 +237,9 @@ class LtcxForCausalLM(PreTrainedModel, GenerationMixin):
                 return_dict: bool | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
         """input_ids [B, T] following ``cache``'s tokens -> logits [B, T, V] and the extended cache (``use_cache``).
 
-        attention_mask [B, P + T]: ones, or right padding (a row's ones then zeros: causal logits of the real tokens
-        do not see the padding); a zero before a one (left padding) is one line, since no ltcx backbone takes a mask."""
+        attention_mask [B, P + T] (or [B, T], the new tokens'): zeros where a row is padded (left, right or inside),
+        passed to the backbone as its padding mask, so each real token's logits are those of its row's real tokens
+        alone and the state skips the padding; a padded position's logits are meaningless."""
         if input_ids is None or inputs_embeds is not None:
             raise LtcxError("an ltcx model takes input_ids, not inputs_embeds")
         cache = cache if cache is not None else past_key_values
@@ -247,17 +247,10 @@ class LtcxForCausalLM(PreTrainedModel, GenerationMixin):
             if cache.get_seq_length() != 0:
                 raise LtcxError(f"an ltcx model runs on its own state (LtcxCache), not a {type(cache).__name__}")
             cache = None  # an empty cache made for it (e.g. transformers' DynamicCache): start fresh
-        if attention_mask is not None and attention_mask.ndim == 2 and attention_mask.shape[1] > 1:
-            mask = attention_mask.bool()
-            if bool((~mask[:, :-1] & mask[:, 1:]).any()):
-                raise LtcxError(
-                    f"padded prompts (a zero before a one in attention_mask) need an attention mask, which no ltcx "
-                    f"backbone takes ({self.config.architecture}: its state holds every token it is fed); generate "
-                    "prompts of equal length together (one call per length), as ltcx generate does"
-                )
+        mask = _new_tokens_mask(attention_mask, input_ids.shape, 0 if cache is None else cache.length)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         state = None if cache is None else cache.state
-        logits, state = self.backbone(input_ids, state)
+        logits, state = self.backbone(input_ids, state, mask=mask)
         loss = None
         if labels is not None:
             shifted = labels[:, 1:].to(logits.device)
@@ -295,6 +288,21 @@ class LtcxForCausalLM(PreTrainedModel, GenerationMixin):
             cache = None
         return {"input_ids": input_ids.contiguous(), "cache": cache, "attention_mask": attention_mask,
                 "use_cache": use_cache}
+
+
+def _new_tokens_mask(attention_mask: torch.Tensor | None, shape: torch.Size, past: int) -> torch.Tensor | None:
+    """The backbone's mask [B, T] (True = real) of the new tokens from transformers' ``attention_mask`` [B, P + T] or
+    [B, T]; None where every new token is real (the cache keeps what earlier masks said)."""
+    if attention_mask is None:
+        return None
+    batch, length = shape
+    if attention_mask.ndim != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] not in (
+            length, past + length):
+        raise LtcxError(f"attention_mask of shape {list(attention_mask.shape)} does not fit input_ids "
+                        f"{[batch, length]} after {past} cached tokens: pass [batch, cached + new tokens] (ones, zeros "
+                        "at padding)")
+    mask = attention_mask[:, attention_mask.shape[1] - length:].to(device=attention_mask.device, dtype=torch.bool)
+    return None if bool(mask.all()) else mask
 
 
 # from_pretrained's arguments that say where a folder's files are (the hub's, a subfolder).

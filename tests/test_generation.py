@@ -265,3 +265,41 @@ def test_a_generation_keeps_derived_weights_only_while_it_runs():
         model(prompt)
         raise RuntimeError
     assert not kept()
+
+
+def test_generate_cli_batches_prompts_of_different_lengths(tmp_path, capsys):
+    """Several --prompt of different lengths run as one padded batch: each labelled sample is the prompt's own
+    greedy continuation (the CLI on that prompt alone), with the end-of-text notice where a sample stops there."""
+    checkpoint = write_checkpoint(tmp_path / "model.ckpt")
+    prompts = ["The cat", "A", "Once upon a time"]
+    flags = ["--max_new_tokens", "12", "--temperature", "0"]
+    out, err = cli_output(checkpoint, capsys, *[arg for p in prompts for arg in ("--prompt", p)], *flags)
+    expected, notices = "", []
+    for prompt in prompts:
+        alone, alone_err = cli_output(checkpoint, capsys, "--prompt", prompt, *flags)
+        expected += f'--- prompt "{prompt}"\n' + alone
+        notices += [line.replace("ltcx: ", f'ltcx: prompt "{prompt}": ') for line in alone_err.splitlines()
+                    if "stopped at end-of-text" in line]
+    assert out == expected
+    assert [line for line in err.splitlines() if "stopped at end-of-text" in line] == notices
+
+
+def test_a_backbone_without_a_padding_mask_generates_prompts_by_length():
+    """``generate_texts`` batches a backbone whose ``forward_hidden`` takes no mask by token length, with the texts of
+    the same weights through the mask."""
+    from ltcx.generation import generate_texts, takes_mask
+    from ltcx.tokenizers import ByteTokenizer
+
+    class NoMask(GPT):
+        def forward_hidden(self, idx, state=None, with_state=True):
+            return super().forward_hidden(idx, state, with_state)
+
+    torch.manual_seed(0)
+    masked = GPT(block_size=32, vocab_size=320, n_layer=1, n_head=2, n_embd=16).double().eval()
+    unmasked = NoMask(**masked.config_dict()).double().eval()
+    unmasked.load_state_dict(masked.state_dict())
+    assert takes_mask(masked) and not takes_mask(unmasked)
+    prompts = ["ab", "xyz", "q", "cd"]
+    texts = [generate_texts(m, ByteTokenizer(), prompts, 5, temperature=0, stop_at_eot=False)
+             for m in (unmasked, masked)]
+    assert texts[0] == texts[1] and all(t.startswith(p) for t, p in zip(texts[0], prompts))

@@ -1,6 +1,7 @@
 """Every catalogue architecture in transformers (``ltcx/hf.py``, ``ltcx export --format hf``): the exported folder
 loads with ``AutoModelForCausalLM`` / ``AutoTokenizer`` offline and without remote code, its logits are the backbone's
-(float64), greedy ``generate`` is ``ltcx generate``'s, sampling and beam search run on the backbone's state; a folder
+(float64), greedy ``generate`` is ``ltcx generate``'s, sampling and beam search run on the backbone's state, padded
+prompts batch in ``generate`` and ``pipeline(batch_size=4)`` through the padding mask; a folder
 asking for code of its own is refused and runs none; lm_eval's own ``hf`` model scores as ``ltcx lm-eval`` does."""
 
 from __future__ import annotations
@@ -100,17 +101,52 @@ def test_every_architecture_loads_generates_and_round_trips_in_transformers(tmp_
     torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
-def test_left_padded_prompts_are_one_line(tmp_path):
+def _until_eot(ids: list[int]) -> list[int]:
+    return ids[:ids.index(EOT) + 1] if EOT in ids else ids
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+@torch.no_grad()
+def test_padded_prompts_batch_in_generate_and_the_pipeline(tmp_path, name):
+    """Prompts of different lengths, left-padded by the tokenizer: ``generate`` gives each its own greedy tokens (ltcx's
+    sampling loop on that prompt alone), and ``pipeline(..., batch_size=4)`` each its own text (the pipeline one
+    prompt at a time); right padding leaves the real tokens' logits as they are (float64)."""
+    from transformers import pipeline
+
+    backbone, _, folder = exported(tmp_path, name)
+    backbone.double()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.pad_token, tokenizer.padding_side = tokenizer.eos_token, "left"
+    prompts = ["The cat", "A", "Once upon a time", "xy", "Hello there"]
+    batch = tokenizer(prompts[:4], padding=True, return_tensors="pt")
+    assert not batch.attention_mask.all()
+    out = model.generate(**batch, max_new_tokens=6, do_sample=False)
+    for row, text in enumerate(prompts[:4]):
+        ids = torch.tensor([list(text.encode())])
+        ours = ltcx_generate(backbone, ids, 6, temperature=0, stop_token=EOT, vocab_limit=TOKENIZER_VOCAB)
+        assert _until_eot(out[row, batch.input_ids.shape[1]:].tolist()) == _until_eot(ours[0, ids.shape[1]:].tolist())
+
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer, batch_size=4)
+    batched = pipe(prompts, max_new_tokens=6, do_sample=False)
+    alone = [pipe(text, max_new_tokens=6, do_sample=False) for text in prompts]
+    assert [answer[0]["generated_text"] for answer in batched] == [answer[0]["generated_text"] for answer in alone]
+
+    right = tokenizer(prompts[:4], padding=True, padding_side="right", return_tensors="pt")
+    logits = model(**right).logits
+    for row, text in enumerate(prompts[:4]):
+        real = right.attention_mask[row].bool()
+        torch.testing.assert_close(logits[row, real], model(torch.tensor([list(text.encode())])).logits[0],
+                                   rtol=1e-10, atol=1e-10)
+
+
+def test_an_attention_mask_of_another_shape_is_one_line(tmp_path):
     _, _, folder = exported(tmp_path, "gpt")
     model = AutoModelForCausalLM.from_pretrained(folder)
-    ids = torch.tensor([[EOT, EOT, 65, 66], [67, 68, 69, 70]])
     with pytest.raises(LtcxError) as error:
-        model.generate(ids, attention_mask=(ids != EOT).long(), max_new_tokens=2)
-    assert_mentions(str(error.value), "padded prompts", "attention_mask", "prompts of equal length together")
+        model(torch.tensor([[65, 66, 67]]), attention_mask=torch.ones(1, 5))
+    assert_mentions(str(error.value), "attention_mask of shape [1, 5]", "input_ids [1, 3]")
     assert "\n" not in str(error.value)
-    # right padding (lm_eval's batches) leaves the real tokens' logits as they are
-    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
-    torch.testing.assert_close(model(ids, attention_mask=mask).logits, model(ids).logits)
 
 
 @pytest.mark.parametrize("change", ["unknown architecture", "class path", "auto_map"])

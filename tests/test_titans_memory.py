@@ -24,6 +24,7 @@ from ltcx.ops.titans import (
     memory_apply,
     memory_loss_gradients,
     neural_memory,
+    neural_memory_masked,
     neural_memory_recurrent,
     step_curvature,
 )
@@ -492,3 +493,32 @@ def test_online_memory_recalls_stored_pairs():
     error_before = (_read(w1_init[None], w2_init[None], keys)[0] - values).pow(2).sum()
     error_after = (_read(state.w1, state.w2, keys)[0] - values).pow(2).sum()
     assert error_after < 0.05 * error_before
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, None], ids=lambda b: f"b={b}")
+def test_masked_steps_are_skipped_and_each_row_keeps_its_own_positions(chunk_size):
+    """``neural_memory_masked`` over rows at different positions (3 and 8 tokens in, from states written by those
+    tokens) with gaps and a fully masked row: each row's real outputs and state equal the recurrence over its real
+    tokens alone from its own position (float64, tight); the fully masked row keeps its state, its outputs finite."""
+    batch, length = 3, 11
+    x = _inputs(batch=batch, length=8 + length, seed=5)
+    args = _op_args(x, chunk_size, True)
+    kw = dict(chunk_size=chunk_size, normalize_step=True)
+    past = [3, 8, 3]
+    rows = []
+    for b, p in enumerate(past):  # each row's state after its first p tokens
+        row = [a[b:b + 1, :, :p] for a in args]
+        _, state = neural_memory_recurrent(*row, initial_memory_state(x["w1_init"], x["w2_init"], 1), 0, **kw)
+        rows.append(state)
+    given = MemoryState(*(torch.cat([state[i] for state in rows]) for i in range(6)))
+    new = [torch.stack([a[b, :, p:p + length] for b, p in enumerate(past)]) for a in args]
+    mask = torch.tensor([[1, 0, 1, 1, 0, 0, 1, 1, 1, 0, 1], [0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1], [0] * 11],
+                        dtype=torch.bool)
+    y, state = neural_memory_masked(*new, given, torch.tensor(past), mask, **kw)
+    assert torch.isfinite(y).all()
+    for b, p in enumerate(past):
+        real = mask[b]
+        alone_y, alone = neural_memory_recurrent(*[a[b:b + 1, :, real] for a in new], rows[b], p, **kw)
+        torch.testing.assert_close(y[b:b + 1, :, real], alone_y, rtol=1e-12, atol=1e-12)
+        for part, alone_part in zip(state, alone):
+            torch.testing.assert_close(part[b:b + 1], alone_part.expand_as(part[b:b + 1]), rtol=1e-12, atol=1e-12)

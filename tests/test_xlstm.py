@@ -9,6 +9,7 @@ batch, and it loops over every token in training.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -23,6 +24,7 @@ from ltcx.models.xlstm import XLSTM, CausalConv1d, HeadwiseLinear, XLSTMConfig
 from ltcx.ops import mlstm as mlstm_module
 from ltcx.ops.mlstm import (
     EPS,
+    FORGET_GATES,
     _chunk,
     _ChunkOutputs,
     log_forget_gate,
@@ -33,7 +35,7 @@ from ltcx.ops.mlstm import (
 )
 from ltcx.ops.naive.mlstm import mlstm_parallel_naive
 from ltcx.ops.naive.slstm import slstm_reference
-from ltcx.ops.slstm import _Scan, _scan_loop, recurrent_weights, slstm_scan, slstm_step
+from ltcx.ops.slstm import _Scan, _scan_loop, recurrent_weights, slstm_scan, slstm_scan_head_major, slstm_step
 
 F64 = dict(rtol=1e-9, atol=1e-9)
 F32_REL_TOL = 5e-4  # float32 forms vs the float64 recurrence: max |err| <= 5e-4 * max |h|
@@ -659,3 +661,53 @@ def test_reference_config_parameter_count():
         model = XLSTM(vocab_size=50304, n_embd=404, n_layer=8, signature=(7, 1))
     assert model.config.block_types == ["m"] * 7 + ["s"]
     assert model.parameter_count() == 28_664_616
+
+
+@pytest.mark.parametrize("form", ["parallel", "chunkwise", "step"])
+@pytest.mark.parametrize("forget_gate", FORGET_GATES)
+def test_masked_mlstm_steps_are_identity_steps(form, forget_gate):
+    """With a padding mask (a gap, a fully masked row), each row's real outputs and final state are those of its real
+    steps alone after the given state (float64); a row with no real step keeps its state; every h is finite."""
+    q, k, v, i_pre, f_pre = mlstm_inputs(B=3, T=11)
+    _, given = mlstm_chunkwise(*mlstm_inputs(B=3, T=5, seed=1), chunk_size=4)
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 1, 1, 0, 1], [1] * 5 + [0] * 6, [0] * 11], dtype=torch.bool)
+    for start in (None, given):
+        if form == "step":
+            h, state = [], start
+            for t in range(11):
+                h_t, state = mlstm_step(q[:, :, t], k[:, :, t], v[:, :, t], i_pre[:, :, t], f_pre[:, :, t], state,
+                                        forget_gate=forget_gate, mask=mask[:, t])
+                h.append(h_t)
+            h = torch.stack(h, dim=2)
+        else:
+            fn = mlstm_parallel if form == "parallel" else functools.partial(mlstm_chunkwise, chunk_size=3)
+            h, state = fn(q, k, v, i_pre, f_pre, start, forget_gate=forget_gate, mask=mask)
+        assert torch.isfinite(h).all()
+        for b in range(3):
+            real = mask[b]
+            row_start = None if start is None else tuple(s[b:b + 1] for s in start)
+            inputs = (x[b:b + 1, :, real] for x in (q, k, v, i_pre, f_pre))
+            alone_h, alone_state = mlstm_recurrent(*inputs, row_start, forget_gate=forget_gate)
+            torch.testing.assert_close(h[b:b + 1, :, real], alone_h, rtol=1e-10, atol=1e-12)
+            for part, alone_part in zip(state, alone_state):
+                torch.testing.assert_close(part[b:b + 1], alone_part, rtol=1e-10, atol=1e-12)
+
+
+def test_masked_slstm_steps_leave_the_state_as_it_was():
+    """slstm_scan_head_major with a padding mask: each row's real outputs and final state are those of its real steps
+    alone (float64); masked steps output the kept h."""
+    g = torch.Generator().manual_seed(0)
+    T, H, B, Dh = 9, 2, 3, 4
+    steps = torch.randn(T, H, B, 4 * Dh, generator=g, dtype=torch.float64)
+    R = 0.3 * torch.randn(4, H, Dh, Dh, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1, 1, 0, 1], [1] * 4 + [0] * 5, [0] * 9], dtype=torch.bool)
+    h, state = slstm_scan_head_major(steps, R, mask=mask)
+    assert torch.isfinite(h).all()
+    for b in range(B):
+        real = mask[b]
+        alone_h, alone_state = slstm_scan_head_major(steps[real][:, :, b:b + 1], R)
+        torch.testing.assert_close(h[real][:, :, b:b + 1], alone_h, rtol=1e-12, atol=1e-12)
+        if real.any():
+            for part, alone_part in zip(state, alone_state):
+                torch.testing.assert_close(part[b:b + 1], alone_part, rtol=1e-12, atol=1e-12)
+    assert torch.equal(state[2][2], torch.zeros(H, Dh))  # the fully masked row: still the empty state

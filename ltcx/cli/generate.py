@@ -23,7 +23,9 @@ def generate_main(argv: list[str]) -> None:
         "last.ckpt) or a folder written by `ltcx export`",
     )
     parser.add_argument(
-        "--prompt", action="append", help="prompt text; repeat for several prompts (none: start a new document)"
+        "--prompt", action="append",
+        help="prompt text; repeat for several prompts, which run as one batch (each sample printed when the batch "
+        "ends; a single prompt streams) (none: start a new document)"
     )
     parser.add_argument("--max_new_tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8,
@@ -54,7 +56,7 @@ def generate_main(argv: list[str]) -> None:
     # Imported after the arguments are parsed: `ltcx generate --help` and a mistyped flag answer at once.
     import torch
 
-    from ltcx.generation import check_generation_args, stream_tokens
+    from ltcx.generation import check_generation_args, pad_prompts, stream_tokens, takes_mask
     from ltcx.lm import LanguageModel
     from ltcx.persist.load import load_model_and_tokenizer
 
@@ -75,6 +77,22 @@ def generate_main(argv: list[str]) -> None:
     prompts = [(text, tokenizer.encode(text)) for text in args.prompt] if args.prompt else [("", [tokenizer.eot_id])]
     for _, ids in prompts:  # every prompt is checked before anything is printed
         check_generation_args(backbone, len(ids), args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_token=stop,
+                    vocab_limit=tokenizer.vocab_size, generator=generator)
+    if len(prompts) > 1 and takes_mask(backbone):  # one batch of all prompts and samples, printed at its end
+        rows = [(prompt, ids, i) for prompt, ids in prompts for i in range(args.num_samples)]
+        batch, mask = pad_prompts([ids for _, ids, _ in rows], tokenizer.eot_id, device)
+        new = list(stream_tokens(backbone, batch, args.max_new_tokens, mask=mask, **sampling))
+        tokens = torch.stack(new, dim=1).tolist() if new else [[] for _ in rows]
+        for (prompt, _, i), row in zip(rows, tokens):
+            stopped = stop in row
+            row = row[:row.index(stop)] if stopped else row
+            label = _sample_label(prompt, i, args.num_samples, several_prompts=True)
+            sys.stdout.write(f"{label}\n{prompt}{tokenizer.decode(row)}\n")
+            sys.stdout.flush()
+            if stopped:
+                _stopped_notice(label, len(row), args.max_new_tokens)
+        return
     for prompt, ids in prompts:
         # Samples run one after another, so each streams as it is produced (a batch could only be shown at its end).
         for i in range(args.num_samples):
@@ -85,11 +103,8 @@ def generate_main(argv: list[str]) -> None:
             row: list[int] = []
             printed = 0  # characters of the completion already written
             stopped = False  # at the end-of-text token, before max_new_tokens
-            for token in stream_tokens(
-                backbone, torch.tensor([ids], dtype=torch.long, device=device), args.max_new_tokens,
-                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_token=stop,
-                vocab_limit=tokenizer.vocab_size, generator=generator,
-            ):
+            for token in stream_tokens(backbone, torch.tensor([ids], dtype=torch.long, device=device),
+                                       args.max_new_tokens, **sampling):
                 if int(token) == stop:
                     stopped = True
                     break
@@ -103,11 +118,15 @@ def generate_main(argv: list[str]) -> None:
                     printed = len(text)
             sys.stdout.write(tokenizer.decode(row)[printed:] + "\n")
             sys.stdout.flush()
-            if stopped:  # fewer tokens than asked for: say why, once, after the sample
-                which = f"{label[4:]}: " if label else ""
-                print(f"ltcx: {which}stopped at end-of-text after {len(row)} new tokens "
-                      f"(--max_new_tokens {args.max_new_tokens}); pass --no_stop_at_eot to continue past it",
-                      file=sys.stderr)
+            if stopped:
+                _stopped_notice(label, len(row), args.max_new_tokens)
+
+
+def _stopped_notice(label: str, new_tokens: int, max_new_tokens: int) -> None:
+    """Fewer tokens than asked for: say why, once, after the sample (on stderr)."""
+    which = f"{label[4:]}: " if label else ""
+    print(f"ltcx: {which}stopped at end-of-text after {new_tokens} new tokens (--max_new_tokens {max_new_tokens}); "
+          "pass --no_stop_at_eot to continue past it", file=sys.stderr)
 
 
 def _sample_label(prompt: str, index: int, num_samples: int, several_prompts: bool) -> str:

@@ -8,8 +8,8 @@ backbone, so ``lm_eval.simple_evaluate(model=LtcxLM(...), tasks=[...])`` runs th
 - ``loglikelihood_rolling``: the harness's rolling windows of the model's context (one window for a model without a
   limit, whose state carries any length), each token predicted once.
 - ``generate_until``: greedy (or sampled, with ``do_sample``) through ``ltcx.generation.stream_tokens``, the one
-  sampling loop, stopping at the end-of-text token or any ``until`` string; prompts of equal token length share a
-  batch.
+  sampling loop, stopping at the end-of-text token or any ``until`` string; prompts of any lengths share a batch
+  (padded on the left, with the backbones' padding mask).
 
 Imports ``lm_eval`` at the top: only ``ltcx lm-eval`` imports this module, so ``ltcx --help`` never loads it.
 """
@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from ltcx.errors import LtcxError
 from ltcx.eval.scoring import target_log_probs
-from ltcx.generation import stream_tokens
+from ltcx.generation import pad_prompts, stream_tokens, takes_mask
 from ltcx.tokenizers import Tokenizer
 
 __all__ = ["LtcxLM"]
@@ -171,18 +171,21 @@ class LtcxLM(TemplateLM):
                 max_new = min(max_new, self.max_length - 1)
                 ids = ids[-(self.max_length - max_new) :]
             prepared.append((ids, until, max_new, sampling))
-            groups[(len(ids), max_new, tuple(sorted(sampling.items())))].append(i)
+            by_length = () if takes_mask(self.backbone) else (len(ids),)  # without a padding mask: equal lengths
+            groups[(max_new, tuple(sorted(sampling.items())), *by_length)].append(i)
         results: list[str | None] = [None] * len(requests)
         size = self.batch_size
+        for rows in groups.values():
+            rows.sort(key=lambda i: -len(prepared[i][0]))  # similar lengths share a batch: little padding
         chunks = [rows[s : s + size] for rows in groups.values() for s in range(0, len(rows), size)]
         for rows in tqdm(chunks, desc="generate_until", disable=disable_tqdm):
             _, _, max_new, sampling = prepared[rows[0]]
-            prompt = torch.tensor([prepared[i][0] for i in rows], dtype=torch.long, device=self._device)
+            prompt, mask = pad_prompts([prepared[i][0] for i in rows], self.eot_token_id, self._device)
             new: list[list[int]] = [[] for _ in rows]
             done = [False] * len(rows)
             for token in stream_tokens(
                 self.backbone, prompt, max_new, stop_token=self.eot_token_id,
-                vocab_limit=self.text_tokenizer.vocab_size, **sampling,
+                vocab_limit=self.text_tokenizer.vocab_size, mask=mask, **sampling,
             ):
                 for r, value in enumerate(token.tolist()):
                     if done[r]:

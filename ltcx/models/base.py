@@ -24,6 +24,7 @@ embedding) around it and ``backbone.compile()`` compiles it, with no method atta
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -48,6 +49,12 @@ class Backbone(ConfiguredModule, metaclass=BackboneType):
         """idx [B, T] following ``state``'s positions, mask [B, T] or None -> (final hidden states [B, T, C], new
         state; None with ``with_state`` False)."""
         raise NotImplementedError(f"{type(self).__name__} must define forward_hidden")
+
+    @property
+    def takes_mask(self) -> bool:
+        """Whether ``forward_hidden`` takes a padding mask (every ltcx architecture does); generation batches prompts
+        of different lengths through it, and by length for a backbone that takes none."""
+        return "mask" in inspect.signature(self.forward_hidden).parameters
 
     def output_head(self) -> nn.Linear:
         """The linear head from hidden states [..., C] to logits [..., V]."""

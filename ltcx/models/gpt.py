@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.base import Backbone
 from ltcx.models.state import model_dtype
-from ltcx.ops.attention import apply_rope, causal_gqa_attention
+from ltcx.ops.attention import apply_rope, causal_gqa_attention, padded_positions
 
 POSITIONS = ("learned", "rope")
 
@@ -110,15 +110,51 @@ class GPTConfig:
 class KVCache:
     """Append-only cache of one attention layer, compact KV-head layout.
 
-    k, v: [B, n_kv_head, T_cached, head_dim].
+    k, v: [B, n_kv_head, T_cached, head_dim]; mask: [B, T_cached] (True = a real token) once a padding mask was
+    given, else None (every cached token real).
     """
 
     k: torch.Tensor
     v: torch.Tensor
+    mask: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
         return self.k.shape[2]
+
+
+@dataclass
+class Padding:
+    """Where a batch's real tokens are, for one call of every layer: positions [B, T] (each new token's count of
+    real tokens before it in its row) and key_mask [B, P + T] (the cached tokens' mask, then the new ones')."""
+
+    positions: torch.Tensor
+    key_mask: torch.Tensor
+
+    @classmethod
+    def of(cls, mask: torch.Tensor | None, cache, idx: torch.Tensor) -> Padding | None:
+        """The padding of new tokens idx [B, T] with ``mask`` [B, T] or None after a layer's ``cache`` (its ``mask``
+        and ``length``) or None; None when every token, cached and new, is real (the unmasked path)."""
+        past_mask = None if cache is None else cache.mask
+        if mask is None and past_mask is None:
+            return None
+        batch, length = idx.shape
+        if mask is None:
+            mask = torch.ones(batch, length, dtype=torch.bool, device=idx.device)
+        if past_mask is None:
+            past_mask = torch.ones(batch, 0 if cache is None else cache.length, dtype=torch.bool, device=idx.device)
+        return cls(*padded_positions(mask.to(torch.bool), past_mask))
+
+    @property
+    def past_mask(self) -> torch.Tensor:
+        """[B, P]: the cached tokens' mask."""
+        return self.key_mask[:, :self.key_mask.shape[1] - self.positions.shape[1]]
+
+    def check_context(self, block_size: int, what: str) -> None:
+        """One line when a row's real tokens pass ``block_size``."""
+        if self.positions.numel() and int(self.positions.max()) >= block_size:
+            raise LtcxError(f"{what} of {int(self.positions.max()) + 1} real tokens exceeds the model's context "
+                            f"block_size={block_size}; use a shorter prompt or fewer new tokens")
 
 
 class GQAAttention(nn.Module):
@@ -142,18 +178,24 @@ class GQAAttention(nn.Module):
         k, v = self.kv_proj(x).view(batch, length, 2, self.n_kv_head, self.head_dim).permute(2, 0, 3, 1, 4)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> tuple[torch.Tensor, KVCache]:
-        """x [B, T, C] at positions [P, P+T), where P is the cache length -> (y [B, T, C], extended cache)."""
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None,
+                padding: Padding | None = None) -> tuple[torch.Tensor, KVCache]:
+        """x [B, T, C] at positions [P, P+T), where P is the cache length (with ``padding``: its positions, masked
+        keys left out) -> (y [B, T, C], extended cache)."""
         q, k, v = self.project(x)
         if self.rope_base is not None:
-            start = 0 if cache is None else cache.length
-            positions = torch.arange(start, start + x.shape[1], device=x.device)
+            if padding is None:
+                start = 0 if cache is None else cache.length
+                positions = torch.arange(start, start + x.shape[1], device=x.device)
+            else:
+                positions = padding.positions
             q, k = apply_rope(q, positions, self.rope_base), apply_rope(k, positions, self.rope_base)
         if cache is not None:
             k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
-        y = causal_gqa_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        key_mask = None if padding is None else padding.key_mask
+        y = causal_gqa_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, key_mask=key_mask)
         y = y.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)
-        return self.resid_dropout(self.c_proj(y)), KVCache(k, v)
+        return self.resid_dropout(self.c_proj(y)), KVCache(k, v, key_mask)
 
 
 class MLP(nn.Module):
@@ -179,8 +221,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config, config.ffn_hidden)
 
-    def forward(self, x: torch.Tensor, cache=None):
-        attended, cache = self.attn(self.ln_1(x), cache)
+    def forward(self, x: torch.Tensor, cache=None, padding: Padding | None = None):
+        attended, cache = self.attn(self.ln_1(x), cache, padding)
         x = x + attended
         return x + self.mlp(self.ln_2(x)), cache
 
@@ -280,14 +322,22 @@ class GPT(Backbone):
         """The tied head ``forward`` applies to ``forward_hidden``'s states."""
         return self.lm_head
 
-    def forward_hidden(self, idx: torch.Tensor, state: tuple | None = None,
-                       with_state: bool = True) -> tuple[torch.Tensor, tuple | None]:
+    def forward_hidden(self, idx: torch.Tensor, state: tuple | None = None, with_state: bool = True,
+                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple | None]:
         """``forward`` before the head: (final hidden states [B, T, C], after ln_f, new state; None with ``with_state``
-        False, as every backbone's: the caches are the keys and values the layers computed anyway)."""
+        False, as every backbone's: the caches are the keys and values the layers computed anyway).
+
+        With ``mask`` [B, T] (or a cache that kept one), positions count each row's real tokens and attention leaves
+        the masked keys out; the caches keep the mask, so later calls (``mask`` None: all real) leave them out too."""
         past_len = 0 if state is None else state[0].length
         length = idx.shape[1]
+        padding = Padding.of(mask, None if state is None else state[0], idx)
         x = self.wte(idx)
-        if self.wpe is not None:
+        if padding is not None:
+            if self.wpe is not None:
+                padding.check_context(self.config.block_size, "a sequence")
+                x = x + self.wpe(padding.positions)
+        elif self.wpe is not None:
             if past_len + length > self.config.block_size:
                 raise LtcxError(
                     f"sequence of {past_len + length} tokens exceeds the model's context block_size="
@@ -297,6 +347,6 @@ class GPT(Backbone):
         x = self.drop(x)
         new_state = []
         for i, block in enumerate(self.blocks):
-            x, cache = block(x, None if state is None else state[i])
+            x, cache = block(x, None if state is None else state[i], padding)
             new_state.append(cache)
         return self.ln_f(x), tuple(new_state) if with_state else None

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from ltcx.errors import ConfigError
-from ltcx.models.gpt import GPT, GPTConfig
+from ltcx.models.gpt import GPT, GPTConfig, Padding
 from ltcx.models.inference_cache import derived_in_inference
 from ltcx.models.state import model_dtype
 from ltcx.ops import gta as gta_ops
@@ -96,11 +96,13 @@ class GTAConfig(GPTConfig):
 class GTACache:
     """Append-only cache of one GTA layer, every tensor batch-first.
 
-    k: [B, n_k, T_cached, d_k] keys (after RoPE when enabled); latent: [B, n_c, T_cached, d_l].
+    k: [B, n_k, T_cached, d_k] keys (after RoPE when enabled); latent: [B, n_c, T_cached, d_l]; mask: [B, T_cached]
+    (True = a real token) once a padding mask was given, else None (every token real).
     """
 
     k: torch.Tensor
     latent: torch.Tensor
+    mask: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -131,16 +133,17 @@ class GTAAttention(nn.Module):
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def project(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, ...]:
-        """x [B, T, C] at positions [start, start + T) -> q [B, G, T, d_k], k [B, n_k, T, d_k],
-        latent [B, n_c, T, d_l], gate logits [B, T, C] or None."""
+    def project(self, x: torch.Tensor, start: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B, T, C] at positions [start, start + T) (or ``start`` [B, T], each row's own) -> q [B, G, T, d_k],
+        k [B, n_k, T, d_k], latent [B, n_c, T, d_l], gate logits [B, T, C] or None."""
         batch, length, _ = x.shape
         q, k, latent, *gate = self.in_proj(x).split(self.widths, dim=-1)
         q = q.view(batch, length, self.groups, self.key_dim).transpose(1, 2)
         k = k.view(batch, length, self.n_key_head, self.key_dim).transpose(1, 2)
         latent = latent.view(batch, length, self.n_latent_head, self.latent_dim).transpose(1, 2)
         if self.rope:
-            positions = torch.arange(start, start + length, device=x.device)
+            positions = start if isinstance(start, torch.Tensor) else torch.arange(start, start + length,
+                                                                                   device=x.device)
             q, k = apply_rope(q, positions), apply_rope(k, positions)
         return q, k, latent, (gate[0] if gate else None)
 
@@ -148,16 +151,21 @@ class GTAAttention(nn.Module):
         """D = J_e + B [G, d_l, C / G]; in inference built once and kept until the decoder changes."""
         return derived_in_inference(self, "decoder", (self.decoder,), lambda: self.identity + self.decoder)
 
-    def forward(self, x: torch.Tensor, cache: GTACache | None = None) -> tuple[torch.Tensor, GTACache]:
-        """x [B, T, C] at positions [P, P+T), where P is the cache length -> (y [B, T, C], extended cache)."""
-        q, k, latent, gate = self.project(x, 0 if cache is None else cache.length)
+    def forward(self, x: torch.Tensor, cache: GTACache | None = None,
+                padding: Padding | None = None) -> tuple[torch.Tensor, GTACache]:
+        """x [B, T, C] at positions [P, P+T), where P is the cache length (with ``padding``: its positions, masked
+        keys left out) -> (y [B, T, C], extended cache)."""
+        start = (0 if cache is None else cache.length) if padding is None else padding.positions
+        q, k, latent, gate = self.project(x, start)
         if cache is not None:
             k, latent = torch.cat([cache.k, k], dim=2), torch.cat([cache.latent, latent], dim=2)
-        o = gta_ops.latent_attention(q, k, latent, dropout_p=self.dropout if self.training else 0.0)
+        key_mask = None if padding is None else padding.key_mask
+        o = gta_ops.latent_attention(q, k, latent, dropout_p=self.dropout if self.training else 0.0,
+                                     key_mask=key_mask)
         u = gta_ops.decode_latent(o, self.decoder_matrix())  # [B, T, C]
         if gate is not None:
             u = torch.sigmoid(gate) * u
-        return self.resid_dropout(self.c_proj(u)), GTACache(k, latent)
+        return self.resid_dropout(self.c_proj(u)), GTACache(k, latent, key_mask)
 
 
 class GTAGPT(GPT):

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ltcx.errors import ConfigError, LtcxError
-from ltcx.models.gpt import GPT, GPTConfig, GQAAttention
+from ltcx.models.gpt import GPT, GPTConfig, GQAAttention, Padding
 from ltcx.models.inference_cache import derived_in_inference
 from ltcx.models.state import model_dtype
 from ltcx.ops import ltc as ltc_ops
@@ -95,6 +95,7 @@ class LTCCache:
     k: [B, G, T_cached, D] keys already rotated into the modal basis and scaled (valid for every later
        query thanks to the fixed centre); v: [B, G, T_cached, D].
     tau: [B, G, M] the time constants set by the first token of the prompt (float32/float64).
+    mask: [B, T_cached] (True = a real token) once a padding mask was given, else None (every token real).
     The basis is not kept: it depends on the parameters only, and new queries and keys are rotated by
     the projection weights folded with it (``LTCAttention.rotated_projections``).
     """
@@ -102,6 +103,7 @@ class LTCCache:
     k: torch.Tensor
     v: torch.Tensor
     tau: torch.Tensor
+    mask: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -184,8 +186,11 @@ class LTCAttention(GQAAttention):
         k, v = kv.permute(2, 0, 3, 1, 4)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, cache: LTCCache | None = None) -> tuple[torch.Tensor, LTCCache]:
+    def forward(self, x: torch.Tensor, cache: LTCCache | None = None,
+                padding: Padding | None = None) -> tuple[torch.Tensor, LTCCache]:
         """x [B, T, C] at positions [P, P+T), P the cache length -> (y [B, T, C], extended cache)."""
+        if padding is not None:
+            return self._forward_padded(x, cache, padding)
         batch, length, _ = x.shape
         start = 0 if cache is None else cache.length
         if start + length > self.block_size:
@@ -206,6 +211,29 @@ class LTCAttention(GQAAttention):
         y = causal_gqa_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(batch, length, -1)
         return self.resid_dropout(self.c_proj(y)), LTCCache(k, v, tau)
+
+    def _forward_padded(self, x: torch.Tensor, cache: LTCCache | None,
+                        padding: Padding) -> tuple[torch.Tensor, LTCCache]:
+        """``forward`` where some tokens are masked: each row's decay offsets i - j count its real tokens, its time
+        constants come from its first real token (in this call, where the cache holds none of the row's), and no
+        query sees a masked key."""
+        batch, length, _ = x.shape
+        padding.check_context(self.block_size, "a sequence")
+        new_mask = padding.key_mask[:, padding.past_mask.shape[1]:]  # [B, T]
+        first = new_mask.to(torch.uint8).argmax(dim=1)  # a row's first real token here (0 where none)
+        tau = self.time_constants(x[torch.arange(batch, device=x.device), first])  # [B, G, M]
+        if cache is not None:
+            seen = padding.past_mask.any(dim=1)[:, None, None]  # rows whose first real token is cached
+            tau = torch.where(seen, cache.tau, tau)
+        q, k, v = self.project_rotated(x)
+        q = ltc_ops.scale_modes(q, tau, padding.positions, self.centre, is_query=True)
+        k = ltc_ops.scale_modes(k, tau, padding.positions, self.centre, is_query=False)
+        if cache is not None:
+            k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
+        y = causal_gqa_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                 key_mask=padding.key_mask)
+        y = y.transpose(1, 2).reshape(batch, length, -1)
+        return self.resid_dropout(self.c_proj(y)), LTCCache(k, v, tau, padding.key_mask)
 
 
 class LTCGPT(GPT):

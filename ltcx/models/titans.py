@@ -21,7 +21,9 @@ the README says why.
 
 The state, per layer, batch-first: ``MemoryCache`` (memory state + conv buffer) for the memory,
 ``(k, v)`` of the last ``window - 1`` positions for sliding-window attention, and for MAC the current
-segment's keys/values, the segment-start memory weights and the x-stream query conv buffer.
+segment's keys/values, the segment-start memory weights and the x-stream query conv buffer. In a padded batch (a
+mask) each row keeps its own position: the memory skips masked steps (``neural_memory_masked``), the window
+cache keeps each row's last real keys; MAC, whose segment caches would differ in length, runs row by row.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from torch import Tensor
 from ltcx.errors import ConfigError
 from ltcx.models.base import Backbone
 from ltcx.models.gpt import MLP
-from ltcx.models.state import model_dtype
+from ltcx.models.state import RowStates, model_dtype, reorder_state
 from ltcx.ops.attention import apply_rope, attention_with_persistent, sliding_window_attention
 from ltcx.ops.conv import causal_depthwise_conv
 from ltcx.ops.precision import compute_dtype, without_autocast
@@ -51,6 +53,7 @@ from ltcx.ops.titans import (
     initial_memory_state,
     memory_apply,
     neural_memory,
+    neural_memory_masked,
     neural_memory_recurrent,
 )
 
@@ -183,10 +186,22 @@ class MemoryCache(NamedTuple):
 
 
 class WindowCache(NamedTuple):
-    """Rotated keys and values of the last window - 1 positions: [B, H_kv, <= window - 1, D] each."""
+    """Rotated keys and values of the last window - 1 positions: [B, H_kv, <= window - 1, D] each; after a padded
+    batch, each row's last window - 1 real ones, with mask [B, L] (False: none there) and their positions [B, L]."""
 
     k: Tensor
     v: Tensor
+    mask: Tensor | None = None
+    positions: Tensor | None = None
+
+
+class Padding(NamedTuple):
+    """A padded batch's call: positions [B, T] (each token's count of real tokens before it in its row), past [B]
+    (each row's tokens before the call), mask [B, T] (True = a real token)."""
+
+    positions: Tensor
+    past: Tensor
+    mask: Tensor
 
 
 class MAGState(NamedTuple):
@@ -207,9 +222,10 @@ class MACState(NamedTuple):
 
 @dataclass
 class TitansState:
-    """position: tokens consumed so far (absolute position of the next token); layers: one state per block."""
+    """position: tokens consumed so far (absolute position of the next token), or after a padded batch each row's
+    real tokens [B]; layers: one state per block."""
 
-    position: int
+    position: int | Tensor
     layers: tuple
 
 
@@ -272,12 +288,14 @@ class NeuralMemory(nn.Module):
         q = F.normalize(F.silu(self._heads(projected.to(compute_dtype(u.dtype)))), dim=-1)
         return q, buffer
 
-    def forward(self, u: Tensor, cache: MemoryCache | None, position: int,
-                with_state: bool = True) -> tuple[Tensor, MemoryCache | None]:
+    def forward(self, u: Tensor, cache: MemoryCache | None, position: int | Tensor,
+                with_state: bool = True, mask: Tensor | None = None) -> tuple[Tensor, MemoryCache | None]:
+        """u [B, T, C] after ``position`` tokens (with ``mask`` [B, T]: each row's own count [B], and masked steps
+        skipped by the conv and the memory, token by token, whatever the memory backend) -> (m, cache)."""
         config = self.config
         batch, length, _ = u.shape
         projected, conv = causal_depthwise_conv(
-            self.qkv(u), self.conv_weight, self.conv_bias, None if cache is None else cache.conv
+            self.qkv(u), self.conv_weight, self.conv_bias, None if cache is None else cache.conv, mask=mask
         )
         gates = self.gates(u)
         dtype = compute_dtype(u.dtype)
@@ -296,6 +314,10 @@ class NeuralMemory(nn.Module):
             state = cache.memory if cache is not None else initial_memory_state(
                 self.w1_init.to(dtype), self.w2_init.to(dtype), batch
             )
+            if mask is not None:
+                y, state = neural_memory_masked(q, k, v, log_retain, log_momentum, step, state, position, mask,
+                                                config.memory_chunk_size, config.normalize_step)
+                return y.transpose(1, 2).flatten(2).to(u.dtype), MemoryCache(state, conv) if with_state else None
             memory_fn = neural_memory_recurrent if length == 1 else neural_memory
             if config.memory_backend == "triton" and length > 1:
                 memory_fn = _triton_neural_memory(u.device)
@@ -352,6 +374,41 @@ class TitansAttention(nn.Module):
         keep = min(window - 1, k_rot.shape[2])
         return y, WindowCache(k_rot[:, :, k_rot.shape[2] - keep:], v[:, :, v.shape[2] - keep:])
 
+    def sliding_window_padded(self, x: Tensor, cache: WindowCache | None,
+                              padding: Padding) -> tuple[Tensor, WindowCache]:
+        """``sliding_window`` of a padded batch: query i sees the real keys at its row's positions (p_i - window,
+        p_i] (a masked query its own key too, so it stays finite), one masked call over all cached and new keys ->
+        (y [B, T, H * D], each row's last window - 1 real keys with their mask and positions)."""
+        positions, past, mask = padding
+        length, window = x.shape[1], self.config.window
+        q, q_rot = self.queries(x, positions)
+        k_rot, v = self.keys_values(x, positions)
+        key_mask, key_positions = mask, positions
+        if cache is not None and cache.k.shape[2]:
+            cached = cache.k.shape[2]
+            if cache.mask is None:  # an unpadded cache: the positions just before each row's
+                cache_mask = torch.ones(x.shape[0], cached, dtype=torch.bool, device=x.device)
+                cache_positions = past[:, None] - cached + torch.arange(cached, device=x.device)
+            else:
+                cache_mask, cache_positions = cache.mask, cache.positions
+            k_rot, v = torch.cat([cache.k, k_rot], dim=2), torch.cat([cache.v, v], dim=2)
+            key_mask = torch.cat([cache_mask, mask], dim=1)
+            key_positions = torch.cat([cache_positions, positions], dim=1)
+        total = key_mask.shape[1]
+        columns = torch.arange(total, device=x.device)
+        query_columns = columns[total - length:]
+        offset = positions[:, :, None] - key_positions[:, None, :]  # [B, T, L]
+        visible = (offset >= 0) & (offset < window) & key_mask[:, None, :] \
+            & (columns[None, None, :] <= query_columns[None, :, None])
+        visible = visible | (columns[None, None, :] == query_columns[None, :, None])
+        y = self.attend(q, q_rot, k_rot, v, visible[:, None])
+        keep = min(window - 1, total)
+        last = torch.argsort(key_mask.to(torch.uint8), dim=1, stable=True)[:, total - keep:]  # the last real keys
+        pick = last[:, None, :, None]
+        kept_k = k_rot.gather(2, pick.expand(-1, k_rot.shape[1], -1, k_rot.shape[3]))
+        kept_v = v.gather(2, pick.expand(-1, v.shape[1], -1, v.shape[3]))
+        return y, WindowCache(kept_k, kept_v, key_mask.gather(1, last), key_positions.gather(1, last))
+
 
 def _layer_norm(config: TitansConfig, width: int) -> nn.LayerNorm:
     return nn.LayerNorm(width, bias=config.bias)
@@ -372,11 +429,17 @@ class MAGBlock(nn.Module):
         self.mlp = MLP(config, config.mlp_hidden)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, state: MAGState | None, position: int,
-                with_state: bool = True) -> tuple[Tensor, MAGState | None]:
+    def forward(self, x: Tensor, state: MAGState | None, position: int, with_state: bool = True,
+                padding: Padding | None = None) -> tuple[Tensor, MAGState | None]:
         normed = self.ln_1(x)
-        y, attention = self.attn.sliding_window(normed, None if state is None else state.attention, position)
-        m, memory = self.memory(normed, None if state is None else state.memory, position, with_state)
+        if padding is None:
+            y, attention = self.attn.sliding_window(normed, None if state is None else state.attention, position)
+            m, memory = self.memory(normed, None if state is None else state.memory, position, with_state)
+        else:
+            y, attention = self.attn.sliding_window_padded(normed, None if state is None else state.attention,
+                                                           padding)
+            m, memory = self.memory(normed, None if state is None else state.memory, padding.past, with_state,
+                                    padding.mask)
         x = x + self.dropout(self.out_proj(self.norm_y(y) * torch.sigmoid(self.norm_m(m))))
         return x + self.mlp(self.ln_2(x)), MAGState(attention, memory) if with_state else None
 
@@ -460,10 +523,13 @@ class MemoryBlock(nn.Module):
         self.mlp = MLP(config, config.mlp_hidden)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, state: MemoryCache | None, position: int,
-                with_state: bool = True) -> tuple[Tensor, MemoryCache | None]:
+    def forward(self, x: Tensor, state: MemoryCache | None, position: int, with_state: bool = True,
+                padding: Padding | None = None) -> tuple[Tensor, MemoryCache | None]:
         normed = self.ln_1(x)
-        m, state = self.memory(normed, state, position, with_state)
+        if padding is None:
+            m, state = self.memory(normed, state, position, with_state)
+        else:
+            m, state = self.memory(normed, state, padding.past, with_state, padding.mask)
         x = x + self.dropout(self.out_proj(self.norm_m(m) * F.silu(self.gate_proj(normed))))
         return x + self.mlp(self.ln_2(x)), state
 
@@ -480,9 +546,12 @@ class SWABlock(nn.Module):
         self.mlp = MLP(config, config.mlp_hidden)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, state: WindowCache | None, position: int,
-                with_state: bool = True) -> tuple[Tensor, WindowCache | None]:
-        y, state = self.attn.sliding_window(self.ln_1(x), state, position)
+    def forward(self, x: Tensor, state: WindowCache | None, position: int, with_state: bool = True,
+                padding: Padding | None = None) -> tuple[Tensor, WindowCache | None]:
+        if padding is None:
+            y, state = self.attn.sliding_window(self.ln_1(x), state, position)
+        else:
+            y, state = self.attn.sliding_window_padded(self.ln_1(x), state, padding)
         x = x + self.dropout(self.c_proj(y))
         return x + self.mlp(self.ln_2(x)), state if with_state else None
 
@@ -656,10 +725,21 @@ class Titans(Backbone):
         """The tied head ``forward`` applies to ``forward_hidden``'s states."""
         return self.lm_head
 
-    def forward_hidden(self, idx: Tensor, state: TitansState | None = None,
-                       with_state: bool = True) -> tuple[Tensor, TitansState | None]:
+    def forward_hidden(self, idx: Tensor, state: TitansState | RowStates | None = None, with_state: bool = True,
+                       mask: Tensor | None = None) -> tuple[Tensor, TitansState | RowStates | None]:
         """``forward`` before the head: (final hidden states [B, T, C], after ln_f, new state; None with
-        ``with_state`` False, where the memories leave their last chunk's carry out)."""
+        ``with_state`` False, where the memories leave their last chunk's carry out).
+
+        With ``mask`` [B, T], positions (RoPE, the window, the memory's chunks) count each row's real tokens, and
+        the rows of the padded batch sit at positions of their own: the state's position is then each row's count
+        [B], the window caches keep each row's last real keys, and later calls take this path too (the memory token
+        by token, whatever its backend). MAC's segments would each need a cache of their own length per row: a
+        padded MAC batch runs row by row, its state ``RowStates`` (one per row; a masked position's hidden state 0).
+        """
+        if self.config.variant == "mac" and (mask is not None or isinstance(state, RowStates)):
+            return self._forward_rows(idx, state, with_state, mask)
+        if mask is not None or (state is not None and isinstance(state.position, Tensor)):
+            return self._forward_padded(idx, state, with_state, mask)
         position = 0 if state is None else state.position
         x = self.drop(self.wte(idx))
         layer_states = []
@@ -667,6 +747,43 @@ class Titans(Backbone):
             x, layer_state = block(x, None if state is None else state.layers[i], position, with_state)
             layer_states.append(layer_state)
         return self.ln_f(x), TitansState(position + idx.shape[1], tuple(layer_states)) if with_state else None
+
+    def _forward_padded(self, idx: Tensor, state: TitansState | None, with_state: bool,
+                        mask: Tensor | None) -> tuple[Tensor, TitansState | None]:
+        """``forward_hidden`` of a padded batch (mag, mal, lmm): every row at its own positions."""
+        batch, length = idx.shape
+        mask = torch.ones_like(idx, dtype=torch.bool) if mask is None else mask.to(torch.bool)
+        if state is None:
+            past = torch.zeros(batch, dtype=torch.long, device=idx.device)
+        elif isinstance(state.position, Tensor):
+            past = state.position
+        else:
+            past = torch.full((batch,), state.position, dtype=torch.long, device=idx.device)
+        padding = Padding((past[:, None] + mask.long().cumsum(1) - 1).clamp(min=0), past, mask)
+        x = self.drop(self.wte(idx))
+        layer_states = []
+        for i, block in enumerate(self.blocks):
+            x, layer_state = block(x, None if state is None else state.layers[i], 0, with_state, padding)
+            layer_states.append(layer_state)
+        return self.ln_f(x), TitansState(past + mask.sum(1), tuple(layer_states)) if with_state else None
+
+    def _forward_rows(self, idx: Tensor, state: TitansState | RowStates | None, with_state: bool,
+                      mask: Tensor | None) -> tuple[Tensor, RowStates | None]:
+        """``forward_hidden`` row by row over each row's real tokens (all, where ``mask`` is None)."""
+        batch, length = idx.shape
+        if isinstance(state, RowStates):
+            rows = list(state.rows)
+        elif state is None:
+            rows = [None] * batch
+        else:
+            rows = [reorder_state(state, torch.tensor([row], device=idx.device)) for row in range(batch)]
+        hidden = self.wte.weight.new_zeros(batch, length, self.config.n_embd)
+        for row in range(batch):
+            real = torch.arange(length, device=idx.device) if mask is None else mask[row].nonzero().flatten()
+            if len(real):
+                row_hidden, rows[row] = self.forward_hidden(idx[row:row + 1, real], rows[row], with_state)
+                hidden[row, real] = row_hidden[0].to(hidden.dtype)
+        return hidden, RowStates(tuple(rows)) if with_state else None
 
 
 

@@ -222,9 +222,10 @@ class CausalConv1d(nn.Module):
         bound = 1.0 / math.sqrt(kernel_size)
         nn.init.uniform_(self.weight, -bound, bound)
 
-    def forward(self, x: Tensor, buffer: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """x ``[B, T, C]``, buffer ``[B, K-1, C]`` -> (y ``[B, T, C]``, new buffer ``[B, K-1, C]``)."""
-        return causal_depthwise_conv(x, self.weight, self.bias, buffer)
+    def forward(self, x: Tensor, buffer: Tensor | None = None, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """x ``[B, T, C]``, buffer ``[B, K-1, C]``, mask ``[B, T]`` or None (masked inputs skipped) -> (y ``[B, T, C]``,
+        new buffer ``[B, K-1, C]``)."""
+        return causal_depthwise_conv(x, self.weight, self.bias, buffer, mask=mask)
 
 
 class HeadwiseLinear(nn.Module):
@@ -371,12 +372,15 @@ class MLSTMBlock(nn.Module):
             gates = torch.addmm(gates, w, part.flatten(0, -2).t())  # [2H, B T]
         return gates.view(-1, *q.shape[:-1]).transpose(0, 1).chunk(2, dim=1)
 
-    def forward(self, x: Tensor, state: tuple | None = None, with_state: bool = True) -> tuple[Tensor, tuple | None]:
+    def forward(self, x: Tensor, state: tuple | None = None, with_state: bool = True,
+                mask: Tensor | None = None) -> tuple[Tensor, tuple | None]:
+        """x ``[B, T, E]``, mask ``[B, T]`` or None (masked steps leave the cell and the conv buffer as they were; the
+        kernels backend then runs ltcx's chunkwise form, as masks come with prompts, not training)."""
         B, T, _ = x.shape
         H, Dh = self.n_head, self.head_dim
         cell, buffer = (None, None) if state is None else (tuple(state[:3]), state[3])
         x_m, z = self.proj_up(self.norm(x)).chunk(2, dim=-1)  # [B, T, I] each
-        x_c, buffer = self.conv(x_m, buffer)
+        x_c, buffer = self.conv(x_m, buffer, mask)
         x_c = F.silu(x_c)
         q, k, v = self.q_proj(x_c), self.k_proj(x_c), self.v_proj(x_m)
         i_pre, f_pre = self._gates(q, k, v)  # [B, H, T] each
@@ -386,16 +390,17 @@ class MLSTMBlock(nn.Module):
 
         if T == 1:  # generation: the recurrent form
             h, cell = mlstm_step(q.view(B, H, Dh), k.view(B, H, Dh), v.view(B, H, Dh), i_pre[..., 0], f_pre[..., 0],
-                                 cell, forget_gate=self.forget_gate)
+                                 cell, forget_gate=self.forget_gate, mask=None if mask is None else mask[:, 0])
             h = h.unsqueeze(2)
         elif self.backend == "parallel":
             h, cell = mlstm_parallel(heads(q), heads(k), heads(v), i_pre, f_pre, cell, forget_gate=self.forget_gate,
-                                     with_state=with_state)
-        elif self.backend == "kernels" and (kernel := mlstm_kernel_for(x.device, self.training)) is not None:
+                                     with_state=with_state, mask=mask)
+        elif (self.backend == "kernels" and mask is None
+              and (kernel := mlstm_kernel_for(x.device, self.training)) is not None):
             h, cell = mlstm_chunkwise_kernels(heads(q), heads(k), heads(v), i_pre, f_pre, cell, kernel=kernel)
         else:
-            h, cell = mlstm_chunkwise(heads(q), heads(k), heads(v), i_pre, f_pre, cell,
-                                      chunk_size=self.chunk_size, forget_gate=self.forget_gate, with_state=with_state)
+            h, cell = mlstm_chunkwise(heads(q), heads(k), heads(v), i_pre, f_pre, cell, chunk_size=self.chunk_size,
+                                      forget_gate=self.forget_gate, with_state=with_state, mask=mask)
         h = self.out_norm(h.transpose(1, 2))  # [B, T, I]
         h = (h + self.skip * x_c) * F.silu(z)
         return x + self.dropout(self.proj_down(h)), (*cell, buffer) if with_state else None
@@ -442,12 +447,15 @@ class SLSTMBlock(nn.Module):
         nn.init.normal_(self.ffn_up.weight, std=_small_init_std(E))
         nn.init.normal_(self.ffn_down.weight, std=_wang_init_std(E, cfg.n_layer))
 
-    def forward(self, x: Tensor, state: tuple | None = None, with_state: bool = True) -> tuple[Tensor, tuple | None]:
+    def forward(self, x: Tensor, state: tuple | None = None, with_state: bool = True,
+                mask: Tensor | None = None) -> tuple[Tensor, tuple | None]:
+        """x ``[B, T, E]``, mask ``[B, T]`` or None (masked steps leave c, n, h, m and the conv buffer as they were;
+        ``slstm_backend: triton`` then runs the torch scan, as masks come with prompts, not training)."""
         B, T, E = x.shape
         H, Dh = self.n_head, self.head_dim
         cell, buffer = (None, None) if state is None else (tuple(state[:4]), state[4])
         xn = self.norm(x)
-        x_c, buffer = self.conv(xn, buffer)
+        x_c, buffer = self.conv(xn, buffer, mask)
         x_c = F.silu(x_c)
         # all steps' input projections, laid out as the scan reads them ([T, H, B, 4 Dh]: i, f from the conv path,
         # z, o from the normed input): per path one bmm of [H, T B, Dh] with [H, Dh, 2 Dh]. The bias is added after
@@ -460,9 +468,13 @@ class SLSTMBlock(nn.Module):
         g = torch.cat([torch.bmm(head_major(path), self.w_in[s]) for s, path in enumerate((x_c, xn))], dim=-1) + bias
         # R rearranged for one product per step, kept between decode steps (rebuilt when R changes)
         recurrent = derived_in_inference(self, "recurrent", (self.R,), lambda: recurrent_weights(self.R))
-        scan = slstm_scan_head_major if self.fused_scan is None else self.fused_scan
-        h, cell = scan(g.view(H, T, B, 4 * Dh).transpose(0, 1), self.R, cell,
-                       forget_gate=self.forget_gate, recurrent=recurrent)  # [T, H, B, Dh]
+        steps = g.view(H, T, B, 4 * Dh).transpose(0, 1)
+        if mask is not None:
+            h, cell = slstm_scan_head_major(steps, self.R, cell, forget_gate=self.forget_gate, recurrent=recurrent,
+                                            mask=mask)
+        else:
+            scan = slstm_scan_head_major if self.fused_scan is None else self.fused_scan
+            h, cell = scan(steps, self.R, cell, forget_gate=self.forget_gate, recurrent=recurrent)  # [T, H, B, Dh]
         x = x + self.dropout(self.out_norm(h.permute(2, 0, 1, 3)))
         u, gate = self.ffn_up(self.ffn_norm(x)).chunk(2, dim=-1)
         x = x + self.dropout(self.ffn_down(F.gelu(gate) * u))
@@ -510,16 +522,20 @@ class XLSTM(Backbone):
         """The head ``forward`` applies to ``forward_hidden``'s states."""
         return self.head
 
-    def forward_hidden(self, idx: Tensor, state: list | None = None,
-                       with_state: bool = True) -> tuple[Tensor, list | None]:
+    def forward_hidden(self, idx: Tensor, state: list | None = None, with_state: bool = True,
+                       mask: Tensor | None = None) -> tuple[Tensor, list | None]:
         """``forward`` before the head: (final hidden states ``[B, T, E]``, after the norm, state; None with
-        ``with_state`` False, where the mLSTM blocks leave their final state out)."""
+        ``with_state`` False, where the mLSTM blocks leave their final state out). ``mask`` ``[B, T]``: masked steps
+        are identity steps of every cell and conv buffer."""
         if state is not None and len(state) != len(self.blocks):
             raise ValueError(f"state has {len(state)} entries but the model has {len(self.blocks)} blocks")
         x = self.dropout(self.embedding(idx))
         new_state = []
         for i, block in enumerate(self.blocks):
-            x, s = block(x, None if state is None else state[i], with_state)
+            if mask is None:
+                x, s = block(x, None if state is None else state[i], with_state)
+            else:
+                x, s = block(x, None if state is None else state[i], with_state, mask)
             new_state.append(s)
         return self.norm(x), new_state if with_state else None
 

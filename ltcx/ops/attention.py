@@ -8,14 +8,16 @@ import torch.nn.functional as F
 
 
 def causal_gqa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, scale: float | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention of new queries over all keys, causal in absolute position.
 
     q: [B, H, T, D], the queries of the last T positions.
     k: [B, H_kv, P + T, D], v: [B, H_kv, P + T, D_v], keys and values of the P cached positions followed
     by the T new ones. H must be a multiple of H_kv; query head h reads KV head h // (H / H_kv).
-    scale: of the scores; None = 1 / sqrt(D). Returns [B, H, T, D_v].
+    scale: of the scores; None = 1 / sqrt(D). key_mask [B, P + T] (bool, True = a real token; None = all real):
+    no query sees a masked key, except a masked query its own (so its output stays finite). Returns [B, H, T, D_v].
 
     One call to ``scaled_dot_product_attention``: its ``is_causal`` aligns the mask to the top-left
     corner, which is right only without a cache, so with P > 0 the mask is built explicitly.
@@ -23,6 +25,13 @@ def causal_gqa_attention(
     new_len, total_len = q.shape[-2], k.shape[-2]
     past_len = total_len - new_len
     gqa = q.shape[1] != k.shape[1]
+    if key_mask is not None:
+        key_pos = torch.arange(total_len, device=q.device)
+        query_pos = torch.arange(past_len, total_len, device=q.device)
+        causal = key_pos[None, :] <= query_pos[:, None]  # [T, P+T]
+        allowed = causal & (key_mask[:, None, :] | (key_pos[None, :] == query_pos[:, None]))  # [B, T, P+T]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], dropout_p=dropout_p, scale=scale,
+                                              enable_gqa=gqa)
     if past_len == 0:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=gqa)
     if new_len == 1:  # one new query sees every key
@@ -34,7 +43,8 @@ def causal_gqa_attention(
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotary position embedding, rotate-half layout: x [..., T, D] (D even) at integer positions [T].
+    """Rotary position embedding, rotate-half layout: x [..., T, D] (D even) at integer positions [T] (or [B, T],
+    a row's own, for x [B, H, T, D]).
 
     Pair i of (x[..., i], x[..., i + D/2]) is rotated by the angle position * base^(-2i/D). The angles are
     computed in float64 from the absolute position, so a token gets bit-identical rotations whether it is
@@ -42,10 +52,21 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) 
     """
     half = x.shape[-1] // 2
     inv_freq = base ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
-    angles = positions.to(device=x.device, dtype=torch.float64)[:, None] * inv_freq  # [T, D/2]
+    angles = positions.to(device=x.device, dtype=torch.float64)[..., None] * inv_freq  # [T, D/2] or [B, T, D/2]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    if positions.dim() == 2:  # per-row positions [B, T]: broadcast over the heads
+        cos, sin = cos[:, None], sin[:, None]
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def padded_positions(mask: torch.Tensor, past_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions that count real tokens only: mask [B, T] of new tokens and past_mask [B, P] of the cached ones
+    (bool, True = real) -> (positions [B, T], each token's number of real tokens before it in its row (a masked
+    one gets its real predecessor's, finite and unused), key_mask [B, P + T] = [past_mask, mask])."""
+    seen = past_mask.sum(1, keepdim=True)  # [B, 1]
+    positions = (seen + mask.long().cumsum(1) - 1).clamp(min=0)
+    return positions, torch.cat([past_mask, mask], dim=1)
 
 
 def sliding_window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:

@@ -24,14 +24,16 @@ import torch.nn.functional as F
 from ltcx.ops.attention import causal_gqa_attention
 
 
-def latent_attention(q: torch.Tensor, k: torch.Tensor, latent: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+def latent_attention(q: torch.Tensor, k: torch.Tensor, latent: torch.Tensor, dropout_p: float = 0.0,
+                     key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each group's query over shared keys and latent values, scaled by 1 / sqrt(d_k).
 
     q: [B, G, T, d_k] the queries of the last T positions; k: [B, n_k, P + T, d_k];
-    latent: [B, n_c, P + T, d_l]. G must be a multiple of n_k and of n_c. Returns o [B, G, T, d_l].
+    latent: [B, n_c, P + T, d_l]. G must be a multiple of n_k and of n_c. key_mask [B, P + T] or None: as
+    ``causal_gqa_attention``'s (masked keys left out). Returns o [B, G, T, d_l].
     One new token (a decode step) takes ``latent_attention_step``; every other call one fused SDPA call.
     """
-    if q.shape[2] == 1 and dropout_p == 0.0:
+    if q.shape[2] == 1 and dropout_p == 0.0 and key_mask is None:
         return latent_attention_step(q, k, latent)
     n_key, n_latent = k.shape[1], latent.shape[1]
     if n_key != n_latent:  # SDPA's GQA wants one head count for keys and values: repeat both to their lcm
@@ -46,7 +48,7 @@ def latent_attention(q: torch.Tensor, k: torch.Tensor, latent: torch.Tensor, dro
         width = max(key_dim, latent_dim)
         q, k = F.pad(q, (0, width - key_dim)), F.pad(k, (0, width - key_dim))
         latent = F.pad(latent, (0, width - latent_dim))
-    o = causal_gqa_attention(q, k, latent, dropout_p=dropout_p, scale=key_dim**-0.5)
+    o = causal_gqa_attention(q, k, latent, dropout_p=dropout_p, scale=key_dim**-0.5, key_mask=key_mask)
     return o[..., :latent_dim]
 
 

@@ -95,23 +95,27 @@ def rotate_projection(weight: torch.Tensor, basis: torch.Tensor) -> torch.Tensor
 def scale_modes(
     x: torch.Tensor,
     tau: torch.Tensor,
-    start: int,
+    start: int | torch.Tensor,
     centre: float,
     is_query: bool,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Scale the first M coordinates of already rotated queries or keys.
 
-    x: [B, N, T, D] in the modal basis at absolute positions [start, start + T), N = G or a multiple;
-    tau: [B, G, M]. Queries get exp(-(i - c) / tau_m), keys exp(+(j - c) / tau_m). Done in float32
-    (float64 for float64 input) with autocast off; returns ``out_dtype`` (default x's dtype).
+    x: [B, N, T, D] in the modal basis at absolute positions [start, start + T) (or ``start`` [B, T]: each row's
+    own positions, a padded batch's), N = G or a multiple; tau: [B, G, M]. Queries get exp(-(i - c) / tau_m),
+    keys exp(+(j - c) / tau_m). Done in float32 (float64 for float64 input) with autocast off; returns
+    ``out_dtype`` (default x's dtype).
     """
     batch, heads, length, head_dim = x.shape
     groups, modes = tau.shape[1], tau.shape[2]
     dtype = compute_dtype(x.dtype)
     with without_autocast(x.device):
         rates = (-1.0 if is_query else 1.0) / tau.to(dtype)  # [B, G, M]
-        if length == 1:  # a decode step: one offset, no position tensor (fewer small ops per step)
+        if isinstance(start, torch.Tensor):  # per-row positions [B, T]
+            offsets = start.to(dtype) - centre
+            scales = torch.exp(offsets[:, None, :, None] * rates[:, :, None, :])  # [B, G, T, M]
+        elif length == 1:  # a decode step: one offset, no position tensor (fewer small ops per step)
             scales = torch.exp(rates * (start - centre)).unsqueeze(2)  # [B, G, 1, M]
         else:
             offsets = torch.arange(start, start + length, device=x.device, dtype=dtype) - centre  # [T]

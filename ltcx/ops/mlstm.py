@@ -23,6 +23,11 @@ exponential forget gate)::
     C_t = exp(log f_t + m_{t-1} - m_t) C_{t-1} + exp(i~_t - m_t) k_t v_t^T
     n_t = exp(log f_t + m_{t-1} - m_t) n_{t-1} + exp(i~_t - m_t) k_t
     h_t = C_t^T q_t / (max(|n_t . q_t|, exp(-m_t)) + eps)
+
+A padding mask ``[B, T]`` (True = a real token) makes each masked step an identity step: no input
+(``i~ = MASKED_LOG_I``, whose weight ``exp(i~ - m)`` is exactly 0 beside any real input or carried state) and no
+forgetting (``log f = 0``); a row with no real token in the call keeps its state as it was. A masked step's h is
+finite and meaningless.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ _MAX_NEG_M = 80.0
 the floor finite (an infinite floor gives 0 * inf = NaN in the backward pass)."""
 
 FORGET_GATES = ("sigmoid", "exp")
+
+MASKED_LOG_I = -1e30
+"""A masked step's input-gate pre-activation: finite (the empty state's -inf beside it would give NaN), and so far
+below any real one that its weight rounds to 0 wherever a real input or a carried state is present."""
 
 
 def log_forget_gate(f_pre: Tensor, forget_gate: str = "sigmoid") -> Tensor:
@@ -85,9 +94,10 @@ def _normalise(num: Tensor, den: Tensor, m: Tensor, eps: float) -> Tensor:
     return num * _normaliser(den, m, eps)[0].unsqueeze(-1)
 
 
-def _prepare(q, k, v, i_pre, f_pre, state, forget_gate):
+def _prepare(q, k, v, i_pre, f_pre, state, forget_gate, mask=None):
     """Cast to the state dtype, scale keys, take log f, and cast the initial state (None stays None: the empty
-    state's terms are left out, and its zero ``[B, H, D, D]`` is made only where a form carries it).
+    state's terms are left out, and its zero ``[B, H, D, D]`` is made only where a form carries it); masked steps
+    (mask ``[B, T]`` False) get no input and no forgetting.
 
     q, k and v come out contiguous: a block's heads are views of ``[B, T, H D]`` (``[B, H, T, D]`` with T's stride
     H D), which every batched product here, forward and backward, would otherwise copy to make B and H one batch
@@ -97,7 +107,20 @@ def _prepare(q, k, v, i_pre, f_pre, state, forget_gate):
     q, k, v = q.to(cdt).contiguous(), k.to(cdt).contiguous() * (1.0 / math.sqrt(D)), v.to(cdt).contiguous()
     log_i = i_pre.to(cdt)
     log_f = log_forget_gate(f_pre.to(cdt), forget_gate)
+    if mask is not None:
+        masked = ~mask[:, None, :]  # [B, 1, T]
+        log_i, log_f = log_i.masked_fill(masked, MASKED_LOG_I), log_f.masked_fill(masked, 0.0)
     return q, k, v, log_i, log_f, None if state is None else tuple(s.to(cdt) for s in state)
+
+
+def _kept_where_unseen(new: MLSTMState, given: MLSTMState | None, q: Tensor, mask: Tensor | None) -> MLSTMState:
+    """``new``, except in the rows of ``mask`` ``[B, T]`` with no real token, which keep ``given`` (the empty state
+    for None): their masked steps would otherwise leave finite traces weighted exp(MASKED_LOG_I)."""
+    if mask is None:
+        return new
+    old = _state_or_empty(given, q)
+    seen = mask.any(dim=1)  # [B]
+    return tuple(torch.where(seen.view(-1, *([1] * (n.dim() - 1))), n, o) for n, o in zip(new, old))
 
 
 def _state_or_empty(state: MLSTMState | None, q: Tensor) -> MLSTMState:
@@ -269,20 +292,24 @@ def mlstm_parallel(
     forget_gate: str = "sigmoid",
     eps: float = EPS,
     with_state: bool = True,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, MLSTMState | None]:
     """Stabilised parallel mLSTM over the whole sequence, continuing from ``state``.
 
-    q, k, v ``[B, H, T, D]``, i_pre, f_pre ``[B, H, T]``. Returns h ``[B, H, T, D]`` (dtype of q)
-    and the final state (None with ``with_state`` False: not computed, for a caller that discards it). The initial
-    state enters as an extra "column" with log weight ``sum_{l<=t} log f_l + m_0`` (``-inf`` for the empty state).
+    q, k, v ``[B, H, T, D]``, i_pre, f_pre ``[B, H, T]``, mask ``[B, T]`` or None (the module's docstring). Returns h
+    ``[B, H, T, D]`` (dtype of q) and the final state (None with ``with_state`` False: not computed, for a caller that
+    discards it). The initial state enters as an extra "column" with log weight ``sum_{l<=t} log f_l + m_0`` (``-inf``
+    for the empty state).
     """
     out_dtype = q.dtype
-    q, k, v, log_i, log_f, state = _prepare(q, k, v, i_pre, f_pre, state, forget_gate)
+    q, k, v, log_i, log_f, state = _prepare(q, k, v, i_pre, f_pre, state, forget_gate, mask)
     if q.shape[-2] == 0:
         return q.to(out_dtype), _state_or_empty(state, q) if with_state else None
     given = state or (None,) * 3
     h = _chunk_outputs(q, k, v, log_i, log_f, *given, eps)
-    return h.to(out_dtype), _chunk_state(k, v, log_i, log_f, *given) if with_state else None
+    if not with_state:
+        return h.to(out_dtype), None
+    return h.to(out_dtype), _kept_where_unseen(_chunk_state(k, v, log_i, log_f, *given), state, q, mask)
 
 
 def mlstm_chunkwise(
@@ -297,6 +324,7 @@ def mlstm_chunkwise(
     forget_gate: str = "sigmoid",
     eps: float = EPS,
     with_state: bool = True,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, MLSTMState | None]:
     """Chunkwise mLSTM: O(T L) memory for chunk length L; any T (the last chunk may be short).
 
@@ -305,14 +333,16 @@ def mlstm_chunkwise(
     3. all full chunks' outputs are computed at once from their starting states;
     4. a trailing partial chunk is one more parallel block.
     A sequence of at most one chunk is one parallel block (:func:`mlstm_parallel`'s form).
-    Shapes and ``with_state`` as :func:`mlstm_parallel`.
+    Shapes, ``with_state`` and ``mask`` as :func:`mlstm_parallel`.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size ({chunk_size}) must be >= 1")
     if q.shape[-2] <= chunk_size:  # one block: the parallel form, without the carry loop and the chunk-state detour
-        return mlstm_parallel(q, k, v, i_pre, f_pre, state, forget_gate=forget_gate, eps=eps, with_state=with_state)
+        return mlstm_parallel(q, k, v, i_pre, f_pre, state, forget_gate=forget_gate, eps=eps, with_state=with_state,
+                              mask=mask)
     out_dtype = q.dtype
-    q, k, v, log_i, log_f, state = _prepare(q, k, v, i_pre, f_pre, state, forget_gate)
+    q, k, v, log_i, log_f, state = _prepare(q, k, v, i_pre, f_pre, state, forget_gate, mask)
+    given = state
     B, H, T, D = q.shape
     C, n, m = _state_or_empty(state, q)  # the carry loop starts from it
     L = chunk_size
@@ -358,9 +388,9 @@ def mlstm_chunkwise(
         s = N * L
         tail_inputs = (k[:, :, s:], v[:, :, s:], log_i[:, :, s:], log_f[:, :, s:], C, n, m)
         tail = _chunk_outputs(q[:, :, s:], *tail_inputs, eps)
-        final = _chunk_state(*tail_inputs) if with_state else None
+        final = _kept_where_unseen(_chunk_state(*tail_inputs), given, q, mask) if with_state else None
         return torch.cat([h, tail], dim=2).to(out_dtype), final
-    return h.to(out_dtype), (C, n, m) if with_state else None
+    return h.to(out_dtype), _kept_where_unseen((C, n, m), given, q, mask) if with_state else None
 
 
 def mlstm_step(
@@ -373,8 +403,10 @@ def mlstm_step(
     *,
     forget_gate: str = "sigmoid",
     eps: float = EPS,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, MLSTMState]:
-    """One recurrent step. q, k, v ``[B, H, D]``; i_pre, f_pre ``[B, H]``. Returns h ``[B, H, D]``, state."""
+    """One recurrent step. q, k, v ``[B, H, D]``; i_pre, f_pre ``[B, H]``; mask ``[B]`` or None (False: the row's
+    state stays as it was, its h meaningless). Returns h ``[B, H, D]``, state."""
     out_dtype = q.dtype
     B, H, D = q.shape
     cdt = state_dtype(q.dtype)
@@ -395,6 +427,8 @@ def mlstm_step(
     num = (q.unsqueeze(-2) @ C).squeeze(-2)  # [B, H, D]
     den = (q * n).sum(-1)  # [B, H]
     h = _normalise(num, den, m_new, eps)
+    if mask is not None:
+        return h.to(out_dtype), _kept_where_unseen((C, n, m_new), state, q, mask[:, None])
     return h.to(out_dtype), (C, n, m_new)
 
 

@@ -15,7 +15,8 @@ Per unit, with ``log f = logsigmoid(f~)`` (or ``f~`` for the exponential forget 
 
 State ``(c, n, h, m)``, each ``[B, H, Dh]``, float32 (float64 for float64 inputs). The empty
 state has ``m = -inf`` so the first step needs no special case (then ``n_1 = 1``; by induction
-``n_t >= 1``, so ``c / n`` never divides by zero).
+``n_t >= 1``, so ``c / n`` never divides by zero). A padding mask ``[B, T]`` (True = a real token) makes each
+masked step an identity step: c, n, h and m stay as they were (the step's output is the kept h).
 """
 
 from __future__ import annotations
@@ -74,6 +75,18 @@ def _scan_loop(
         hs.append(h)
         if record is not None:
             record.append((pre, c, n, *acts))
+    return torch.stack(hs, dim=1).transpose(0, 1), c, n, h, m
+
+
+def _masked_scan_loop(
+    steps: Tensor, recurrent: Tensor, c: Tensor, n: Tensor, h: Tensor, m: Tensor, forget_gate: str, mask: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`_scan_loop` where the steps that ``mask`` ``[B, T]`` marks False leave (c, n, h, m) as they were."""
+    hs = []
+    for gates_t, real in zip(steps.unbind(0), mask.t()[:, None, :, None].unbind(0)):  # real [1, B, 1]
+        (c_new, n_new, h_new, m_new), _ = _cell(torch.baddbmm(gates_t, h, recurrent), c, n, m, forget_gate)
+        c, n, h, m = (torch.where(real, new, old) for new, old in zip((c_new, n_new, h_new, m_new), (c, n, h, m)))
+        hs.append(h)
     return torch.stack(hs, dim=1).transpose(0, 1), c, n, h, m
 
 
@@ -193,12 +206,13 @@ def slstm_scan(
 
 def slstm_scan_head_major(
     steps: Tensor, R: Tensor, state: SLSTMState | None = None, *, forget_gate: str = "sigmoid",
-    recurrent: Tensor | None = None,
+    recurrent: Tensor | None = None, mask: Tensor | None = None,
 ) -> tuple[Tensor, SLSTMState]:
     """:func:`slstm_scan` on its inputs as the loop reads them: steps ``[T, H, B, 4 Dh]`` (any strides; per step and
     head the four gates' input parts side by side, i, f, z, o); returns h ``[T, H, B, Dh]`` (dtype of steps) and the
     state (each ``[B, H, Dh]``). A block that projects its input straight into this layout skips slstm_scan's copy.
-    ``recurrent``: ``recurrent_weights(R)`` when the caller keeps it (else built here).
+    ``recurrent``: ``recurrent_weights(R)`` when the caller keeps it (else built here). ``mask`` ``[B, T]`` or None:
+    masked steps leave the state as it was (the module's docstring), in a loop without the written backward.
 
     Inside the loop everything is head-major ``[H, B, ...]``: the recurrent part of a step is one ``baddbmm`` of
     h ``[H, B, Dh]`` with ``[H, Dh, 4 Dh]`` onto that step's input part, and the steps' inputs come from one
@@ -215,6 +229,9 @@ def slstm_scan_head_major(
         return steps.new_zeros(0, H, B, Dh), state
     recurrent = (recurrent_weights(R) if recurrent is None else recurrent).to(cdt)
     inputs = (steps.to(cdt), recurrent, c, n, h, m)
+    if mask is not None:
+        hs, c, n, h, m = _masked_scan_loop(*inputs, forget_gate, mask.to(steps.device))
+        return hs.to(steps.dtype), tuple(s.transpose(0, 1) for s in (c, n, h, m))
     scan = _Scan.apply if wants_written_backward(*inputs) else _scan_loop
     hs, c, n, h, m = scan(*inputs, forget_gate)
     return hs.to(steps.dtype), tuple(s.transpose(0, 1) for s in (c, n, h, m))
