@@ -108,7 +108,7 @@ def _until_eot(ids: list[int]) -> list[int]:
 @pytest.mark.parametrize("name", sorted(CATALOG))
 @torch.no_grad()
 def test_padded_prompts_batch_in_generate_and_the_pipeline(tmp_path, name):
-    """Prompts of different lengths, left-padded by the tokenizer: ``generate`` gives each its own greedy tokens (ltcx's
+    """Prompts of different lengths, left-padded by the exported tokenizer as it is: ``generate`` gives each its own greedy tokens (ltcx's
     sampling loop on that prompt alone), and ``pipeline(..., batch_size=4)`` each its own text (the pipeline one
     prompt at a time); right padding leaves the real tokens' logits as they are (float64)."""
     from transformers import pipeline
@@ -117,7 +117,7 @@ def test_padded_prompts_batch_in_generate_and_the_pipeline(tmp_path, name):
     backbone.double()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.pad_token, tokenizer.padding_side = tokenizer.eos_token, "left"
+    assert (tokenizer.pad_token, tokenizer.padding_side) == (tokenizer.eos_token, "left")  # as exported
     prompts = ["The cat", "A", "Once upon a time", "xy", "Hello there"]
     batch = tokenizer(prompts[:4], padding=True, return_tensors="pt")
     assert not batch.attention_mask.all()

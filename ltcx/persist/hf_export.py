@@ -90,7 +90,9 @@ def _generation_settings(tok, backbone, layout: str) -> dict[str, Any]:
 def hf_tokenizer(tok):
     """The transformers tokenizer of an ltcx ``Tokenizer``, giving the same ids: GPT-2 BPE built from the offline
     files ``ltcx.tokenizers`` uses, the bytes tokenizer as byte-level BPE without merges (ids 0..255 the bytes, 256
-    end of text), a Hugging Face tokenizer as it is. Special-token text is encoded as ordinary text, as ltcx does."""
+    end of text), a Hugging Face tokenizer as it is. Special-token text is encoded as ordinary text, as ltcx does. The
+    two built here pad on the left with end of text, so ``tokenizer(prompts, padding=True)`` and ``pipeline(...,
+    batch_size=n)`` batch prompts of different lengths for ``generate`` as written."""
     from ltcx.tokenizers import ByteTokenizer, HFTokenizer, TiktokenTokenizer
 
     if isinstance(tok, HFTokenizer):
@@ -105,7 +107,8 @@ def hf_tokenizer(tok):
         vocab = json.loads((data / "encoder.json").read_text(encoding="utf-8"))
         lines = (data / "vocab.bpe").read_text(encoding="utf-8").split("\n")[1:]  # the first is "#version: 0.2"
         merges = [tuple(line.split()) for line in lines if line.strip()]
-        return GPT2Tokenizer(vocab=vocab, merges=merges, split_special_tokens=True)
+        return GPT2Tokenizer(vocab=vocab, merges=merges, split_special_tokens=True, pad_token="<|endoftext|>",
+                             padding_side="left")
     if isinstance(tok, ByteTokenizer):
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast
@@ -115,7 +118,8 @@ def hf_tokenizer(tok):
         raw = Tokenizer(models.BPE(vocab={byte_chars[b]: b for b in range(256)}, merges=[]))
         raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         raw.decoder = decoders.ByteLevel()
-        return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>", split_special_tokens=True)
+        return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                       padding_side="left", split_special_tokens=True)
     raise LtcxError(f"tokenizer {tok.name!r} has no transformers equivalent to write: pass --tokenizer gpt2, bytes "
                     "or a Hugging Face tokenizer")
 
