@@ -108,9 +108,9 @@ def _until_eot(ids: list[int]) -> list[int]:
 @pytest.mark.parametrize("name", sorted(CATALOG))
 @torch.no_grad()
 def test_padded_prompts_batch_in_generate_and_the_pipeline(tmp_path, name):
-    """Prompts of different lengths, left-padded by the exported tokenizer as it is: ``generate`` gives each its own greedy tokens (ltcx's
-    sampling loop on that prompt alone), and ``pipeline(..., batch_size=4)`` each its own text (the pipeline one
-    prompt at a time); right padding leaves the real tokens' logits as they are (float64)."""
+    """Prompts of different lengths, left-padded by the exported tokenizer as it is: ``generate`` gives each its own
+    greedy tokens (ltcx's sampling loop on that prompt alone), and ``pipeline(..., batch_size=4)`` each its own text
+    (the pipeline one prompt at a time); right padding leaves the real tokens' logits as they are (float64)."""
     from transformers import pipeline
 
     backbone, _, folder = exported(tmp_path, name)

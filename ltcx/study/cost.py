@@ -158,8 +158,7 @@ def shape_flops_per_token(spec, shape) -> float:
     import torch
 
     from ltcx.study.budget import figures
-    from ltcx.study.plan import vocab_size
-    from ltcx.study.processes import arch_config
+    from ltcx.study.plan import arch_config, vocab_size
 
     block = shape.block_size(spec)
     vocab = vocab_size(spec, shape.entry or shape.arch, shape.cell)[1]
@@ -211,6 +210,6 @@ def study_estimate(spec, shapes, tuning_runs, rate: float, step_s: dict[str, flo
 
 
 def _yaml_backbone_layers(spec, shape) -> int:
-    from ltcx.study.processes import arch_config
+    from ltcx.study.plan import arch_config
 
     return int(_yaml_backbone(arch_config(shape)).get("init_args", {}).get("n_layer") or 1)

@@ -16,7 +16,7 @@ from typing import Any
 from ltcx.errors import ConfigError
 from ltcx.study.spec import StudySpec, arch_name
 
-__all__ = ["CELL_NAMES", "Run", "Shape", "data_args", "grid_cells", "make_run", "plan_shapes", "run_steps",
+__all__ = ["CELL_NAMES", "Run", "Shape", "arch_config", "composed_configs", "data_args", "grid_cells", "make_run", "plan_shapes", "run_steps",
            "vocab_size"]
 
 TEXT_DATA = "ltcx.data.TextDataModule"  # the CLI's data class when a config names none
@@ -96,7 +96,6 @@ def data_args(spec: StudySpec, entry: str, cell: tuple = ()) -> tuple[str, dict[
     """(class path, init args) of the data module a run of ``entry`` (a catalogue name or a model YAML) in ``cell``
     gets: its YAML's ``data``, then the spec's ``configs``, ``data`` and the cell, the study's block and batch sizes,
     merged as the CLI merges them (a new ``class_path`` starts its own arguments)."""
-    from ltcx.study.processes import arch_config, composed_configs
 
     parts = _config_data(Path(arch_config(Shape("", 0.0, {}, entry=entry))))
     for path in composed_configs(spec):
@@ -288,3 +287,25 @@ def run_steps(spec: StudySpec, shape: Shape) -> tuple[int, int]:
 def make_run(spec: StudySpec, shape: Shape, lr: float, seed: int) -> Run:
     steps, _ = run_steps(spec, shape)
     return Run(shape, lr, seed, steps, spec.evals)
+
+
+def arch_config(shape: Shape) -> str:
+    """The model YAML of ``shape``: its own (a variant's file) or the catalogue's."""
+    from ltcx.models.catalog import config_path
+
+    entry = shape.entry or shape.arch
+    return str(Path(entry).resolve()) if entry.endswith((".yaml", ".yml")) else str(config_path(entry))
+
+
+def composed_configs(spec: StudySpec) -> list[str]:
+    """The spec's ``configs`` as paths: a shipped name (``data/mqar``) or a file."""
+    from ltcx.models.catalog import shipped_config
+
+    paths = []
+    for config in spec.configs:
+        path = Path(config) if Path(config).is_file() else shipped_config(config)
+        if path is None:
+            raise ConfigError(f"study spec {spec.source}: key 'configs': '{config}' is neither a file nor a shipped "
+                              "config (e.g. data/mqar, trainer/smoke)")
+        paths.append(str(Path(path).resolve()))
+    return paths

@@ -20,17 +20,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ltcx.errors import ConfigError, LtcxError
+from ltcx.errors import LtcxError
 from ltcx.runtime import TEST_METRICS, ltcx_command
 from ltcx.study import prestart
 from ltcx.study.launch import CLAIMED, Job, StudyStopped, received, running, signals_noted, try_claim
-from ltcx.study.plan import Run, Shape, make_run, run_steps
+from ltcx.study.plan import Run, Shape, arch_config, composed_configs, make_run, run_steps
 from ltcx.study.records import read_metrics, read_result, read_test
 from ltcx.study.report import write_json
 from ltcx.study.results import last_line, latest_checkpoint, measure, read_logs
 from ltcx.study.spec import StudySpec
 
-__all__ = ["arch_config", "common_args", "composed_configs", "ended_by", "evaluate_test", "execute_job", "fit_args",
+__all__ = ["common_args", "ended_by", "evaluate_test", "execute_job", "fit_args",
            "print_plan", "run_child", "train"]
 
 
@@ -39,28 +39,6 @@ __all__ = ["arch_config", "common_args", "composed_configs", "ended_by", "evalua
 
 def _value(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
-
-
-def arch_config(shape: Shape) -> str:
-    """The model YAML of ``shape``: its own (a variant's file) or the catalogue's."""
-    from ltcx.models.catalog import config_path
-
-    entry = shape.entry or shape.arch
-    return str(Path(entry).resolve()) if entry.endswith((".yaml", ".yml")) else str(config_path(entry))
-
-
-def composed_configs(spec: StudySpec) -> list[str]:
-    """The spec's ``configs`` as paths: a shipped name (``data/mqar``) or a file."""
-    from ltcx.models.catalog import shipped_config
-
-    paths = []
-    for config in spec.configs:
-        path = Path(config) if Path(config).is_file() else shipped_config(config)
-        if path is None:
-            raise ConfigError(f"study spec {spec.source}: key 'configs': '{config}' is neither a file nor a shipped "
-                              "config (e.g. data/mqar, trainer/smoke)")
-        paths.append(str(Path(path).resolve()))
-    return paths
 
 
 def common_args(spec: StudySpec, run: Run) -> list[str]:

@@ -26,8 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ltcx.study.launch import Job, StudyFailed, StudyStopped, make_launcher
-from ltcx.study.plan import make_run, plan_shapes
-from ltcx.study.processes import composed_configs, execute_job, print_plan
+from ltcx.study.plan import composed_configs, make_run, plan_shapes
+from ltcx.study.processes import execute_job, print_plan
 from ltcx.study.report import write_json
 from ltcx.study.results import check_folder, extension_runs, report_from_folder, select_learning_rates, write_summary
 from ltcx.study.spec import StudySpec
