@@ -16,8 +16,8 @@ from typing import Any
 from ltcx.errors import ConfigError
 from ltcx.study.spec import StudySpec, arch_name
 
-__all__ = ["CELL_NAMES", "Run", "Shape", "arch_config", "composed_configs", "data_args", "grid_cells", "make_run", "plan_shapes", "run_steps",
-           "vocab_size"]
+__all__ = ["CELL_NAMES", "Run", "Shape", "arch_config", "composed_configs", "data_args", "grid_cells", "make_run",
+           "plan_shapes", "run_steps", "vocab_size"]
 
 TEXT_DATA = "ltcx.data.TextDataModule"  # the CLI's data class when a config names none
 
