@@ -64,6 +64,19 @@ def _load_matrix(ptr, s_r, s_c, rows, cols, mask):
 
 
 @triton.jit
+def _load_piece(q_base, k_base, v_base, sq_t, sq_d, sk_t, sk_d, sv_t, sv_d, lr_base, lm_base, st_base, slr_t, slm_t,
+                sst_t, t, rk, valid, mask_nk):
+    """A piece's inputs at tokens t ([BN], padded rows masked): Q, K, V [BN, BK] and the three gates [BN]."""
+    Q = tl.load(q_base + t[:, None] * sq_t + rk[None, :] * sq_d, mask=mask_nk, other=0.0)
+    K = tl.load(k_base + t[:, None] * sk_t + rk[None, :] * sk_d, mask=mask_nk, other=0.0)
+    V = tl.load(v_base + t[:, None] * sv_t + rk[None, :] * sv_d, mask=mask_nk, other=0.0)
+    lr = tl.load(lr_base + t * slr_t, mask=valid, other=0.0)
+    lm = tl.load(lm_base + t * slm_t, mask=valid, other=0.0)
+    stp = tl.load(st_base + t * sst_t, mask=valid, other=0.0)
+    return Q, K, V, lr, lm, stp
+
+
+@triton.jit
 def _piece_forward(Q, K, V, lr, lm, stp, valid, rn, n, W1, W2, S1, S2, W1s, W2s, NORMALIZE: tl.constexpr):
     """The closed form of one piece ([BN] rows, padded rows masked by ``valid``): every quantity the forward and
     the backward read, in the order the backward reads them."""
@@ -167,6 +180,9 @@ def _memory_forward_kernel(
     k_base = k_ptr + b * sk_b + hd * sk_h
     v_base = v_ptr + b * sv_b + hd * sv_h
     y_base = y_ptr + b * sy_b + hd * sy_h
+    lr_base = lr_ptr + b * slr_b + hd * slr_h
+    lm_base = lm_ptr + b * slm_b + hd * slm_h
+    st_base = st_ptr + b * sst_b + hd * sst_h
     for i in range(n_pieces):
         start = tl.where(i == 0, 0, first + (i - 1) * piece)  # the first piece finishes the call's first chunk
         n = tl.minimum(tl.where(i == 0, first, piece), length - start)
@@ -179,12 +195,8 @@ def _memory_forward_kernel(
         t = start + rn
         valid = rn < n
         mask_nk = valid[:, None] & (rk[None, :] < DK)
-        Q = tl.load(q_base + t[:, None] * sq_t + rk[None, :] * sq_d, mask=mask_nk, other=0.0)
-        K = tl.load(k_base + t[:, None] * sk_t + rk[None, :] * sk_d, mask=mask_nk, other=0.0)
-        V = tl.load(v_base + t[:, None] * sv_t + rk[None, :] * sv_d, mask=mask_nk, other=0.0)
-        lr = tl.load(lr_ptr + b * slr_b + hd * slr_h + t * slr_t, mask=valid, other=0.0)
-        lm = tl.load(lm_ptr + b * slm_b + hd * slm_h + t * slm_t, mask=valid, other=0.0)
-        stp = tl.load(st_ptr + b * sst_b + hd * sst_h + t * sst_t, mask=valid, other=0.0)
+        Q, K, V, lr, lm, stp = _load_piece(q_base, k_base, v_base, sq_t, sq_d, sk_t, sk_d, sv_t, sv_d, lr_base,
+                                           lm_base, st_base, slr_t, slm_t, sst_t, t, rk, valid, mask_nk)
         (z, cdf_z, pdf_z, cdf_p, h, d2, back, d1, e2, d12, k2, kappa, theta, below, RA, RE, A, E, D, G, C, QK,
          Wr, pre, hid, HH, R, Y, last, c, a_n, d_n, e_n, ML, m) = _piece_forward(
             Q, K, V, lr, lm, stp, valid, rn, n, W1, W2, S1, S2, W1s, W2s, NORMALIZE)
@@ -257,6 +269,9 @@ def _memory_backward_kernel(
     k_base = k_ptr + b * sk_b + hd * sk_h
     v_base = v_ptr + b * sv_b + hd * sv_h
     gy_base = gy_ptr + b * sgy_b + hd * sgy_h
+    lr_base = lr_ptr + b * slr_b + hd * slr_h
+    lm_base = lm_ptr + b * slm_b + hd * slm_h
+    st_base = st_ptr + b * sst_b + hd * sst_h
     token_grads = length * DK * programs  # between the six per-token gradients
     g_base = grads_ptr + pid.to(tl.int64) * length * DK
     for ii in range(n_pieces):
@@ -285,12 +300,8 @@ def _memory_backward_kernel(
         t = start + rn
         valid = rn < n
         mask_nk = valid[:, None] & (rk[None, :] < DK)
-        Q = tl.load(q_base + t[:, None] * sq_t + rk[None, :] * sq_d, mask=mask_nk, other=0.0)
-        K = tl.load(k_base + t[:, None] * sk_t + rk[None, :] * sk_d, mask=mask_nk, other=0.0)
-        V = tl.load(v_base + t[:, None] * sv_t + rk[None, :] * sv_d, mask=mask_nk, other=0.0)
-        lr = tl.load(lr_ptr + b * slr_b + hd * slr_h + t * slr_t, mask=valid, other=0.0)
-        lm = tl.load(lm_ptr + b * slm_b + hd * slm_h + t * slm_t, mask=valid, other=0.0)
-        stp = tl.load(st_ptr + b * sst_b + hd * sst_h + t * sst_t, mask=valid, other=0.0)
+        Q, K, V, lr, lm, stp = _load_piece(q_base, k_base, v_base, sq_t, sq_d, sk_t, sk_d, sv_t, sv_d, lr_base,
+                                           lm_base, st_base, slr_t, slm_t, sst_t, t, rk, valid, mask_nk)
         (z, cdf_z, pdf_z, cdf_p, h, d2, back, d1, e2, d12, k2, kappa, theta, below, RA, RE, A, E, D, G, C, QK,
          Wr, pre, hid, HH, R, Y, last, c, a_n, d_n, e_n, ML, m) = _piece_forward(
             Q, K, V, lr, lm, stp, valid, rn, n, W1, W2, S1, S2, W1s, W2s, NORMALIZE)
