@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import resource
 import statistics
+import sys
 import time
 from collections import Counter
 from contextlib import AbstractContextManager, nullcontext
@@ -228,22 +229,69 @@ def launches_kernel(func: torch._ops.OpOverload) -> bool:
     return returns_tensor or schema.is_mutable or func.overloadpacket.__name__ == "_local_scalar_dense"
 
 
+FUSED_BACKENDS = {"XLSTM": {"slstm_backend": "triton"}, "Titans": {"memory_backend": "triton"}}
+"""A backbone class's fused form: the config fields that choose its Triton kernels."""
+
+
 class KernelCounter(TorchDispatchMode):
     """Counts, by op name, the aten ops dispatched inside it that ``launches_kernel`` (autograd's backward included:
-    the mode follows the engine). ``counts``: a Counter {op name: calls}; ``total``: their sum."""
+    the mode follows the engine), and each Triton kernel launched inside it as one kernel, ``triton:<name>``: the
+    launch (``JITFunction.run``, or ``InterpretedFunction.run`` under ``TRITON_INTERPRET=1``) is wrapped while the
+    counter is active, and the aten ops that Triton's interpreter dispatches to run a kernel on the CPU are not
+    counted (on a GPU the launch is one kernel). ``counts``: a Counter {op name: calls}; ``total``: their sum."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self._launching = 0  # depth of Triton launches under way
+        self._unwrap: list[Callable[[], None]] = []
+
+    def __enter__(self):
+        for launcher in _triton_launchers():
+            self._unwrap.append(self._wrap(launcher))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            while self._unwrap:
+                self._unwrap.pop()()
+
+    def _wrap(self, cls: type) -> Callable[[], None]:
+        run = cls.__dict__["run"]
+
+        @functools.wraps(run)
+        def counted(kernel, *args, **kwargs):
+            if self._launching == 0 and not kwargs.get("warmup"):
+                self.counts[f"triton:{getattr(kernel.fn, '__name__', 'kernel')}"] += 1
+            self._launching += 1
+            try:
+                return run(kernel, *args, **kwargs)
+            finally:
+                self._launching -= 1
+
+        cls.run = counted
+        return lambda: setattr(cls, "run", run)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if launches_kernel(func):
+        if self._launching == 0 and launches_kernel(func):
             self.counts[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
+
+
+def _triton_launchers() -> list[type]:
+    """The classes whose ``run`` launches a Triton kernel, if Triton is loaded (this module never imports it)."""
+    found = []
+    for module, name in (("triton.runtime.jit", "JITFunction"), ("triton.runtime.interpreter", "InterpretedFunction")):
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and "run" in cls.__dict__:
+            found.append(cls)
+    return found
 
 
 def kernels_per_step(model: nn.Module, idx: torch.Tensor, optimizer: torch.optim.Optimizer | None = None,

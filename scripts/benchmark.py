@@ -50,6 +50,7 @@ from ltcx.models.catalog import build_configured, get, names  # noqa: E402
 from ltcx.models.inference_cache import keeping_derived  # noqa: E402
 from ltcx.models.state import map_state_tensors  # noqa: E402
 from ltcx.throughput import (  # noqa: E402
+    FUSED_BACKENDS,
     best_rate,
     kernels_per_step,
     loss_step,
@@ -184,7 +185,10 @@ def training(args) -> tuple[dict, list[dict]]:
 
 def kernels(args) -> tuple[dict, list[dict]]:
     """Device kernels per training step, eager (``ltcx.throughput.kernels_per_step``): each entry's tiny shape at
-    batch 2 x 32, and its YAML's (or scaled) model at each of ``--batch_sizes`` x ``--seq_len``."""
+    batch 2 x 32, and its YAML's (or scaled) model at each of ``--batch_sizes`` x ``--seq_len``; then with its fused
+    backends (``FUSED_BACKENDS``) at the tiny shape and the first batch size, in a child process that runs the Triton
+    kernels in Triton's interpreter (each launch one kernel, ``KernelCounter``). An entry without a fused form is its
+    own."""
     rows = []
     for spec in args.archs:
         name = spec.partition(":")[0]
@@ -197,9 +201,45 @@ def kernels(args) -> tuple[dict, list[dict]]:
             counts = kernels_per_step(model, batch(args, batch_size))
             row[f"b{batch_size}"] = sum(counts.values())
             row.setdefault("top_ops", [[op, calls] for op, calls in counts.most_common(3)])
+        row["fused_backends"] = FUSED_BACKENDS.get(type(backbone).__name__, {})
+        if row["fused_backends"]:
+            row.update(fused_child_counts(spec, args))
+        else:
+            row.update(fused_tiny=row["tiny"], fused=row[f"b{args.batch_sizes[0]}"], fused_top_ops=row["top_ops"])
         rows.append(row)
         print(row, flush=True)
     return {"batch_sizes": args.batch_sizes}, rows
+
+
+def with_fields(spec: str, fields: dict) -> str:
+    """``spec`` with ``fields`` added to its overrides (``name:key=value,...``)."""
+    extra = ",".join(f"{key}={value}" for key, value in fields.items())
+    return spec + ("," if ":" in spec else ":") + extra if extra else spec
+
+
+def fused_child_counts(spec: str, args) -> dict:
+    """{"fused_tiny", "fused", "fused_top_ops"} of ``spec`` with its fused backends, from a child process under
+    ``TRITON_INTERPRET=1`` (Triton reads it when imported, and this process has imported it)."""
+    command = [sys.executable, __file__, "kernels_fused_child", "--archs", spec, "--batch_sizes",
+               str(args.batch_sizes[0]), *shape_args(args)]
+    run = subprocess.run(command, capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": str(args.threads)})
+    if run.returncode != 0:
+        fail(f"fused kernels of {spec}: {(run.stderr.strip().splitlines() or ['failed'])[-1]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def kernels_fused_child(args) -> None:
+    """Prints the fused counts of ``fused_child_counts`` for ``--archs``' one entry, in this interpreted process."""
+    spec = args.archs[0]
+    name = spec.partition(":")[0]
+    fields = FUSED_BACKENDS[get(name).backbone_class().__name__]
+    torch.manual_seed(0)
+    tiny = kernels_per_step(trainable(get(name).build_tiny(args.vocab_size, **fields))[0], batch(args, 2, 32))
+    model, _ = trainable(build(with_fields(spec, fields), args, args.seq_len))
+    counts = kernels_per_step(model, batch(args, args.batch_sizes[0]))
+    print(json.dumps({"fused_tiny": sum(tiny.values()), "fused": sum(counts.values()),
+                      "fused_top_ops": [[op, calls] for op, calls in counts.most_common(3)]}))
 
 
 def memory(args) -> tuple[dict, list[dict]]:
@@ -331,11 +371,13 @@ def table(name: str, data: dict) -> str:
     elif name == "kernels":
         batches = settings["batch_sizes"]
         base = next((r for r in rows if r["arch"] == "gpt"), rows[0])
+        first = f"b{batches[0]}"
         lines = _rows(["model", "tiny, 2 x 32", *(f"{b} x {settings['seq_len']}" for b in batches),
-                       f"vs GPT ({batches[0]} x {settings['seq_len']})",
-                       "top ops"],
+                       f"vs GPT ({batches[0]} x {settings['seq_len']})", f"fused, {batches[0]} x {settings['seq_len']}",
+                       "fused vs GPT", "top ops"],
                       [[r["arch"], _n(r["tiny"]), *(_n(r[f"b{b}"]) for b in batches),
-                        f"{r[f'b{batches[0]}'] / base[f'b{batches[0]}']:.1f}x",
+                        f"{r[first] / base[first]:.1f}x", _n(r.get("fused")),
+                        "-" if r.get("fused") is None else f"{r['fused'] / base[first]:.1f}x",
                         ", ".join(f"{op} {calls:,}" for op, calls in r["top_ops"])] for r in rows])
     elif name == "memory":
         lines = _rows(["model", "params", "peak RSS, MiB", "before the step, MiB", "the step adds, MiB"],
@@ -373,7 +415,7 @@ def render(docs: str, results: Path) -> str:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("question", choices=[*QUESTIONS, "tables", "memory_child"],
+    parser.add_argument("question", choices=[*QUESTIONS, "tables", "memory_child", "kernels_fused_child"],
                         help="what to measure, or `tables`: regenerate docs/benchmarks.md's tables")
     parser.add_argument("--archs", nargs="+", default=None, help=f"catalogue names (default: {', '.join(names())})")
     parser.add_argument("--width", type=int, default=None, help="scale every model to this width (default: its YAML)")
@@ -399,6 +441,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_flush_denormal(True)
     if args.question == "memory_child":
         return memory_child(args)
+    if args.question == "kernels_fused_child":
+        return kernels_fused_child(args)
     if args.question == "tables":
         docs = Path(args.docs)
         docs.write_text(render(docs.read_text(), Path(args.out)))

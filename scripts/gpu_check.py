@@ -59,14 +59,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ltcx.models.catalog import CATALOG, build_configured  # noqa: E402
+from ltcx.throughput import FUSED_BACKENDS  # noqa: E402
 
 VOCAB = 50304  # the GPT-2 vocabulary padded to a multiple of 64, as the data module pads it
 TINY_VOCAB = 512
 GRACE_S = 15.0  # past a model's share before its worker is stopped (a measurement may end just after)
 PROMPT = "Once upon a time"
 TARGET_VS_GPT = 0.7  # the training tokens/s every architecture should reach, as a share of the GPT's
-FUSED_BACKENDS = {"XLSTM": {"slstm_backend": "triton"}, "Titans": {"memory_backend": "triton"}}
-"""A backbone class's fused form: the config fields that choose its Triton kernels."""
 KERNEL_TOL = {"float32": 1e-4, "bf16": 1e-2}
 """max |fused - torch| / max |torch| of every output, state and gradient: float32 over a 512-step recurrence in
 another order of operations; bf16 outputs differ by their last bit (both forms compute in float32 inside)."""
@@ -850,7 +849,7 @@ def markdown(report: dict) -> str:
         "`LanguageModel.loss` (the fused head) + backward + AdamW, as a fit trains; eager / compiled (`torch.compile` "
         f"({shape['compile_backend']}), as `--model.compile true`) / fused (the Triton backend); best vs GPT = the "
         f"fastest form's tokens/s over the GPT's fastest (target {TARGET_VS_GPT}x); device kernels = what the "
-        "profiler saw one step launch; aten kernels = `ltcx.throughput.kernels_per_step` (a Triton launch is none); "
+        "profiler saw one step launch; aten kernels = `ltcx.throughput.kernels_per_step` (a Triton launch counts one); "
         f"MFU (eager) against {meta['peak_flops'] or 0:.3g} FLOP/s ({meta['peak_source']}).",
         "",
     ]

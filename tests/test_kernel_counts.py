@@ -1,9 +1,15 @@
 """Kernels per training step (``ltcx.throughput.kernels_per_step``), held under a ceiling for every catalogue entry at
 its tiny shape: on a GPU a small model's step is bounded by its kernel launches, so a change that multiplies them
-fails here (counts are deterministic; timings never go into tests). The 29M configs' counts are in
-docs/benchmarks.md (``python scripts/benchmark.py kernels``)."""
+fails here (counts are deterministic; timings never go into tests), and with the fused backends in Triton's
+interpreter. The 29M configs' counts are in docs/benchmarks.md (``python scripts/benchmark.py kernels``)."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,3 +54,39 @@ def test_views_and_metadata_launch_nothing_and_compute_does():
         y = x.view(6, 4).t().contiguous()  # a view, a transpose (views), then one copy
         (y @ x.t()).sum()
     assert dict(counter.counts) == {"clone": 1, "mm": 1, "sum": 1}
+
+
+# Kernels of one training step at batch 1 x 8 with the fused backends (ltcx.throughput.FUSED_BACKENDS), each Triton
+# launch one kernel, about 1.2x each count: Titans MAL (the memory's kernels; the other Titans entries launch the
+# same ones) and the xLSTM (the sLSTM scan's). One child process: Triton reads TRITON_INTERPRET when imported.
+FUSED_CEILINGS = {"titans_mal": 355, "xlstm": 500}
+FUSED_COUNT = """
+import json, torch
+from ltcx.lm import LanguageModel
+from ltcx.models.catalog import CATALOG
+from ltcx.throughput import FUSED_BACKENDS, kernels_per_step
+counts = {}
+for name in NAMES:
+    torch.manual_seed(0)
+    tiny = CATALOG[name].build_tiny(64, **FUSED_BACKENDS[CATALOG[name].backbone_class().__name__])
+    counts[name] = kernels_per_step(LanguageModel(tiny, decay_steps=1), torch.randint(0, 64, (1, 9)))
+print(json.dumps(counts))
+"""
+
+
+def test_fused_training_step_kernels_stay_under_the_ceiling():
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    script = FUSED_COUNT.replace("NAMES", repr(sorted(FUSED_CEILINGS)))
+    result = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    counts = json.loads(result.stdout.strip().splitlines()[-1])
+    for name, ceiling in FUSED_CEILINGS.items():
+        total = sum(counts[name].values())
+        assert 0 < total <= ceiling, f"{name}: {total} fused kernels per step, ceiling {ceiling}"
+    # each kernel is one launch a layer and direction; the interpreter's own aten ops are not counted
+    assert {op: n for op, n in counts["titans_mal"].items() if op.startswith("triton:")} == \
+        {"triton:_memory_forward_kernel": 1, "triton:_memory_backward_kernel": 1}
+    assert {op: n for op, n in counts["xlstm"].items() if op.startswith("triton:")} == \
+        {"triton:_scan_forward_kernel": 1, "triton:_scan_backward_kernel": 1}

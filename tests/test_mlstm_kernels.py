@@ -8,6 +8,10 @@ eps = 0, within eps with ltcx's eps (the kernels start from m = 0, ltcx from m =
 only eps sees it), float32 within the tolerance ltcx's own forms keep, the state handed to and from ltcx's recurrent
 step for generation, and the gradients.
 
+Triton's interpreter can not run TFLA's kernels with the pinned Triton (3.9): they use ``tl.make_block_ptr``, which
+raises NotImplementedError("Block pointers have been removed in favor of the tensor descriptor API"), interpreted
+or compiled; ``test_triton_kernel_in_the_interpreter_matches_ltcx`` is skipped with that reason.
+
 What only a GPU can confirm: the Triton kernels' numerics (float32 and bf16, forward and backward, against these
 forms) and their speed. ``test_triton_kernel_matches_ltcx_on_cuda`` checks the numerics when CUDA and the package
 are there; it was written without a GPU, so its tolerances are a guess to confirm on the first GPU run. Speed goes in
@@ -17,6 +21,10 @@ are there; it was written without a GPU, so its tolerances are a guess to confir
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +39,7 @@ from ltcx.ops.mlstm import EPS, mlstm_chunkwise, mlstm_init_state, mlstm_paralle
 from ltcx.ops.mlstm_kernels import (
     NATIVE_KERNEL,
     TRITON_KERNEL,
+    _has_block_pointers,
     kernels_unavailable,
     mlstm_chunkwise_kernels,
     padded_length,
@@ -230,14 +239,21 @@ def test_kernels_backend_selection_on_cuda(fresh_notices, monkeypatch, capsys):
     assert mlstm_kernel_for(torch.device("cpu"), training=True) is None
 
 
-def test_kernels_unavailable_names_what_is_missing():
+def test_kernels_unavailable_names_what_is_missing(tmp_path):
     reason = kernels_unavailable()
     if importlib.util.find_spec("mlstm_kernels") is None:
         assert reason == "the mlstm_kernels package is not installed"
     elif importlib.util.find_spec("triton") is None:
         assert reason.startswith("Triton is not installed")
     else:
-        assert reason is None
+        assert reason is None or "has no block pointers (tl.make_block_ptr)" in reason
+    # a Triton without block pointers (its tl.make_block_ptr raises) is told apart from one with them
+    (tmp_path / "language").mkdir()
+    core = tmp_path / "language" / "core.py"
+    core.write_text('def make_block_ptr(base):\n    raise NotImplementedError("Block pointers have been removed")\n')
+    assert not _has_block_pointers([str(tmp_path)])
+    core.write_text("def make_block_ptr(base):\n    return base\n")
+    assert _has_block_pointers([str(tmp_path)])
 
 
 def test_kernels_backend_needs_the_sigmoid_forget_gate():
@@ -275,6 +291,42 @@ def test_model_on_the_kernels_keeps_the_contract_float64(monkeypatch):
     logits, _ = model(idx)
     F.cross_entropy(logits[:, :-1].reshape(-1, 37), idx[:, 1:].reshape(-1)).backward()
     assert all(p.grad is not None and p.grad.abs().max() > 0 for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- TFLA in Triton's interpreter
+
+INTERPRETED_CHECK = """
+import torch
+from helpers import mlstm_inputs
+from ltcx.ops.mlstm import mlstm_chunkwise
+from ltcx.ops.mlstm_kernels import TRITON_KERNEL, mlstm_chunkwise_kernels
+for T in (64, 141):
+    inputs = [x.float() for x in mlstm_inputs(B=1, H=2, T=T, D=16, f_bias=3.0)]
+    weight = torch.randn(1, 2, T, 16, generator=torch.Generator().manual_seed(2))
+    runs = []
+    for form in (lambda *a: mlstm_chunkwise_kernels(*a, kernel=TRITON_KERNEL),
+                 lambda *a: mlstm_chunkwise(*a, chunk_size=16)):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        h, _ = form(*leaves)
+        (h * weight).sum().backward()
+        runs.append([h.detach()] + [x.grad for x in leaves])
+    for got, want in zip(*runs):
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (T, (got - want).abs().max())
+"""
+
+
+@pytest.mark.skipif(kernels_unavailable() is not None, reason=f"TFLA can not run: {kernels_unavailable()}")
+def test_triton_kernel_in_the_interpreter_matches_ltcx():
+    """TFLA's Triton kernels on a CPU in Triton's interpreter (a child process: TRITON_INTERPRET is read when Triton
+    is imported), float32 against ltcx's chunkwise form: h and the gradients of q, k, v and the gates within 1e-4
+    of the largest value, padded and not. Skipped with Triton 3.9, whose tl.make_block_ptr raises
+    NotImplementedError("Block pointers have been removed in favor of the tensor descriptor API") in the
+    interpreter as in compilation: TFLA's kernels load and store through block pointers."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+    result = subprocess.run([sys.executable, "-c", INTERPRETED_CHECK], cwd=root, env=env, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------- what only a GPU can confirm

@@ -135,6 +135,21 @@ def test_carried_state_in_and_out_equals_the_torch_form(fused, pieces):
     _assert_all_rel(actual, _run(neural_memory, inputs, [sum(pieces)], 4, True), REL_TOL)
 
 
+@pytest.mark.parametrize("read", [(0,), (3, 4), (1, 2, 5)], ids=str)
+def test_a_loss_reading_some_of_the_state(fused, read):
+    """The backward kernel reads each state output's gradient where it has one and takes zeros where nothing read
+    that output: the inputs' gradients equal the torch form's for a loss on y and some of the final state."""
+    inputs = _inputs(9, 4)
+    grads = []
+    for memory_fn in (fused.neural_memory_triton, neural_memory):
+        q, k, v, log_retain, log_momentum, step, w1_init, w2_init = inputs
+        y, state = memory_fn(q, k, v, log_retain, log_momentum, step, initial_memory_state(w1_init, w2_init, B), 0,
+                             4, True)
+        grads.append(torch.autograd.grad(_objective(y, [state[i] for i in read]), inputs))
+    for name, a, e in zip(NAMES, *grads):
+        assert_rel(a, e, REL_TOL, f"grad {name}")
+
+
 @pytest.mark.parametrize("chunk_size", [4, None], ids=lambda b: f"b={b}")
 def test_chunks_longer_than_a_piece_run_as_several(fused, monkeypatch, chunk_size):
     """A chunk longer than MAX_PIECE runs as pieces of its largest power-of-two divisor (without chunks, of

@@ -36,14 +36,19 @@ Shapes as :func:`ltcx.ops.mlstm.mlstm_chunkwise`: q, k, v ``[B, H, T, D]``, i_pr
 state (C ``[B, H, D, D]``, n ``[B, H, D]``, m ``[B, H]``).
 
 What only a GPU can confirm: the Triton kernels' numerics (bf16 and float32 against these forms) and their speed.
-The CPU tests run the same bridge (state conversion, padding, dtypes) around the package's native PyTorch kernel.
+The CPU tests run the same bridge (state conversion, padding, dtypes) around the package's native PyTorch kernel;
+Triton's interpreter can not run TFLA's kernels: they address memory through ``tl.make_block_ptr``, which Triton
+removed in favour of tensor descriptors (3.9 raises NotImplementedError, compiled or interpreted), so with such a
+Triton :func:`kernels_unavailable` says so and training with the kernels is refused.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -72,9 +77,27 @@ def kernels_unavailable() -> str | None:
 def _unavailable() -> str | None:
     if importlib.util.find_spec("mlstm_kernels") is None:
         return "the mlstm_kernels package is not installed"
-    if importlib.util.find_spec("triton") is None:
+    triton = importlib.util.find_spec("triton")
+    if triton is None:
         return "Triton is not installed (it comes with PyTorch's CUDA build)"
+    if not _has_block_pointers(triton.submodule_search_locations or []):
+        return (f"Triton {importlib.metadata.version('triton')} has no block pointers (tl.make_block_ptr), "
+                "which TFLA's kernels are written with")
     return None
+
+
+BLOCK_POINTERS_REMOVED = "Block pointers have been removed"
+"""What ``tl.make_block_ptr`` says in a Triton without block pointers (removed in favour of tensor descriptors)."""
+
+
+def _has_block_pointers(package_dirs: list[str]) -> bool:
+    """Whether the installed Triton (its package folders) still compiles ``tl.make_block_ptr``: read from its
+    source, as importing Triton is left to the kernels (and TFLA's kernels fail only when first compiled)."""
+    for folder in package_dirs:
+        core = Path(folder) / "language" / "core.py"
+        if core.is_file():
+            return BLOCK_POINTERS_REMOVED not in core.read_text()
+    return True
 
 
 def padded_length(seq_len: int) -> int:

@@ -93,6 +93,21 @@ def _load_maps(rec, offs, mask, col_stride, Dh, LOADED: tl.constexpr):
         return rec
 
 
+@triton.jit
+def _program_tiles(rec, B, Dh, s_rh, s_rk, s_rw, MAPS_LOADED: tl.constexpr, BLOCK_B: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """This program's head, batch rows rb and units rd, the [BLOCK_B, BLOCK_D] mask of real lanes, and the head's
+    recurrent maps (the offsets and mask of one map, and the maps: ``_load_maps``)."""
+    head = tl.program_id(0).to(tl.int64)
+    rb = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    rd = tl.arange(0, BLOCK_D)
+    mask = (rb < B)[:, None] & (rd < Dh)[None, :]
+    map_mask = (rd < Dh)[:, None] & (rd < Dh)[None, :]
+    map_offs = rd[:, None] * s_rk + rd[None, :] * s_rw
+    return head, rb, rd, mask, map_offs, map_mask, _load_maps(rec + head * s_rh, map_offs, map_mask, s_rw, Dh,
+                                                              MAPS_LOADED)
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -106,13 +121,8 @@ def _scan_forward_kernel(
     HAS_STATE: tl.constexpr, SAVE: tl.constexpr, EXP_FORGET: tl.constexpr, MAPS_LOADED: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    head = tl.program_id(0).to(tl.int64)
-    rb = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
-    rd = tl.arange(0, BLOCK_D)
-    mask = (rb < B)[:, None] & (rd < Dh)[None, :]
-    map_mask = (rd < Dh)[:, None] & (rd < Dh)[None, :]
-    map_offs = rd[:, None] * s_rk + rd[None, :] * s_rw
-    maps = _load_maps(rec + head * s_rh, map_offs, map_mask, s_rw, Dh, MAPS_LOADED)
+    head, rb, rd, mask, map_offs, map_mask, maps = _program_tiles(rec, B, Dh, s_rh, s_rk, s_rw, MAPS_LOADED, BLOCK_B,
+                                                                  BLOCK_D)
 
     state_offs = rb[:, None] * (H * Dh) + head * Dh + rd[None, :]  # [B, H, Dh]
     if HAS_STATE:
@@ -184,13 +194,8 @@ def _scan_backward_kernel(
     HAS_G_HS: tl.constexpr, HAS_G_C: tl.constexpr, HAS_G_N: tl.constexpr, HAS_G_H: tl.constexpr,
     EXP_FORGET: tl.constexpr, MAPS_LOADED: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    head = tl.program_id(0).to(tl.int64)
-    rb = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
-    rd = tl.arange(0, BLOCK_D)
-    mask = (rb < B)[:, None] & (rd < Dh)[None, :]
-    map_mask = (rd < Dh)[:, None] & (rd < Dh)[None, :]
-    map_offs = rd[:, None] * s_rk + rd[None, :] * s_rw
-    maps = _load_maps(rec + head * s_rh, map_offs, map_mask, s_rw, Dh, MAPS_LOADED)
+    head, rb, rd, mask, map_offs, map_mask, maps = _program_tiles(rec, B, Dh, s_rh, s_rk, s_rw, MAPS_LOADED, BLOCK_B,
+                                                                  BLOCK_D)
     dt = hs.dtype.element_ty
 
     state_offs = rb[:, None] * (H * Dh) + head * Dh + rd[None, :]

@@ -64,6 +64,28 @@ def _load_matrix(ptr, s_r, s_c, rows, cols, mask):
 
 
 @triton.jit
+def _load_piece(q_base, k_base, v_base, sq_t, sq_d, sk_t, sk_d, sv_t, sv_d, lr_base, lm_base, st_base, slr_t, slm_t,
+                sst_t, t, rk, valid, mask_nk):
+    """A piece's inputs at tokens t ([BN], padded rows masked): Q, K, V [BN, BK] and the three gates [BN]."""
+    Q = tl.load(q_base + t[:, None] * sq_t + rk[None, :] * sq_d, mask=mask_nk, other=0.0)
+    K = tl.load(k_base + t[:, None] * sk_t + rk[None, :] * sk_d, mask=mask_nk, other=0.0)
+    V = tl.load(v_base + t[:, None] * sv_t + rk[None, :] * sv_d, mask=mask_nk, other=0.0)
+    lr = tl.load(lr_base + t * slr_t, mask=valid, other=0.0)
+    lm = tl.load(lm_base + t * slm_t, mask=valid, other=0.0)
+    stp = tl.load(st_base + t * sst_t, mask=valid, other=0.0)
+    return Q, K, V, lr, lm, stp
+
+
+@triton.jit
+def _state_gradient(ptr, s_r, s_c, rows, cols, mask, BR: tl.constexpr, BC: tl.constexpr, GIVEN: tl.constexpr):
+    """A state output's gradient [BR, BC]: loaded, or zeros for an output nothing read."""
+    if GIVEN:
+        return _load_matrix(ptr, s_r, s_c, rows, cols, mask)
+    else:
+        return tl.zeros((BR, BC), ptr.dtype.element_ty)
+
+
+@triton.jit
 def _piece_forward(Q, K, V, lr, lm, stp, valid, rn, n, W1, W2, S1, S2, W1s, W2s, NORMALIZE: tl.constexpr):
     """The closed form of one piece ([BN] rows, padded rows masked by ``valid``): every quantity the forward and
     the backward read, in the order the backward reads them."""
@@ -167,6 +189,9 @@ def _memory_forward_kernel(
     k_base = k_ptr + b * sk_b + hd * sk_h
     v_base = v_ptr + b * sv_b + hd * sv_h
     y_base = y_ptr + b * sy_b + hd * sy_h
+    lr_base = lr_ptr + b * slr_b + hd * slr_h
+    lm_base = lm_ptr + b * slm_b + hd * slm_h
+    st_base = st_ptr + b * sst_b + hd * sst_h
     for i in range(n_pieces):
         start = tl.where(i == 0, 0, first + (i - 1) * piece)  # the first piece finishes the call's first chunk
         n = tl.minimum(tl.where(i == 0, first, piece), length - start)
@@ -179,12 +204,8 @@ def _memory_forward_kernel(
         t = start + rn
         valid = rn < n
         mask_nk = valid[:, None] & (rk[None, :] < DK)
-        Q = tl.load(q_base + t[:, None] * sq_t + rk[None, :] * sq_d, mask=mask_nk, other=0.0)
-        K = tl.load(k_base + t[:, None] * sk_t + rk[None, :] * sk_d, mask=mask_nk, other=0.0)
-        V = tl.load(v_base + t[:, None] * sv_t + rk[None, :] * sv_d, mask=mask_nk, other=0.0)
-        lr = tl.load(lr_ptr + b * slr_b + hd * slr_h + t * slr_t, mask=valid, other=0.0)
-        lm = tl.load(lm_ptr + b * slm_b + hd * slm_h + t * slm_t, mask=valid, other=0.0)
-        stp = tl.load(st_ptr + b * sst_b + hd * sst_h + t * sst_t, mask=valid, other=0.0)
+        Q, K, V, lr, lm, stp = _load_piece(q_base, k_base, v_base, sq_t, sq_d, sk_t, sk_d, sv_t, sv_d, lr_base,
+                                           lm_base, st_base, slr_t, slm_t, sst_t, t, rk, valid, mask_nk)
         (z, cdf_z, pdf_z, cdf_p, h, d2, back, d1, e2, d12, k2, kappa, theta, below, RA, RE, A, E, D, G, C, QK,
          Wr, pre, hid, HH, R, Y, last, c, a_n, d_n, e_n, ML, m) = _piece_forward(
             Q, K, V, lr, lm, stp, valid, rn, n, W1, W2, S1, S2, W1s, W2s, NORMALIZE)
@@ -215,14 +236,17 @@ def _memory_forward_kernel(
 def _memory_backward_kernel(
     q_ptr, k_ptr, v_ptr, sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     lr_ptr, lm_ptr, st_ptr, slr_b, slr_h, slr_t, slm_b, slm_h, slm_t, sst_b, sst_h, sst_t,
-    saved_ptr, gy_ptr, sgy_b, sgy_h, sgy_t, sgy_d, gout_ptr, grads_ptr, gstate_ptr,
-    heads, length, position, n_pieces, first, piece, refresh,
+    saved_ptr, gy_ptr, sgy_b, sgy_h, sgy_t, sgy_d, gw1_ptr, gw2_ptr, gs1_ptr, gs2_ptr, gw1s_ptr, gw2s_ptr,
+    sgw1_b, sgw1_h, sgw1_r, sgw1_c, sgw2_b, sgw2_h, sgw2_r, sgw2_c, sgs1_b, sgs1_h, sgs1_r, sgs1_c,
+    sgs2_b, sgs2_h, sgs2_r, sgs2_c, sgws1_b, sgws1_h, sgws1_r, sgws1_c, sgws2_b, sgws2_h, sgws2_r, sgws2_c,
+    grads_ptr, gstate_ptr, heads, length, position, n_pieces, first, piece, refresh,
     DK: tl.constexpr, DM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr,
-    NORMALIZE: tl.constexpr, REFRESH: tl.constexpr, HAS_GY: tl.constexpr, HAS_GOUT: tl.constexpr,
+    NORMALIZE: tl.constexpr, REFRESH: tl.constexpr, HAS_GY: tl.constexpr, GIVEN: tl.constexpr,
 ):
-    """One (row, head), pieces in reverse. gy [B, H, T, dk]; gout [6, B, H, dm * dk]: the gradients of the six
-    state outputs (zeros where unused); grads [6, B, H, T, dk] (q, k, v) then (log_retain, log_momentum, step) in
-    its first T entries per row; gstate [6, B, H, dm * dk]: the gradients of the six state inputs."""
+    """One (row, head), pieces in reverse. gy [B, H, T, dk]; gw1 ... gw2s: the gradients of the six state outputs
+    (W1- or W2-shaped, any strides), read where bit i of GIVEN is set, else zeros; grads [6, B, H, T, dk] (q, k, v)
+    then (log_retain, log_momentum, step) in its first T entries per row; gstate [6, B, H, dm * dk]: the gradients
+    of the six state inputs."""
     pid = tl.program_id(0)
     b = pid // heads
     hd = pid % heads
@@ -236,27 +260,28 @@ def _memory_backward_kernel(
     km_offsets = rk[:, None] * DM + rm[None, :]
     programs = tl.num_programs(0).to(tl.int64)
     stride = programs * size
-    gout = gout_ptr + pid.to(tl.int64) * size
-    if HAS_GOUT:
-        gW1 = tl.load(gout + mk_offsets, mask=mask_mk, other=0.0)
-        gW2 = tl.load(gout + stride + km_offsets, mask=mask_km, other=0.0)
-        gS1 = tl.load(gout + 2 * stride + mk_offsets, mask=mask_mk, other=0.0)
-        gS2 = tl.load(gout + 3 * stride + km_offsets, mask=mask_km, other=0.0)
-        gW1s = tl.load(gout + 4 * stride + mk_offsets, mask=mask_mk, other=0.0)
-        gW2s = tl.load(gout + 5 * stride + km_offsets, mask=mask_km, other=0.0)
-    else:  # a training loss reads no state
-        gW1 = tl.zeros((BM, BK), gy_ptr.dtype.element_ty)
-        gW2 = tl.zeros((BK, BM), gy_ptr.dtype.element_ty)
-        gS1 = tl.zeros((BM, BK), gy_ptr.dtype.element_ty)
-        gS2 = tl.zeros((BK, BM), gy_ptr.dtype.element_ty)
-        gW1s = tl.zeros((BM, BK), gy_ptr.dtype.element_ty)
-        gW2s = tl.zeros((BK, BM), gy_ptr.dtype.element_ty)
+    # read in place, not gathered into one buffer on the host (a zero fill and a copy each: launches)
+    gW1 = _state_gradient(gw1_ptr + b * sgw1_b + hd * sgw1_h, sgw1_r, sgw1_c, rm, rk, mask_mk, BM, BK,
+                          (GIVEN & 1) != 0)
+    gW2 = _state_gradient(gw2_ptr + b * sgw2_b + hd * sgw2_h, sgw2_r, sgw2_c, rk, rm, mask_km, BK, BM,
+                          (GIVEN & 2) != 0)
+    gS1 = _state_gradient(gs1_ptr + b * sgs1_b + hd * sgs1_h, sgs1_r, sgs1_c, rm, rk, mask_mk, BM, BK,
+                          (GIVEN & 4) != 0)
+    gS2 = _state_gradient(gs2_ptr + b * sgs2_b + hd * sgs2_h, sgs2_r, sgs2_c, rk, rm, mask_km, BK, BM,
+                          (GIVEN & 8) != 0)
+    gW1s = _state_gradient(gw1s_ptr + b * sgws1_b + hd * sgws1_h, sgws1_r, sgws1_c, rm, rk, mask_mk, BM, BK,
+                           (GIVEN & 16) != 0)
+    gW2s = _state_gradient(gw2s_ptr + b * sgws2_b + hd * sgws2_h, sgws2_r, sgws2_c, rk, rm, mask_km, BK, BM,
+                           (GIVEN & 32) != 0)
 
     saved = saved_ptr + pid.to(tl.int64) * (n_pieces + 1) * 4 * size
     q_base = q_ptr + b * sq_b + hd * sq_h
     k_base = k_ptr + b * sk_b + hd * sk_h
     v_base = v_ptr + b * sv_b + hd * sv_h
     gy_base = gy_ptr + b * sgy_b + hd * sgy_h
+    lr_base = lr_ptr + b * slr_b + hd * slr_h
+    lm_base = lm_ptr + b * slm_b + hd * slm_h
+    st_base = st_ptr + b * sst_b + hd * sst_h
     token_grads = length * DK * programs  # between the six per-token gradients
     g_base = grads_ptr + pid.to(tl.int64) * length * DK
     for ii in range(n_pieces):
@@ -285,12 +310,8 @@ def _memory_backward_kernel(
         t = start + rn
         valid = rn < n
         mask_nk = valid[:, None] & (rk[None, :] < DK)
-        Q = tl.load(q_base + t[:, None] * sq_t + rk[None, :] * sq_d, mask=mask_nk, other=0.0)
-        K = tl.load(k_base + t[:, None] * sk_t + rk[None, :] * sk_d, mask=mask_nk, other=0.0)
-        V = tl.load(v_base + t[:, None] * sv_t + rk[None, :] * sv_d, mask=mask_nk, other=0.0)
-        lr = tl.load(lr_ptr + b * slr_b + hd * slr_h + t * slr_t, mask=valid, other=0.0)
-        lm = tl.load(lm_ptr + b * slm_b + hd * slm_h + t * slm_t, mask=valid, other=0.0)
-        stp = tl.load(st_ptr + b * sst_b + hd * sst_h + t * sst_t, mask=valid, other=0.0)
+        Q, K, V, lr, lm, stp = _load_piece(q_base, k_base, v_base, sq_t, sq_d, sk_t, sk_d, sv_t, sv_d, lr_base,
+                                           lm_base, st_base, slr_t, slm_t, sst_t, t, rk, valid, mask_nk)
         (z, cdf_z, pdf_z, cdf_p, h, d2, back, d1, e2, d12, k2, kappa, theta, below, RA, RE, A, E, D, G, C, QK,
          Wr, pre, hid, HH, R, Y, last, c, a_n, d_n, e_n, ML, m) = _piece_forward(
             Q, K, V, lr, lm, stp, valid, rn, n, W1, W2, S1, S2, W1s, W2s, NORMALIZE)
@@ -481,21 +502,17 @@ class _NeuralMemory(torch.autograd.Function):
         q, k, v, log_retain, log_momentum, step, saved = ctx.saved_tensors
         layout: _Layout = ctx.layout
         batch, heads, length, dk = q.shape
-        has_gout = any(g is not None for g in g_state)
-        if has_gout:  # one buffer for the kernel to read; a state output nothing read gets zeros
-            gout = q.new_zeros(6, batch, heads, layout.dm * dk)
-            for index, g in enumerate(g_state):
-                if g is not None:
-                    gout[index].view_as(g).copy_(g)
-        else:
-            gout = saved  # a pointer never read
+        given = sum(1 << index for index, g in enumerate(g_state) if g is not None)  # the kernel's GIVEN bits
+        g_strides = [s for g in g_state for s in ((0,) * 4 if g is None else g.stride())]
+        g_state = [saved if g is None else g for g in g_state]  # a pointer never read
         has_gy = g_y is not None
         gy = g_y if has_gy else q
         grads = q.new_empty(6, batch, heads, length, dk)
         gstate = q.new_empty(6, batch, heads, layout.dm * dk)
         _memory_backward_kernel[(batch * heads,)](
             q, k, v, *_strides(q, k, v), log_retain, log_momentum, step, *_strides(log_retain, log_momentum, step),
-            saved, gy, *gy.stride(), gout, grads, gstate, *layout.scalars(), HAS_GY=has_gy, HAS_GOUT=has_gout,
+            saved, gy, *gy.stride(), *g_state, *g_strides, grads, gstate, *layout.scalars(), HAS_GY=has_gy,
+            GIVEN=given,
             **layout.constants, num_warps=layout.num_warps,
         )
         g_q, g_k, g_v = grads[:3].unbind(0)
