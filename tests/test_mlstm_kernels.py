@@ -237,6 +237,9 @@ def test_kernels_backend_selection_on_cuda(fresh_notices, monkeypatch, capsys):
         "ltcx: mlstm_backend 'kernels': the mlstm_kernels package is not installed; evaluating with ltcx's chunkwise "
         "mLSTM (the same function; pip install 'ltcx[kernels]' for NX-AI's kernels)"]
     assert mlstm_kernel_for(torch.device("cpu"), training=True) is None
+    monkeypatch.setattr(xlstm_module, "kernels_unavailable", lambda: "Triton 3.9.0 has no block pointers")
+    with pytest.raises(LtcxError, match=r"no block pointers: install a Triton older than 3\.9 .*or set mlstm_backend"):
+        mlstm_kernel_for(cuda, training=True)
 
 
 def test_kernels_unavailable_names_what_is_missing(tmp_path):

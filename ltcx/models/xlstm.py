@@ -320,11 +320,12 @@ def mlstm_kernel_for(device: torch.device, training: bool) -> str | None:
     missing = kernels_unavailable()
     if missing is None:
         return TRITON_KERNEL
+    fix = ("install a Triton older than 3.9 (PyTorch's CUDA build pins its own)" if "block pointers" in missing
+           else "pip install 'ltcx[kernels]'")
     if training:
-        raise LtcxError(f"mlstm_backend 'kernels': {missing}: pip install 'ltcx[kernels]', "
-                        "or set mlstm_backend: chunkwise")
+        raise LtcxError(f"mlstm_backend 'kernels': {missing}: {fix}, or set mlstm_backend: chunkwise")
     _notice_once(f"mlstm_backend 'kernels': {missing}; evaluating with ltcx's chunkwise mLSTM (the same function; "
-                 "pip install 'ltcx[kernels]' for NX-AI's kernels)")
+                 f"{fix} for NX-AI's kernels)")
     return None
 
 
