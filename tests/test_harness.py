@@ -164,7 +164,7 @@ def direct_greedy(backbone, prompt: list[int], max_new: int, eot: int) -> list[i
 
 def test_generate_until_is_the_models_greedy_text_cut_at_the_stop_string():
     backbone, tokenizer = tiny("xlstm"), get_tokenizer("bytes")
-    prompts = ["Once upon", "A dog sat", "Hi"]  # the first two are equally long: one batch
+    prompts = ["Once upon", "A dog sat", "Hi"]  # different lengths: one padded batch
     free = [tokenizer.decode(direct_greedy(backbone, tokenizer.encode(p), 12, tokenizer.eot_id)) for p in prompts]
     stop = next(ch for ch in free[1][1:] if ch.isascii() and ch.isprintable())  # a stop string that does occur
     requests = [
