@@ -35,7 +35,7 @@ from ltcx.models.registry import BackboneType
 from ltcx.models.state import reorder_state
 from ltcx.ops.fused_loss import chunked_linear_cross_entropy
 
-__all__ = ["Backbone"]
+__all__ = ["Backbone", "run_blocks"]
 
 
 class Backbone(ConfiguredModule, metaclass=BackboneType):
@@ -111,3 +111,16 @@ class Backbone(ConfiguredModule, metaclass=BackboneType):
         """Training FLOPs per token: forward + backward = 3 x forward (the backward forms the gradients of both
         operands of each product)."""
         return 3 * self.forward_flops_per_token(seq_len)
+
+
+def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, state: list | None, with_state: bool,
+               mask: torch.Tensor | None) -> tuple[torch.Tensor, list | None]:
+    """x [B, T, C] through a stack of recurrent blocks, each called as ``block(x, its state, with_state, mask) -> (x,
+    its new state)``: (the last block's output, the list of new states; None with ``with_state`` False)."""
+    if state is not None and len(state) != len(blocks):
+        raise ValueError(f"state has {len(state)} entries but the model has {len(blocks)} blocks")
+    new_state = []
+    for i, block in enumerate(blocks):
+        x, block_state = block(x, None if state is None else state[i], with_state, mask)
+        new_state.append(block_state)
+    return x, new_state if with_state else None

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ltcx.errors import ConfigError
-from ltcx.models.base import Backbone
+from ltcx.models.base import Backbone, run_blocks
 from ltcx.models.state import model_dtype
 from ltcx.ops.conv import causal_depthwise_conv
 from ltcx.ops.fla_kernels import fla_kernels_for, ssd_fla
@@ -166,14 +166,8 @@ class Mamba2(Backbone):
                        mask: Tensor | None = None) -> tuple[Tensor, list | None]:
         """(final hidden states ``[B, T, E]`` after the norm, state: a (h, conv buffer) per block; None with
         ``with_state`` False)."""
-        if state is not None and len(state) != len(self.blocks):
-            raise ValueError(f"state has {len(state)} entries but the model has {len(self.blocks)} blocks")
-        x = self.embedding(idx)
-        new_state = []
-        for i, block in enumerate(self.blocks):
-            x, s = block(x, None if state is None else state[i], with_state, mask)
-            new_state.append(s)
-        return self.norm(x), new_state if with_state else None
+        x, new_state = run_blocks(self.blocks, self.embedding(idx), state, with_state, mask)
+        return self.norm(x), new_state
 
     def forward_flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs per token (matrix products, 2 per multiply-add) when training on ``seq_len`` tokens; E width,
