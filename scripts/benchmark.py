@@ -183,12 +183,26 @@ def training(args) -> tuple[dict, list[dict]]:
     return {"matmul_flops_per_cpu_s": peak}, rows
 
 
+RECALL_SHAPE = {"width": 64, "n_layer": 2, "head_dim": 32, "vocab_size": 64, "batch": 32, "seq_len": 32}
+"""The recall grid's largest model and batch (configs/study/quick-recall.yaml)."""
+
+
+def recall_kernels(name: str, fields: dict | None = None) -> int:
+    """Kernels per training step of catalogue entry ``name`` scaled as ``RECALL_SHAPE`` (``fields`` added)."""
+    shape, entry = RECALL_SHAPE, get(name)
+    scaled = entry.scaled(shape["width"], shape["n_layer"], shape["seq_len"], head_dim=shape["head_dim"])
+    torch.manual_seed(0)
+    backbone = entry.backbone_class()(**{**scaled, **(fields or {})}, vocab_size=shape["vocab_size"])
+    idx = torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq_len"] + 1))
+    return sum(kernels_per_step(trainable(backbone)[0], idx).values())
+
+
 def kernels(args) -> tuple[dict, list[dict]]:
     """Device kernels per training step, eager (``ltcx.throughput.kernels_per_step``): each entry's tiny shape at
-    batch 2 x 32, and its YAML's (or scaled) model at each of ``--batch_sizes`` x ``--seq_len``; then with its fused
-    backends (``FUSED_BACKENDS``) at the tiny shape and the first batch size, in a child process that runs the Triton
-    kernels in Triton's interpreter (each launch one kernel, ``KernelCounter``). An entry without a fused form is its
-    own."""
+    batch 2 x 32, the recall grid's shape (``RECALL_SHAPE``), and its YAML's (or scaled) model at each of
+    ``--batch_sizes`` x ``--seq_len``; then with its fused backends (``FUSED_BACKENDS``) at the recall shape and the
+    first batch size, in a child process that runs the Triton kernels in Triton's interpreter (each launch one
+    kernel, ``KernelCounter``). An entry without a fused form is its own."""
     rows = []
     for spec in args.archs:
         name = spec.partition(":")[0]
@@ -196,7 +210,8 @@ def kernels(args) -> tuple[dict, list[dict]]:
         tiny = kernels_per_step(trainable(get(name).build_tiny(args.vocab_size))[0], batch(args, 2, 32))
         backbone = build(spec, args, args.seq_len)
         model, _ = trainable(backbone)
-        row = {"arch": spec, "params": backbone.parameter_count(), "tiny": sum(tiny.values())}
+        row = {"arch": spec, "params": backbone.parameter_count(), "tiny": sum(tiny.values()),
+               "recall": recall_kernels(name)}
         for batch_size in args.batch_sizes:
             counts = kernels_per_step(model, batch(args, batch_size))
             row[f"b{batch_size}"] = sum(counts.values())
@@ -205,7 +220,8 @@ def kernels(args) -> tuple[dict, list[dict]]:
         if row["fused_backends"]:
             row.update(fused_child_counts(spec, args))
         else:
-            row.update(fused_tiny=row["tiny"], fused=row[f"b{args.batch_sizes[0]}"], fused_top_ops=row["top_ops"])
+            row.update(fused_recall=row["recall"], fused=row[f"b{args.batch_sizes[0]}"],
+                       fused_top_ops=row["top_ops"])
         rows.append(row)
         print(row, flush=True)
     return {"batch_sizes": args.batch_sizes}, rows
@@ -218,7 +234,7 @@ def with_fields(spec: str, fields: dict) -> str:
 
 
 def fused_child_counts(spec: str, args) -> dict:
-    """{"fused_tiny", "fused", "fused_top_ops"} of ``spec`` with its fused backends, from a child process under
+    """{"fused_recall", "fused", "fused_top_ops"} of ``spec`` with its fused backends, from a child process under
     ``TRITON_INTERPRET=1`` (Triton reads it when imported, and this process has imported it)."""
     command = [sys.executable, __file__, "kernels_fused_child", "--archs", spec, "--batch_sizes",
                str(args.batch_sizes[0]), *shape_args(args)]
@@ -234,11 +250,10 @@ def kernels_fused_child(args) -> None:
     spec = args.archs[0]
     name = spec.partition(":")[0]
     fields = FUSED_BACKENDS[get(name).backbone_class().__name__]
-    torch.manual_seed(0)
-    tiny = kernels_per_step(trainable(get(name).build_tiny(args.vocab_size, **fields))[0], batch(args, 2, 32))
+    recall = recall_kernels(name, fields)
     model, _ = trainable(build(with_fields(spec, fields), args, args.seq_len))
     counts = kernels_per_step(model, batch(args, args.batch_sizes[0]))
-    print(json.dumps({"fused_tiny": sum(tiny.values()), "fused": sum(counts.values()),
+    print(json.dumps({"fused_recall": recall, "fused": sum(counts.values()),
                       "fused_top_ops": [[op, calls] for op, calls in counts.most_common(3)]}))
 
 
@@ -372,13 +387,14 @@ def table(name: str, data: dict) -> str:
         batches = settings["batch_sizes"]
         base = next((r for r in rows if r["arch"] == "gpt"), rows[0])
         first = f"b{batches[0]}"
-        lines = _rows(["model", "tiny, 2 x 32", *(f"{b} x {settings['seq_len']}" for b in batches),
-                       f"vs GPT ({batches[0]} x {settings['seq_len']})", f"fused, {batches[0]} x {settings['seq_len']}",
-                       "fused vs GPT", "top ops"],
-                      [[r["arch"], _n(r["tiny"]), *(_n(r[f"b{b}"]) for b in batches),
-                        f"{r[first] / base[first]:.1f}x", _n(r.get("fused")),
-                        "-" if r.get("fused") is None else f"{r['fused'] / base[first]:.1f}x",
-                        ", ".join(f"{op} {calls:,}" for op, calls in r["top_ops"])] for r in rows])
+        recall = "recall, {batch} x {seq_len}".format(**RECALL_SHAPE)
+        lines = _rows(["model", "tiny, 2 x 32", recall, *(f"{b} x {settings['seq_len']}" for b in batches),
+                       f"vs GPT ({batches[0]} x {settings['seq_len']})", f"fused, {recall}",
+                       f"fused, {batches[0]} x {settings['seq_len']}", "fused vs GPT", "top ops (fused)"],
+                      [[r["arch"], _n(r["tiny"]), _n(r["recall"]), *(_n(r[f"b{b}"]) for b in batches),
+                        f"{r[first] / base[first]:.1f}x", _n(r["fused_recall"]), _n(r["fused"]),
+                        f"{r['fused'] / base['fused']:.1f}x",
+                        ", ".join(f"{op} {calls:,}" for op, calls in r["fused_top_ops"])] for r in rows])
     elif name == "memory":
         lines = _rows(["model", "params", "peak RSS, MiB", "before the step, MiB", "the step adds, MiB"],
                       [[r["arch"], _n(r["params"]), _n(r["peak_rss_mb"], 4), _n(r["rss_before_mb"], 4),

@@ -80,8 +80,9 @@ def test_every_question_writes_its_results_file_and_tables_are_regenerated_in_pl
     assert training[0]["vs_gpt_cpu"] == 1.0 and training[0]["vs_gpt_wall"] == 1.0
     assert all(r["step_s"] > 0 and r["step_cpu_s"] > 0 and r["mfu"] > 0 for r in training)
     kernels = json.loads((out / "kernels.json").read_text())["rows"][0]
-    assert kernels["tiny"] > 0 and kernels["b1"] > 0 and kernels["b2"] > 0
+    assert kernels["tiny"] > 0 and kernels["recall"] > 0 and kernels["b1"] > 0 and kernels["b2"] > 0
     assert kernels["fused_backends"] == {} and kernels["fused"] == kernels["b1"]  # a GPT is its own fused form
+    assert kernels["fused_recall"] == kernels["recall"]
     memory = json.loads((out / "memory.json").read_text())["rows"][0]
     assert memory["peak_rss_mb"] >= memory["rss_before_mb"] > 0
     decode = json.loads((out / "decode.json").read_text())["rows"][0]
