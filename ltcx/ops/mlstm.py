@@ -312,6 +312,36 @@ def mlstm_parallel(
     return h.to(out_dtype), _kept_where_unseen(_chunk_state(k, v, log_i, log_f, *given), state, q, mask)
 
 
+def _chunk_starts(C_loc, n_loc, m_loc, b_last, state, rows: int) -> MLSTMState:
+    """The states (C, n, m) before chunks 0..rows-1 (row N: after the last chunk) in closed form, from each chunk's own
+    contribution: C_loc ``[B, H, N, D, D]`` and n_loc ``[B, H, N, D]`` scaled by exp(-m_loc), m_loc ``[B, H, N]``, the
+    chunks' total log decays b_last ``[B, H, N]``, and the state before chunk 0 (None: the empty state). Returns
+    ``[B, H, rows, D, D]``, ``[B, H, rows, D]``, ``[B, H, rows]``.
+
+    The state before chunk k sums chunk j < k's contribution with log weight ``b_last[j+1..k-1].sum() + m_loc[j]``
+    and the given state's with ``b_last[0..k-1].sum() + m``: one ``[rows, columns]`` weight matrix per batch element
+    and head, -inf where a column is not before the row, its row maximum the stabiliser (the carry recurrence's running
+    maximum, unrolled), applied to every column's (C, n) as one product over the chunks. The segment sums are a
+    cumulative sum down the rows of masked copies of b_last (Mamba-2's segsum), not differences of one running sum,
+    which would lose float32 precision over many strongly decaying chunks. A row with no finite weight (before chunk 0
+    from the empty state) gets C = n = 0 and the dtype's lowest m: weight exp(-inf - lowest) = 0, with no inf - inf.
+    """
+    N = m_loc.shape[-1]
+    first = 0 if state is None else 1  # the given state's column, before the chunks'
+    if state is not None:
+        C_loc, n_loc, m_loc = (torch.cat([s.unsqueeze(2), x], dim=2) for s, x in zip(state, (C_loc, n_loc, m_loc)))
+    columns = N + first
+    # later[k, c]: column c is not before row k; later[k, c + 1]: b_last[k - 1] is not in column c's sum for row k
+    later = torch.ones(rows, columns + 1, dtype=torch.bool, device=m_loc.device).triu(first)
+    decay_rows = F.pad(b_last, (1, rows - 1 - N))  # [B, H, rows]  row k holds b_last[k - 1] (row 0: 0, never summed)
+    decays = torch.where(later[:, 1:], 0.0, decay_rows.unsqueeze(-1)).cumsum(-2)  # [B, H, rows, columns]
+    log_w = torch.where(later[:, :-1], float("-inf"), decays + m_loc.unsqueeze(-2))
+    m = log_w.amax(-1).clamp(min=torch.finfo(log_w.dtype).min)  # [B, H, rows]
+    w = torch.exp(log_w - m.unsqueeze(-1))  # 0 where -inf
+    C = (w @ C_loc.flatten(-2)).unflatten(-1, C_loc.shape[-2:])
+    return C, w @ n_loc, m
+
+
 def mlstm_chunkwise(
     q: Tensor,
     k: Tensor,
@@ -329,7 +359,7 @@ def mlstm_chunkwise(
     """Chunkwise mLSTM: O(T L) memory for chunk length L; any T (the last chunk may be short).
 
     1. every full chunk's own contribution to the state is computed at once (all chunks in parallel);
-    2. a loop over chunks (not tokens) carries (C, n, m) from chunk to chunk;
+    2. every chunk's starting state at once, in closed form over the chunks (:func:`_chunk_starts`);
     3. all full chunks' outputs are computed at once from their starting states;
     4. a trailing partial chunk is one more parallel block.
     A sequence of at most one chunk is one parallel block (:func:`mlstm_parallel`'s form).
@@ -337,14 +367,12 @@ def mlstm_chunkwise(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size ({chunk_size}) must be >= 1")
-    if q.shape[-2] <= chunk_size:  # one block: the parallel form, without the carry loop and the chunk-state detour
+    if q.shape[-2] <= chunk_size:  # one block: the parallel form, without the carry and the chunk-state detour
         return mlstm_parallel(q, k, v, i_pre, f_pre, state, forget_gate=forget_gate, eps=eps, with_state=with_state,
                               mask=mask)
     out_dtype = q.dtype
     q, k, v, log_i, log_f, state = _prepare(q, k, v, i_pre, f_pre, state, forget_gate, mask)
-    given = state
     B, H, T, D = q.shape
-    C, n, m = _state_or_empty(state, q)  # the carry loop starts from it
     L = chunk_size
     N = T // L  # at least 1
 
@@ -361,36 +389,21 @@ def mlstm_chunkwise(
     C_loc = kw.transpose(-1, -2) @ vc  # [B, H, N, D, D]  (scaled by exp(-m_loc))
     n_loc = kw.sum(-2)  # [B, H, N, D]
 
-    starts_C, starts_n, starts_m = [], [], []
-    # the chunks' pieces from unbind, not indexing in the loop: the backward of an unbind is one stack, where each
-    # index's backward would zero-fill a tensor of all N chunks (the [B, H, N, D, D] states among them)
-    # (the state after the last full chunk is wanted for the returned state or a trailing partial chunk)
-    carried = C_loc.unbind(2), n_loc.unbind(2), m_loc.unbind(2), b_last.unbind(2)
-    for index, (C_c, n_c, m_c, b_c) in enumerate(zip(*carried)):
-        starts_C.append(C)
-        starts_n.append(n)
-        starts_m.append(m)
-        if index == N - 1 and not with_state and T == N * L:
-            break
-        log_prev = b_c + m
-        m_new = torch.maximum(log_prev, m_c)
-        a = torch.exp(log_prev - m_new)
-        g = torch.exp(m_c - m_new)
-        C = a[..., None, None] * C + g[..., None, None] * C_c
-        n = a.unsqueeze(-1) * n + g.unsqueeze(-1) * n_c
-        m = m_new
-    C0 = torch.stack(starts_C, dim=2)
-    n0 = torch.stack(starts_n, dim=2)
-    m0 = torch.stack(starts_m, dim=2)
+    # the state before each full chunk, and after the last one where the returned state or a trailing chunk wants it
+    rows = N + 1 if with_state or T > N * L else N
+    C0, n0, m0 = _chunk_starts(C_loc, n_loc, m_loc, b_last, state, rows)
+    if rows > N:
+        (C0, C), (n0, n), (m0, m) = (x.split([N, 1], dim=2) for x in (C0, n0, m0))
+        C0, C, n, m = C0.contiguous(), C.squeeze(2), n.squeeze(2), m.squeeze(2)
     h = _chunk_outputs(qc, kc, vc, ic, fc, C0, n0, m0, eps)  # [B, H, N, L, D]
     h = h.reshape(B, H, N * L, D)
     if T > N * L:
         s = N * L
         tail_inputs = (k[:, :, s:], v[:, :, s:], log_i[:, :, s:], log_f[:, :, s:], C, n, m)
         tail = _chunk_outputs(q[:, :, s:], *tail_inputs, eps)
-        final = _kept_where_unseen(_chunk_state(*tail_inputs), given, q, mask) if with_state else None
+        final = _kept_where_unseen(_chunk_state(*tail_inputs), state, q, mask) if with_state else None
         return torch.cat([h, tail], dim=2).to(out_dtype), final
-    return h.to(out_dtype), _kept_where_unseen((C, n, m), given, q, mask) if with_state else None
+    return h.to(out_dtype), _kept_where_unseen((C, n, m), state, q, mask) if with_state else None
 
 
 def mlstm_step(
