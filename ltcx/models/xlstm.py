@@ -562,8 +562,10 @@ class XLSTM(Backbone):
           k^T v (2 L d^2), the read of the carried state q C and q n (2 L d^2 + 2 L d) and the whole L x L
           intra-chunk products q k^T and S v (4 L^2 d, computed whole and masked by multiplication); a
           trailing chunk of r < L tokens costs 4 r^2 d + 2 r d^2 + 2 r d plus its final state k^T v
-          (2 r d^2). The parallel form is one such chunk of T tokens; a sequence of one chunk (T <= L, or the
-          parallel form) from the empty state, as training runs it, reads no carried state: 4 T^2 d + 2 T d^2.
+          (2 r d^2); the N full chunks' starting states (N + 1 with a trailing chunk) weigh the chunks'
+          contributions (C, n) in one product, 2 (d^2 + d) N per state. The parallel form is one such chunk of
+          T tokens; a sequence of one chunk (T <= L, or the parallel form) from the empty state, as training runs
+          it, reads no carried state: 4 T^2 d + 2 T d^2.
           The kernels (``mlstm_backend: kernels``, as on CUDA) run the padded length S (``padded_length``) in
           chunks of min(S, 128), the padding counted.
         * sLSTM block (Hs heads of d_s = E / Hs): headwise input projections, 2 streams each E -> 2E in
@@ -585,6 +587,8 @@ class XLSTM(Backbone):
             cell += 4 * rest * rest * d + 4 * rest * d * d + 2 * rest * d
         if cfg.mlstm_backend != "kernels" and T <= L:  # one block from the empty state: no q C, q n
             cell = 4 * T * T * d + 2 * T * d * d
+        elif cfg.mlstm_backend == "chunkwise":  # the chunks' starting states (and a trailing chunk's) from theirs
+            cell += 2 * (full + (rest > 0)) * full * (d * d + d)
         mlstm = 2 * E * 2 * inner + 3 * 2 * inner * cfg.qkv_proj_blocksize + 2 * 2 * 3 * inner * cfg.n_head \
             + 2 * inner * E + cfg.n_head * cell / T
         d_s = E // cfg.slstm_n_head
