@@ -26,7 +26,9 @@ from ltcx.ops.mlstm import (
     EPS,
     FORGET_GATES,
     _chunk,
+    _chunk_starts,
     _ChunkOutputs,
+    _ChunkStarts,
     log_forget_gate,
     mlstm_chunkwise,
     mlstm_parallel,
@@ -287,11 +289,50 @@ def test_mlstm_chunk_backward_equals_autograd_of_its_forward(forget_gate, state,
         assert torch.isfinite(got_grads[-1]).all() and (got_grads[-1][:, :, 0] == 0).all()
 
 
+@pytest.mark.parametrize("given", ["empty", "state", "empty state given"])
+@pytest.mark.parametrize("extra_row", [False, True], ids=["N-starts", "and-the-end"])
+def test_mlstm_chunk_starts_backward_equals_autograd_of_its_forward(given, extra_row):
+    """The chunk starts' hand-written backward (``_ChunkStarts``) against autograd of the same forward
+    (``_chunk_starts``), float64: the gradients of every column's C, n, m (a given state's column included) and of the
+    chunks' log decays, through C, n and m of every row. "empty state given": its column has m = -inf, so row 0 has
+    no finite weight (C = n = 0, no gradient, no NaN)."""
+    g = torch.Generator().manual_seed(6)
+    B, H, N, D = 2, 3, 4, 3
+    columns = N + (given != "empty")
+    C_loc = torch.randn(B, H, columns, D, D, generator=g, dtype=torch.float64)
+    n_loc = torch.randn(B, H, columns, D, generator=g, dtype=torch.float64)
+    m_loc = 3.0 * torch.randn(B, H, columns, generator=g, dtype=torch.float64)
+    b_last = -4.0 * torch.rand(B, H, N, generator=g, dtype=torch.float64)
+    if given == "empty state given":
+        C_loc[:, :, 0], n_loc[:, :, 0], m_loc[:, :, 0] = 0.0, 0.0, float("-inf")
+    rows = N + extra_row
+    cotangents = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in
+                  ((B, H, rows, D, D), (B, H, rows, D), (B, H, rows))]
+
+    def run(form):
+        inputs = [x.clone().requires_grad_() for x in (C_loc, n_loc, m_loc, b_last)]
+        outputs = form(*inputs, rows)
+        loss = sum((x * c).sum() for x, c in zip(outputs, cotangents))
+        return outputs, torch.autograd.grad(loss, inputs)
+
+    got, got_grads = run(_ChunkStarts.apply)
+    want, want_grads = run(_chunk_starts)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same forward
+    for a, b in zip(got_grads, want_grads):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    if given == "empty state given":
+        assert (got[0][:, :, 0] == 0).all() and (got_grads[2][:, :, 0] == 0).all()
+
+
 def test_mlstm_chunk_under_autocast_is_autograds(monkeypatch):
-    """Under bf16 autocast the chunk's products run in bf16, which the written-out backward (float32) would not mirror:
-    there the chunkwise form's gradients are autograd's; outside autocast they are the written-out backward's."""
+    """Under bf16 autocast the chunks' products (and the chunk starts') run in bf16, which the written-out backwards
+    (float32) would not mirror: there the chunkwise form's gradients are autograd's; outside autocast they are the
+    written-out backwards'."""
     inputs = mlstm_inputs(2, 2, 12, 8, dtype=torch.float32, seed=3)
-    monkeypatch.setattr(mlstm_module._ChunkOutputs, "apply", lambda *args: pytest.fail("the written-out backward"))
+    for function in (mlstm_module._ChunkOutputs, mlstm_module._ChunkStarts):
+        monkeypatch.setattr(function, "apply", lambda *args: pytest.fail("the written-out backward"))
 
     def grads(autocast: bool):
         leaves = [x.clone().requires_grad_() for x in inputs]

@@ -312,34 +312,87 @@ def mlstm_parallel(
     return h.to(out_dtype), _kept_where_unseen(_chunk_state(k, v, log_i, log_f, *given), state, q, mask)
 
 
-def _chunk_starts(C_loc, n_loc, m_loc, b_last, state, rows: int) -> MLSTMState:
-    """The states (C, n, m) before chunks 0..rows-1 (row N: after the last chunk) in closed form, from each chunk's own
-    contribution: C_loc ``[B, H, N, D, D]`` and n_loc ``[B, H, N, D]`` scaled by exp(-m_loc), m_loc ``[B, H, N]``, the
-    chunks' total log decays b_last ``[B, H, N]``, and the state before chunk 0 (None: the empty state). Returns
-    ``[B, H, rows, D, D]``, ``[B, H, rows, D]``, ``[B, H, rows]``.
+def _chunk_starts(C_loc, n_loc, m_loc, b_last, rows: int, keep=None) -> MLSTMState:
+    """The states (C, n, m) before chunks 0..rows-1 (row N: after the last chunk) in closed form, from each column's
+    contribution: C_loc ``[B, H, columns, D, D]`` and n_loc ``[B, H, columns, D]`` scaled by exp(-m_loc), m_loc
+    ``[B, H, columns]``: the N chunks' own, after the state before chunk 0 where one is given (columns N + 1; N: the
+    empty state); b_last ``[B, H, N]``, the chunks' total log decays. Returns ``[B, H, rows, D, D]``,
+    ``[B, H, rows, D]``, ``[B, H, rows]``. ``keep``: a dict that receives what :class:`_ChunkStarts`'s backward reads.
 
     The state before chunk k sums chunk j < k's contribution with log weight ``b_last[j+1..k-1].sum() + m_loc[j]``
     and the given state's with ``b_last[0..k-1].sum() + m``: one ``[rows, columns]`` weight matrix per batch element
     and head, -inf where a column is not before the row, its row maximum the stabiliser (the carry recurrence's running
-    maximum, unrolled), applied to every column's (C, n) as one product over the chunks. The segment sums are a
-    cumulative sum down the rows of masked copies of b_last (Mamba-2's segsum), not differences of one running sum,
-    which would lose float32 precision over many strongly decaying chunks. A row with no finite weight (before chunk 0
-    from the empty state) gets C = n = 0 and the dtype's lowest m: weight exp(-inf - lowest) = 0, with no inf - inf.
+    maximum, unrolled; ``max`` with its indices, as the written backward routes its gradient), applied to every
+    column's (C, n) as one product over the chunks. The segment sums are a cumulative sum down the rows of masked
+    copies of b_last (Mamba-2's segsum), not differences of one running sum, which would lose float32 precision over
+    many strongly decaying chunks. A row with no finite weight (before chunk 0 from the empty state) gets C = n = 0
+    and the dtype's lowest m: weight exp(-inf - lowest) = 0, with no inf - inf.
     """
-    N = m_loc.shape[-1]
-    first = 0 if state is None else 1  # the given state's column, before the chunks'
-    if state is not None:
-        C_loc, n_loc, m_loc = (torch.cat([s.unsqueeze(2), x], dim=2) for s, x in zip(state, (C_loc, n_loc, m_loc)))
-    columns = N + first
+    N, columns = b_last.shape[-1], m_loc.shape[-1]
+    first = columns - N  # 1: the given state's column, before the chunks'
     # later[k, c]: column c is not before row k; later[k, c + 1]: b_last[k - 1] is not in column c's sum for row k
     later = torch.ones(rows, columns + 1, dtype=torch.bool, device=m_loc.device).triu(first)
     decay_rows = F.pad(b_last, (1, rows - 1 - N))  # [B, H, rows]  row k holds b_last[k - 1] (row 0: 0, never summed)
     decays = torch.where(later[:, 1:], 0.0, decay_rows.unsqueeze(-1)).cumsum(-2)  # [B, H, rows, columns]
     log_w = torch.where(later[:, :-1], float("-inf"), decays + m_loc.unsqueeze(-2))
-    m = log_w.amax(-1).clamp(min=torch.finfo(log_w.dtype).min)  # [B, H, rows]
+    m_top, top = log_w.max(-1)  # [B, H, rows]
+    m = m_top.clamp(min=torch.finfo(log_w.dtype).min)
     w = torch.exp(log_w - m.unsqueeze(-1))  # 0 where -inf
+    if keep is not None:
+        keep.update(later=later, top=top, m=m, w=w)
     C = (w @ C_loc.flatten(-2)).unflatten(-1, C_loc.shape[-2:])
     return C, w @ n_loc, m
+
+
+class _ChunkStarts(torch.autograd.Function):
+    """:func:`_chunk_starts` with its backward written out (the chain rule through every line of its forward): the
+    maximum's gradient scattered to its index and the masks applied once, where autograd's graph passes over the
+    weights for each mask, the clamp and the maximum, and sums each broadcast. Held to autograd of
+    :func:`_chunk_starts` in float64; a given state's column is joined before it (its gradient: the join's)."""
+
+    @staticmethod
+    def forward(ctx, C_loc, n_loc, m_loc, b_last, rows):
+        kept = {}
+        C, n, m = _chunk_starts(C_loc, n_loc, m_loc, b_last, rows, keep=kept)
+        ctx.save_for_backward(C_loc, n_loc, *(kept[name] for name in ("later", "top", "m", "w")))
+        ctx.N = b_last.shape[-1]
+        return C, n, m
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_C, g_n, g_m):
+        C_loc, n_loc, later, top, m, w = ctx.saved_tensors
+        rows, N = w.shape[-2], ctx.N
+        # C = w C_loc, n = w n_loc: products over the columns
+        g_C = g_C.flatten(-2)
+        C_flat = C_loc.flatten(-2)
+        g_w = torch.baddbmm((g_n @ n_loc.transpose(-1, -2)).flatten(0, -3), g_C.flatten(0, -3),
+                            C_flat.transpose(-1, -2).flatten(0, -3)).view(w.shape)
+        w_t = w.transpose(-1, -2)
+        g_C_loc = (w_t @ g_C).view(C_loc.shape)
+        g_n_loc = w_t @ g_n
+        # w = exp(log_w - m); m = clamp(log_w[top]): no gradient where a row has no finite weight
+        g_log_w = g_w.mul_(w)
+        g_top = (g_m - g_log_w.sum(-1)).masked_fill_(m == torch.finfo(m.dtype).min, 0.0)
+        g_log_w.scatter_add_(-1, top.unsqueeze(-1), g_top.unsqueeze(-1))
+        # log_w = decays + m_loc where the column is before the row (masked entries: w = 0, no maximum)
+        g_m_loc = g_log_w.sum(-2)
+        # decays = cumsum down the rows of b_last[k - 1] where it is in the column's sum
+        g_sums = g_log_w.flip(-2).cumsum(-2).flip(-2).masked_fill_(later[:, 1:], 0.0)
+        g_b_last = F.pad(g_sums.sum(-1), (-1, N + 1 - rows))  # row k held b_last[k - 1]
+        return g_C_loc, g_n_loc, g_m_loc, g_b_last, None
+
+
+def _starts_of_chunks(C_loc, n_loc, m_loc, b_last, state, rows: int) -> MLSTMState:
+    """:func:`_chunk_starts` of the chunks' own contributions (``[B, H, N, ...]``) and ``state`` (None: the empty
+    state, whose column is left out): through :class:`_ChunkStarts` where ``wants_written_backward``, except under
+    autocast, whose bf16 products the written-out backward (float32) would not mirror."""
+    if state is not None:
+        C_loc, n_loc, m_loc = (torch.cat([s.unsqueeze(2), x], dim=2) for s, x in zip(state, (C_loc, n_loc, m_loc)))
+    inputs = (C_loc, n_loc, m_loc, b_last, rows)
+    if wants_written_backward(*inputs) and not torch.is_autocast_enabled(C_loc.device.type):
+        return _ChunkStarts.apply(*inputs)
+    return _chunk_starts(*inputs)
 
 
 def mlstm_chunkwise(
@@ -391,7 +444,7 @@ def mlstm_chunkwise(
 
     # the state before each full chunk, and after the last one where the returned state or a trailing chunk wants it
     rows = N + 1 if with_state or T > N * L else N
-    C0, n0, m0 = _chunk_starts(C_loc, n_loc, m_loc, b_last, state, rows)
+    C0, n0, m0 = _starts_of_chunks(C_loc, n_loc, m_loc, b_last, state, rows)
     if rows > N:
         (C0, C), (n0, n), (m0, m) = (x.split([N, 1], dim=2) for x in (C0, n0, m0))
         C0, C, n, m = C0.contiguous(), C.squeeze(2), n.squeeze(2), m.squeeze(2)
