@@ -191,11 +191,12 @@ def _chunk_state(k, v, log_i, log_f, C0, n0, m0) -> MLSTMState:
     return C, n, m_last
 
 
-def _split_maximum(grad: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """The gradient of ``torch.maximum(a, b)`` split between a and b as autograd splits it (half each on a tie)."""
-    to_a = (a > b).to(grad.dtype) + 0.5 * (a == b).to(grad.dtype)
-    g_a = grad * to_a
-    return g_a, grad - g_a
+def _split_maximum(half: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """The gradient of ``torch.maximum(a, b)``, given halved (``half``), split between a and b as autograd splits it
+    (all to the larger, half each on a tie): half (1 + s) and half (1 - s) for s = sign(a - b), exact (0, the half or
+    the whole). a - b must not be NaN: a and b are never the same infinity here."""
+    s = torch.sign(a - b)
+    return torch.addcmul(half, half, s), torch.addcmul(half, half, s, value=-1)
 
 
 class _ChunkOutputs(torch.autograd.Function):
@@ -221,12 +222,14 @@ class _ChunkOutputs(torch.autograd.Function):
         x = dict(zip(_KEPT + (() if ctx.empty else _KEPT_STATE), rest))
         m, decay, S, num, den, reciprocal, floor = (x[name] for name in
                                                     ("m", "decay", "S", "num", "den", "reciprocal", "floor"))
-        # h = num r, r = 1 / (max(|den|, floor) + eps), floor = exp(min(-m, 80))
+        # h = num r, r = 1 / (max(|den|, floor) + eps), floor = exp(min(-m, 80)); the maximum gets -g_r r^2
         g_num = g_h * reciprocal.unsqueeze(-1)
         g_r = (g_h * num).sum(-1)
-        g_abs, g_floor = _split_maximum(-g_r * reciprocal.square(), den.abs(), floor)
+        g_abs, g_floor = _split_maximum(g_r * reciprocal.square() * -0.5, den.abs(), floor)
         g_den = g_abs * den.sign()
-        g_m = -(g_floor * floor) * (m >= -_MAX_NEG_M).to(m.dtype)  # clamp(-m, max=80) passes it where -m <= 80
+        # m's gradient is gathered negated (g_neg_m = -g_m) until its split: floor's is -g_floor floor, where
+        # clamp(-m, max=80) passes it (-m <= 80)
+        g_neg_m = (g_floor * floor).masked_fill_(m < -_MAX_NEG_M, 0.0)
         # num = S v (+ w_prev q C0), den = S 1 (+ w_prev q n0)
         g_S = torch.baddbmm(g_den.unsqueeze(-1).expand(*S.shape).flatten(0, -3), g_num.flatten(0, -3),
                             v.flatten(0, -3).transpose(-1, -2)).view(S.shape)
@@ -236,26 +239,30 @@ class _ChunkOutputs(torch.autograd.Function):
             w_prev = x["w_prev"]
             g_q_C0 = g_num * w_prev.unsqueeze(-1)
             g_q_n0 = g_den * w_prev
-            g_w_prev = (g_num * x["q_C0"]).sum(-1) + g_den * x["q_n0"]
-            g_q = g_q_C0 @ C0.transpose(-1, -2) + g_q_n0.unsqueeze(-1) * n0.unsqueeze(-2)
+            g_w_prev = torch.addcmul((g_num * x["q_C0"]).sum(-1), g_den, x["q_n0"])
+            g_q = torch.baddbmm((g_q_n0.unsqueeze(-1) * n0.unsqueeze(-2)).flatten(0, -3), g_q_C0.flatten(0, -3),
+                                C0.transpose(-1, -2).flatten(0, -3)).view(q.shape)
             # a given state's gradients only where it wants them (the chunkwise form's carried states do)
             wants_C0, wants_n0, wants_m0 = ctx.needs_input_grad[5:8]
             g_C0 = q.transpose(-1, -2) @ g_q_C0 if wants_C0 else None
-            g_n0 = (q * g_q_n0.unsqueeze(-1)).sum(-2) if wants_n0 else None
+            g_n0 = (q.transpose(-1, -2) @ g_q_n0.unsqueeze(-1)).squeeze(-1) if wants_n0 else None
             g_log_prev = g_w_prev * w_prev  # w_prev = exp(log_prev - m)
-            g_m = g_m - g_log_prev
+            g_neg_m.add_(g_log_prev)
         # S = (q k^T) decay, decay = exp(log_D - m): the masked entries have decay 0 and S 0, so no gradient
         g_qk = g_S * decay
         g_log_D = g_S.mul_(S)  # g_S is read no more
         g_rows = g_log_D.sum(-1)
-        g_m = g_m - g_rows
-        g_q = g_qk @ k if ctx.empty else g_q.add_(g_qk @ k)
+        g_neg_m.add_(g_rows)
+        if ctx.empty:
+            g_q = g_qk @ k
+        else:
+            g_q.flatten(0, -3).baddbmm_(g_qk.flatten(0, -3), k.flatten(0, -3))
         g_k = g_qk.transpose(-1, -2) @ q
         # m = maximum(m_intra, log_prev) (m_intra alone for the empty state); m_intra = log_D[t, top_t]
         if ctx.empty:
-            g_m_intra = g_m
+            g_m_intra = g_neg_m.neg_()
         else:
-            g_m_intra, g_to_prev = _split_maximum(g_m, x["m_intra"], x["log_prev"])
+            g_m_intra, g_to_prev = _split_maximum(g_neg_m * -0.5, x["m_intra"], x["log_prev"])
             g_log_prev = g_log_prev + g_to_prev
         # log_D[t, j] = b_t - b_j + i_j: b_t gets the rows' sums, b_j and i_j the columns'
         g_cols = g_log_D.sum(-2).scatter_add_(-1, x["top"], g_m_intra)
