@@ -149,8 +149,8 @@ def _chunk(q, k, v, log_i, log_f, C0, n0, m0, eps, keep=None):
     b = log_f.cumsum(-1)  # [..., L]   b_t = sum_{l<=t} log f_l
     # log D_tj = sum_{l=j+1..t} log f_l + i~_j  for j <= t
     log_D = b.unsqueeze(-1) - b.unsqueeze(-2) + log_i.unsqueeze(-2)  # [..., L, L]
-    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-    log_D = log_D.masked_fill_(~causal, float("-inf"))  # in place: nothing reads the sum before the mask
+    above = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
+    log_D = log_D.masked_fill_(above, float("-inf"))  # in place: nothing reads the sum before the mask
     m_intra, top = log_D.max(-1)  # [..., L]  stabiliser = running max (with the carried state's weight, below)
     m = m_intra
     if not empty:
@@ -162,8 +162,8 @@ def _chunk(q, k, v, log_i, log_f, C0, n0, m0, eps, keep=None):
     if not empty:
         w_prev = torch.exp(log_prev - m)  # [..., L]
         q_C0, q_n0 = q @ C0, (q @ n0.unsqueeze(-1)).squeeze(-1)
-        num = num + w_prev.unsqueeze(-1) * q_C0
-        den = den + w_prev * q_n0
+        num = torch.addcmul(num, w_prev.unsqueeze(-1), q_C0)
+        den = torch.addcmul(den, w_prev, q_n0)
     reciprocal, floor = _normaliser(den, m, eps)
     if keep is not None:
         keep.update(m=m, m_intra=m_intra, top=top, decay=decay, S=S, num=num, den=den, reciprocal=reciprocal,
@@ -444,7 +444,7 @@ def mlstm_chunkwise(
     b = fc.cumsum(-1)  # [B, H, N, L]
     b_last = b[..., -1]  # [B, H, N]  total log decay across each chunk
     log_w = b_last.unsqueeze(-1) - b + ic  # [B, H, N, L]  log weight of input j at chunk end
-    m_loc = log_w.amax(-1)  # [B, H, N]
+    m_loc = log_w.max(-1).values  # [B, H, N]  (max, not amax: its gradient a scatter, not a spread by comparison)
     kw = kc * torch.exp(log_w - m_loc.unsqueeze(-1)).unsqueeze(-1)
     C_loc = kw.transpose(-1, -2) @ vc  # [B, H, N, D, D]  (scaled by exp(-m_loc))
     n_loc = kw.sum(-2)  # [B, H, N, D]
