@@ -26,8 +26,10 @@ from ltcx.ops.mlstm import (
     EPS,
     FORGET_GATES,
     _chunk,
+    _chunk_own,
     _chunk_starts,
     _ChunkOutputs,
+    _ChunkOwn,
     _ChunkStarts,
     log_forget_gate,
     mlstm_chunkwise,
@@ -289,6 +291,35 @@ def test_mlstm_chunk_backward_equals_autograd_of_its_forward(forget_gate, state,
         assert torch.isfinite(got_grads[-1]).all() and (got_grads[-1][:, :, 0] == 0).all()
 
 
+@pytest.mark.parametrize("forget_gate", ["sigmoid", "exp"])
+@pytest.mark.parametrize("L", [1, 6])
+def test_mlstm_chunk_own_backward_equals_autograd_of_its_forward(forget_gate, L):
+    """Each chunk's own state contribution with its hand-written backward (``_ChunkOwn``) against autograd of the same
+    forward (``_chunk_own``), float64: the gradients of k, v and both gates through C, n, m and the chunk's total log
+    decay, four chunks at once."""
+    g = torch.Generator().manual_seed(8)
+    lead, D = (2, 3, 4), 3
+    k, v = (torch.randn(*lead, L, D, generator=g, dtype=torch.float64) for _ in range(2))
+    log_i = 2.0 * torch.randn(*lead, L, generator=g, dtype=torch.float64)
+    f_pre = torch.randn(*lead, L, generator=g, dtype=torch.float64) + (2.0 if forget_gate == "sigmoid" else -0.3)
+    log_f = log_forget_gate(f_pre, forget_gate)
+    cotangents = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in
+                  ((*lead, D, D), (*lead, D), lead, lead)]
+
+    def run(form):
+        inputs = [x.clone().requires_grad_() for x in (k, v, log_i, log_f)]
+        outputs = form(*inputs)
+        loss = sum((x * c).sum() for x, c in zip(outputs, cotangents))
+        return outputs, torch.autograd.grad(loss, inputs)
+
+    got, got_grads = run(_ChunkOwn.apply)
+    want, want_grads = run(_chunk_own)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same forward
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+
+
 @pytest.mark.parametrize("given", ["empty", "state", "empty state given"])
 @pytest.mark.parametrize("extra_row", [False, True], ids=["N-starts", "and-the-end"])
 def test_mlstm_chunk_starts_backward_equals_autograd_of_its_forward(given, extra_row):
@@ -327,11 +358,11 @@ def test_mlstm_chunk_starts_backward_equals_autograd_of_its_forward(given, extra
 
 
 def test_mlstm_chunk_under_autocast_is_autograds(monkeypatch):
-    """Under bf16 autocast the chunks' products (and the chunk starts') run in bf16, which the written-out backwards
-    (float32) would not mirror: there the chunkwise form's gradients are autograd's; outside autocast they are the
-    written-out backwards'."""
+    """Under bf16 autocast the chunks' products (and those of their own states and starts) run in bf16, which the
+    written-out backwards (float32) would not mirror: there the chunkwise form's gradients are autograd's; outside
+    autocast they are the written-out backwards'."""
     inputs = mlstm_inputs(2, 2, 12, 8, dtype=torch.float32, seed=3)
-    for function in (mlstm_module._ChunkOutputs, mlstm_module._ChunkStarts):
+    for function in (mlstm_module._ChunkOutputs, mlstm_module._ChunkStarts, mlstm_module._ChunkOwn):
         monkeypatch.setattr(function, "apply", lambda *args: pytest.fail("the written-out backward"))
 
     def grads(autocast: bool):

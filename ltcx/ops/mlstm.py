@@ -319,6 +319,61 @@ def mlstm_parallel(
     return h.to(out_dtype), _kept_where_unseen(_chunk_state(k, v, log_i, log_f, *given), state, q, mask)
 
 
+def _chunk_own(k, v, log_i, log_f, keep=None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Each block's own contribution to the state after it, from the empty state: C ``[..., D, D]`` and n ``[..., D]``
+    scaled by exp(-m), m ``[...]`` (the largest log weight of its inputs; ``max`` with its index, as the written
+    backward routes its gradient), and its total log decay ``[...]``; k (scaled), v ``[..., L, D]``, log_i, log_f
+    ``[..., L]``. ``keep``: a dict that receives what :class:`_ChunkOwn`'s backward reads."""
+    b = log_f.cumsum(-1)
+    b_last = b[..., -1]
+    log_w = b_last.unsqueeze(-1) - b + log_i  # [..., L]  log weight of input j at the block's end
+    m, top = log_w.max(-1)
+    weight = torch.exp(log_w - m.unsqueeze(-1))
+    kw = k * weight.unsqueeze(-1)
+    if keep is not None:
+        keep.update(top=top, weight=weight, kw=kw)
+    return kw.transpose(-1, -2) @ v, kw.sum(-2), m, b_last
+
+
+class _ChunkOwn(torch.autograd.Function):
+    """:func:`_chunk_own` with its backward written out (the chain rule through every line of its forward): the
+    maximum's gradient scattered to its index, the state's two products one baddbmm and one bmm, the cumulative sum's
+    reverse taken once. Held to autograd of :func:`_chunk_own` in float64."""
+
+    @staticmethod
+    def forward(ctx, k, v, log_i, log_f):
+        kept = {}
+        outputs = _chunk_own(k, v, log_i, log_f, keep=kept)
+        ctx.save_for_backward(k, v, *(kept[name] for name in ("top", "weight", "kw")))
+        return outputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_C, g_n, g_m, g_b_last):
+        k, v, top, weight, kw = ctx.saved_tensors
+        # C = kw^T v, n = kw summed over the block
+        g_kw = torch.baddbmm(g_n.unsqueeze(-2).expand(*kw.shape).flatten(0, -3), v.flatten(0, -3),
+                             g_C.transpose(-1, -2).flatten(0, -3)).view(kw.shape)
+        g_v = kw @ g_C
+        # kw = k weight, weight = exp(log_w - m), m = log_w[top]
+        g_k = g_kw * weight.unsqueeze(-1)
+        g_log_w = (g_kw * k).sum(-1).mul_(weight)
+        g_top = g_m - g_log_w.sum(-1)
+        g_log_w.scatter_add_(-1, top.unsqueeze(-1), g_top.unsqueeze(-1))
+        # log_w = b_last - b + log_i, b = cumsum(log f), b_last = b at the last step: log f_t enters every b_s, s >= t
+        g_b_last = g_b_last + g_log_w.sum(-1)
+        g_log_f = g_b_last.unsqueeze(-1) - g_log_w.flip(-1).cumsum(-1).flip(-1)
+        return g_k, g_v, g_log_w, g_log_f
+
+
+def _chunk_own_states(k, v, log_i, log_f) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`_chunk_own`: through :class:`_ChunkOwn` where ``wants_written_backward``, except under autocast, whose
+    bf16 products the written-out backward (float32) would not mirror."""
+    if wants_written_backward(k, v, log_i, log_f) and not torch.is_autocast_enabled(k.device.type):
+        return _ChunkOwn.apply(k, v, log_i, log_f)
+    return _chunk_own(k, v, log_i, log_f)
+
+
 def _chunk_starts(C_loc, n_loc, m_loc, b_last, rows: int, keep=None) -> MLSTMState:
     """The states (C, n, m) before chunks 0..rows-1 (row N: after the last chunk) in closed form, from each column's
     contribution: C_loc ``[B, H, columns, D, D]`` and n_loc ``[B, H, columns, D]`` scaled by exp(-m_loc), m_loc
@@ -418,7 +473,8 @@ def mlstm_chunkwise(
 ) -> tuple[Tensor, MLSTMState | None]:
     """Chunkwise mLSTM: O(T L) memory for chunk length L; any T (the last chunk may be short).
 
-    1. every full chunk's own contribution to the state is computed at once (all chunks in parallel);
+    1. every full chunk's own contribution to the state is computed at once (all chunks in parallel,
+       :func:`_chunk_own`);
     2. every chunk's starting state at once, in closed form over the chunks (:func:`_chunk_starts`);
     3. all full chunks' outputs are computed at once from their starting states;
     4. a trailing partial chunk is one more parallel block.
@@ -441,13 +497,7 @@ def mlstm_chunkwise(
         return (x if N * L == T else x[:, :, : N * L]).reshape(B, H, N, L, *x.shape[3:])
 
     qc, kc, vc, ic, fc = map(chunks, (q, k, v, log_i, log_f))
-    b = fc.cumsum(-1)  # [B, H, N, L]
-    b_last = b[..., -1]  # [B, H, N]  total log decay across each chunk
-    log_w = b_last.unsqueeze(-1) - b + ic  # [B, H, N, L]  log weight of input j at chunk end
-    m_loc = log_w.max(-1).values  # [B, H, N]  (max, not amax: its gradient a scatter, not a spread by comparison)
-    kw = kc * torch.exp(log_w - m_loc.unsqueeze(-1)).unsqueeze(-1)
-    C_loc = kw.transpose(-1, -2) @ vc  # [B, H, N, D, D]  (scaled by exp(-m_loc))
-    n_loc = kw.sum(-2)  # [B, H, N, D]
+    C_loc, n_loc, m_loc, b_last = _chunk_own_states(kc, vc, ic, fc)  # [B, H, N, D, D], [B, H, N, D], [B, H, N] x2
 
     # the state before each full chunk, and after the last one where the returned state or a trailing chunk wants it
     rows = N + 1 if with_state or T > N * L else N
