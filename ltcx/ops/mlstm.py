@@ -395,8 +395,8 @@ def _chunk_starts(C_loc, n_loc, m_loc, b_last, rows: int, keep=None) -> MLSTMSta
     # later[k, c]: column c is not before row k; later[k, c + 1]: b_last[k - 1] is not in column c's sum for row k
     later = torch.ones(rows, columns + 1, dtype=torch.bool, device=m_loc.device).triu(first)
     decay_rows = F.pad(b_last, (1, rows - 1 - N))  # [B, H, rows]  row k holds b_last[k - 1] (row 0: 0, never summed)
-    decays = torch.where(later[:, 1:], 0.0, decay_rows.unsqueeze(-1)).cumsum(-2)  # [B, H, rows, columns]
-    log_w = torch.where(later[:, :-1], float("-inf"), decays + m_loc.unsqueeze(-2))
+    decays = decay_rows.unsqueeze(-1).masked_fill(later[:, 1:], 0.0).cumsum(-2)  # [B, H, rows, columns]
+    log_w = (decays + m_loc.unsqueeze(-2)).masked_fill_(later[:, :-1], float("-inf"))
     m_top, top = log_w.max(-1)  # [B, H, rows]
     m = m_top.clamp(min=torch.finfo(log_w.dtype).min)
     w = torch.exp(log_w - m.unsqueeze(-1))  # 0 where -inf
