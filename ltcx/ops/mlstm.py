@@ -222,6 +222,8 @@ class _ChunkOutputs(torch.autograd.Function):
         x = dict(zip(_KEPT + (() if ctx.empty else _KEPT_STATE), rest))
         m, decay, S, num, den, reciprocal, floor = (x[name] for name in
                                                     ("m", "decay", "S", "num", "den", "reciprocal", "floor"))
+        # one copy where g_h comes strided (a block reads h's heads transposed): every product below would copy it
+        g_h = g_h.contiguous()
         # h = num r, r = 1 / (max(|den|, floor) + eps), floor = exp(min(-m, 80)); the maximum gets -g_r r^2
         g_num = g_h * reciprocal.unsqueeze(-1)
         g_r = (g_h * num).sum(-1)
