@@ -21,7 +21,7 @@ from ltcx.models.catalog import CATALOG
 from ltcx.models.gpt import GPT
 from ltcx.models.ltc import LTCGPT
 from ltcx.models.titans import Titans
-from ltcx.models.xlstm import XLSTM, HeadwiseLinear
+from ltcx.models.xlstm import XLSTM
 from ltcx.ops.titans import chunk_sizes
 from ltcx.throughput import model_flops_per_token
 
@@ -64,8 +64,8 @@ def uncounted_forward_flops_per_token(model, batch: int, length: int) -> float:
       (``test_ltc_counts_within_the_per_call_fold``);
     * Titans: the keys its attention's math kernel scores and then masks (``masked_keys_per_token``);
     * GTA: the zero columns padding q, k and the latent to one width for the fused kernel, when d_k != d_l;
-    * xLSTM: the zeros between the blocks of the q/k/v maps' grouped product (``HeadwiseLinear.group`` blocks a
-      product, each block's true work ``2 b^2`` per block and token).
+    * xLSTM: the chunks covering T, the chunkwise form's state after its last chunk (one more row of its chunk-starts
+      product), which a call that keeps no state (training) leaves out.
     """
     c = model.config
     if isinstance(model, LTCGPT):
@@ -73,8 +73,11 @@ def uncounted_forward_flops_per_token(model, batch: int, length: int) -> float:
     if isinstance(model, Titans):
         return 6 * c.head_dim * c.n_head * masked_keys_per_token(model, length)
     if isinstance(model, XLSTM):
-        maps = [m for m in model.modules() if isinstance(m, HeadwiseLinear)]
-        return sum(2 * m.num_blocks * m.block_size ** 2 * (m.group - 1) for m in maps)
+        full, rest = divmod(length, c.chunk_size)
+        if c.mlstm_backend != "chunkwise" or rest or length <= c.chunk_size:
+            return 0.0
+        d = c.mlstm_inner_dim // c.n_head
+        return c.block_types.count("m") * c.n_head * 2 * full * (d * d + d) / length
     if type(model).__name__ == "GTAGPT" and c.key_dim != c.latent_dim:
         padding = 2 * max(c.key_dim, c.latent_dim) - c.key_dim - c.latent_dim
         return c.n_layer * 2 * c.n_query_group * (length + 1) / 2 * padding

@@ -229,38 +229,23 @@ class CausalConv1d(nn.Module):
 
 
 class HeadwiseLinear(nn.Module):
-    """Block-diagonal linear map ``[..., dim] -> [..., dim]`` with blocks of ``block_size`` (no bias).
+    """Block-diagonal linear map ``[..., dim] -> [..., dim]`` with blocks of ``block_size`` (no bias): y[n] = W[n] x[n]
+    for each block n, one batched product over the blocks. The block-diagonal matrix is never built: assembling it
+    would cost a fill and a copy each training step (and their backward), and its zeros would be multiplied.
 
-    Computed as one batched product over groups of ``group`` neighbouring blocks, each group's blocks laid out as
-    one block-diagonal matrix of about 32 x 32 (the zeros between them exact, so each output is the same sum), where a
-    product per 4 x 4 block would run hundreds of products with an inner dimension of 4. ``group`` is the largest
-    divisor of the block count up to 32 / block_size (1 for blocks of 32 and wider: the plain per-block product).
-    """
-
-    GROUP_WIDTH = 32
+    The product runs as W[n] x[n]^T (``[n, out, N]`` for N tokens), and y is returned as a view of it (tokens
+    innermost): no copy either way, forward or backward; the mLSTM block's readers (the gates' products, the copy into
+    heads) take that layout as it is, and the weight's gradient comes out in the weight's own layout."""
 
     def __init__(self, dim: int, block_size: int) -> None:
         super().__init__()
         self.num_blocks, self.block_size = dim // block_size, block_size
         self.weight = nn.Parameter(torch.empty(self.num_blocks, block_size, block_size))  # [n, out, in]
         nn.init.normal_(self.weight, std=math.sqrt(2.0 / (5.0 * block_size)))
-        most = max(1, self.GROUP_WIDTH // block_size)
-        self.group = max(d for d in range(1, most + 1) if self.num_blocks % d == 0)
-
-    def _grouped_matrices(self) -> Tensor:
-        """[G, out, in]: group g's blocks on the diagonal of one matrix, zeros elsewhere."""
-        per, size = self.group, self.block_size
-        groups = self.num_blocks // per
-        dense = self.weight.new_zeros(groups, per, size, per, size)  # [G, p, out, p', in], nonzero where p = p'
-        dense.diagonal(dim1=1, dim2=3).copy_(self.weight.view(groups, per, size, size).permute(0, 2, 3, 1))
-        return dense.view(groups, per * size, per * size)
 
     def forward(self, x: Tensor) -> Tensor:
-        # kept between decode steps (rebuilt when the weight changes), as the sLSTM keeps its rearranged R
-        matrices = derived_in_inference(self, "grouped", (self.weight,), self._grouped_matrices)
-        groups = matrices.shape[0]
-        grouped = x.reshape(-1, groups, matrices.shape[-1]).transpose(0, 1)  # [G, N, in]
-        return torch.bmm(grouped, matrices.transpose(1, 2)).transpose(0, 1).reshape(x.shape)
+        columns = x.reshape(-1, self.num_blocks, self.block_size).permute(1, 2, 0)  # [n, in, N]
+        return torch.bmm(self.weight, columns).permute(2, 0, 1).reshape(x.shape)
 
 
 class MultiHeadNorm(nn.Module):
@@ -553,7 +538,7 @@ class XLSTM(Backbone):
         """FLOPs of the forward pass per token when training on sequences of ``seq_len`` tokens.
 
         Matrix products as the training forms execute them (element-wise gate, norm and conv work is not
-        counted, nor the zeros between the q/k/v maps' blocks in ``HeadwiseLinear``'s grouped product), 2 per
+        counted), 2 per
         multiply-add; E width, I inner width, H heads of head dim d = I / H, b the q/k/v block size, V vocabulary,
         T seq_len:
 
@@ -562,8 +547,10 @@ class XLSTM(Backbone):
           k^T v (2 L d^2), the read of the carried state q C and q n (2 L d^2 + 2 L d) and the whole L x L
           intra-chunk products q k^T and S v (4 L^2 d, computed whole and masked by multiplication); a
           trailing chunk of r < L tokens costs 4 r^2 d + 2 r d^2 + 2 r d plus its final state k^T v
-          (2 r d^2). The parallel form is one such chunk of T tokens; a sequence of one chunk (T <= L, or the
-          parallel form) from the empty state, as training runs it, reads no carried state: 4 T^2 d + 2 T d^2.
+          (2 r d^2); the N full chunks' starting states (N + 1 with a trailing chunk) weigh the chunks'
+          contributions (C, n) in one product, 2 (d^2 + d) N per state. The parallel form is one such chunk of
+          T tokens; a sequence of one chunk (T <= L, or the parallel form) from the empty state, as training runs
+          it, reads no carried state: 4 T^2 d + 2 T d^2.
           The kernels (``mlstm_backend: kernels``, as on CUDA) run the padded length S (``padded_length``) in
           chunks of min(S, 128), the padding counted.
         * sLSTM block (Hs heads of d_s = E / Hs): headwise input projections, 2 streams each E -> 2E in
@@ -585,6 +572,8 @@ class XLSTM(Backbone):
             cell += 4 * rest * rest * d + 4 * rest * d * d + 2 * rest * d
         if cfg.mlstm_backend != "kernels" and T <= L:  # one block from the empty state: no q C, q n
             cell = 4 * T * T * d + 2 * T * d * d
+        elif cfg.mlstm_backend == "chunkwise":  # the chunks' starting states (and a trailing chunk's) from theirs
+            cell += 2 * (full + (rest > 0)) * full * (d * d + d)
         mlstm = 2 * E * 2 * inner + 3 * 2 * inner * cfg.qkv_proj_blocksize + 2 * 2 * 3 * inner * cfg.n_head \
             + 2 * inner * E + cfg.n_head * cell / T
         d_s = E // cfg.slstm_n_head

@@ -149,8 +149,8 @@ def _chunk(q, k, v, log_i, log_f, C0, n0, m0, eps, keep=None):
     b = log_f.cumsum(-1)  # [..., L]   b_t = sum_{l<=t} log f_l
     # log D_tj = sum_{l=j+1..t} log f_l + i~_j  for j <= t
     log_D = b.unsqueeze(-1) - b.unsqueeze(-2) + log_i.unsqueeze(-2)  # [..., L, L]
-    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-    log_D = log_D.masked_fill_(~causal, float("-inf"))  # in place: nothing reads the sum before the mask
+    above = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
+    log_D = log_D.masked_fill_(above, float("-inf"))  # in place: nothing reads the sum before the mask
     m_intra, top = log_D.max(-1)  # [..., L]  stabiliser = running max (with the carried state's weight, below)
     m = m_intra
     if not empty:
@@ -162,8 +162,8 @@ def _chunk(q, k, v, log_i, log_f, C0, n0, m0, eps, keep=None):
     if not empty:
         w_prev = torch.exp(log_prev - m)  # [..., L]
         q_C0, q_n0 = q @ C0, (q @ n0.unsqueeze(-1)).squeeze(-1)
-        num = num + w_prev.unsqueeze(-1) * q_C0
-        den = den + w_prev * q_n0
+        num = torch.addcmul(num, w_prev.unsqueeze(-1), q_C0)
+        den = torch.addcmul(den, w_prev, q_n0)
     reciprocal, floor = _normaliser(den, m, eps)
     if keep is not None:
         keep.update(m=m, m_intra=m_intra, top=top, decay=decay, S=S, num=num, den=den, reciprocal=reciprocal,
@@ -191,11 +191,12 @@ def _chunk_state(k, v, log_i, log_f, C0, n0, m0) -> MLSTMState:
     return C, n, m_last
 
 
-def _split_maximum(grad: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """The gradient of ``torch.maximum(a, b)`` split between a and b as autograd splits it (half each on a tie)."""
-    to_a = (a > b).to(grad.dtype) + 0.5 * (a == b).to(grad.dtype)
-    g_a = grad * to_a
-    return g_a, grad - g_a
+def _split_maximum(half: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """The gradient of ``torch.maximum(a, b)``, given halved (``half``), split between a and b as autograd splits it
+    (all to the larger, half each on a tie): half (1 + s) and half (1 - s) for s = sign(a - b), exact (0, the half or
+    the whole). a - b must not be NaN: a and b are never the same infinity here."""
+    s = torch.sign(a - b)
+    return torch.addcmul(half, half, s), torch.addcmul(half, half, s, value=-1)
 
 
 class _ChunkOutputs(torch.autograd.Function):
@@ -221,12 +222,16 @@ class _ChunkOutputs(torch.autograd.Function):
         x = dict(zip(_KEPT + (() if ctx.empty else _KEPT_STATE), rest))
         m, decay, S, num, den, reciprocal, floor = (x[name] for name in
                                                     ("m", "decay", "S", "num", "den", "reciprocal", "floor"))
-        # h = num r, r = 1 / (max(|den|, floor) + eps), floor = exp(min(-m, 80))
+        # one copy where g_h comes strided (a block reads h's heads transposed): every product below would copy it
+        g_h = g_h.contiguous()
+        # h = num r, r = 1 / (max(|den|, floor) + eps), floor = exp(min(-m, 80)); the maximum gets -g_r r^2
         g_num = g_h * reciprocal.unsqueeze(-1)
         g_r = (g_h * num).sum(-1)
-        g_abs, g_floor = _split_maximum(-g_r * reciprocal.square(), den.abs(), floor)
+        g_abs, g_floor = _split_maximum(g_r * reciprocal.square() * -0.5, den.abs(), floor)
         g_den = g_abs * den.sign()
-        g_m = -(g_floor * floor) * (m >= -_MAX_NEG_M).to(m.dtype)  # clamp(-m, max=80) passes it where -m <= 80
+        # m's gradient is gathered negated (g_neg_m = -g_m) until its split: floor's is -g_floor floor, where
+        # clamp(-m, max=80) passes it (-m <= 80)
+        g_neg_m = (g_floor * floor).masked_fill_(m < -_MAX_NEG_M, 0.0)
         # num = S v (+ w_prev q C0), den = S 1 (+ w_prev q n0)
         g_S = torch.baddbmm(g_den.unsqueeze(-1).expand(*S.shape).flatten(0, -3), g_num.flatten(0, -3),
                             v.flatten(0, -3).transpose(-1, -2)).view(S.shape)
@@ -236,26 +241,30 @@ class _ChunkOutputs(torch.autograd.Function):
             w_prev = x["w_prev"]
             g_q_C0 = g_num * w_prev.unsqueeze(-1)
             g_q_n0 = g_den * w_prev
-            g_w_prev = (g_num * x["q_C0"]).sum(-1) + g_den * x["q_n0"]
-            g_q = g_q_C0 @ C0.transpose(-1, -2) + g_q_n0.unsqueeze(-1) * n0.unsqueeze(-2)
+            g_w_prev = torch.addcmul((g_num * x["q_C0"]).sum(-1), g_den, x["q_n0"])
+            g_q = torch.baddbmm((g_q_n0.unsqueeze(-1) * n0.unsqueeze(-2)).flatten(0, -3), g_q_C0.flatten(0, -3),
+                                C0.transpose(-1, -2).flatten(0, -3)).view(q.shape)
             # a given state's gradients only where it wants them (the chunkwise form's carried states do)
             wants_C0, wants_n0, wants_m0 = ctx.needs_input_grad[5:8]
             g_C0 = q.transpose(-1, -2) @ g_q_C0 if wants_C0 else None
-            g_n0 = (q * g_q_n0.unsqueeze(-1)).sum(-2) if wants_n0 else None
+            g_n0 = (q.transpose(-1, -2) @ g_q_n0.unsqueeze(-1)).squeeze(-1) if wants_n0 else None
             g_log_prev = g_w_prev * w_prev  # w_prev = exp(log_prev - m)
-            g_m = g_m - g_log_prev
+            g_neg_m.add_(g_log_prev)
         # S = (q k^T) decay, decay = exp(log_D - m): the masked entries have decay 0 and S 0, so no gradient
         g_qk = g_S * decay
         g_log_D = g_S.mul_(S)  # g_S is read no more
         g_rows = g_log_D.sum(-1)
-        g_m = g_m - g_rows
-        g_q = g_qk @ k if ctx.empty else g_q.add_(g_qk @ k)
+        g_neg_m.add_(g_rows)
+        if ctx.empty:
+            g_q = g_qk @ k
+        else:
+            g_q.flatten(0, -3).baddbmm_(g_qk.flatten(0, -3), k.flatten(0, -3))
         g_k = g_qk.transpose(-1, -2) @ q
         # m = maximum(m_intra, log_prev) (m_intra alone for the empty state); m_intra = log_D[t, top_t]
         if ctx.empty:
-            g_m_intra = g_m
+            g_m_intra = g_neg_m.neg_()
         else:
-            g_m_intra, g_to_prev = _split_maximum(g_m, x["m_intra"], x["log_prev"])
+            g_m_intra, g_to_prev = _split_maximum(g_neg_m * -0.5, x["m_intra"], x["log_prev"])
             g_log_prev = g_log_prev + g_to_prev
         # log_D[t, j] = b_t - b_j + i_j: b_t gets the rows' sums, b_j and i_j the columns'
         g_cols = g_log_D.sum(-2).scatter_add_(-1, x["top"], g_m_intra)
@@ -312,6 +321,144 @@ def mlstm_parallel(
     return h.to(out_dtype), _kept_where_unseen(_chunk_state(k, v, log_i, log_f, *given), state, q, mask)
 
 
+def _chunk_own(k, v, log_i, log_f, keep=None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Each block's own contribution to the state after it, from the empty state: C ``[..., D, D]`` and n ``[..., D]``
+    scaled by exp(-m), m ``[...]`` (the largest log weight of its inputs; ``max`` with its index, as the written
+    backward routes its gradient), and its total log decay ``[...]``; k (scaled), v ``[..., L, D]``, log_i, log_f
+    ``[..., L]``. ``keep``: a dict that receives what :class:`_ChunkOwn`'s backward reads."""
+    b = log_f.cumsum(-1)
+    b_last = b[..., -1]
+    log_w = b_last.unsqueeze(-1) - b + log_i  # [..., L]  log weight of input j at the block's end
+    m, top = log_w.max(-1)
+    weight = torch.exp(log_w - m.unsqueeze(-1))
+    kw = k * weight.unsqueeze(-1)
+    if keep is not None:
+        keep.update(top=top, weight=weight, kw=kw)
+    return kw.transpose(-1, -2) @ v, kw.sum(-2), m, b_last
+
+
+class _ChunkOwn(torch.autograd.Function):
+    """:func:`_chunk_own` with its backward written out (the chain rule through every line of its forward): the
+    maximum's gradient scattered to its index, the state's two products one baddbmm and one bmm, the cumulative sum's
+    reverse taken once. Held to autograd of :func:`_chunk_own` in float64."""
+
+    @staticmethod
+    def forward(ctx, k, v, log_i, log_f):
+        kept = {}
+        outputs = _chunk_own(k, v, log_i, log_f, keep=kept)
+        ctx.save_for_backward(k, v, *(kept[name] for name in ("top", "weight", "kw")))
+        return outputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_C, g_n, g_m, g_b_last):
+        k, v, top, weight, kw = ctx.saved_tensors
+        # C = kw^T v, n = kw summed over the block
+        g_kw = torch.baddbmm(g_n.unsqueeze(-2).expand(*kw.shape).flatten(0, -3), v.flatten(0, -3),
+                             g_C.transpose(-1, -2).flatten(0, -3)).view(kw.shape)
+        g_v = kw @ g_C
+        # kw = k weight, weight = exp(log_w - m), m = log_w[top]
+        g_k = g_kw * weight.unsqueeze(-1)
+        g_log_w = (g_kw * k).sum(-1).mul_(weight)
+        g_top = g_m - g_log_w.sum(-1)
+        g_log_w.scatter_add_(-1, top.unsqueeze(-1), g_top.unsqueeze(-1))
+        # log_w = b_last - b + log_i, b = cumsum(log f), b_last = b at the last step: log f_t enters every b_s, s >= t
+        g_b_last = g_b_last + g_log_w.sum(-1)
+        g_log_f = g_b_last.unsqueeze(-1) - g_log_w.flip(-1).cumsum(-1).flip(-1)
+        return g_k, g_v, g_log_w, g_log_f
+
+
+def _chunk_own_states(k, v, log_i, log_f) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`_chunk_own`: through :class:`_ChunkOwn` where ``wants_written_backward``, except under autocast, whose
+    bf16 products the written-out backward (float32) would not mirror."""
+    if wants_written_backward(k, v, log_i, log_f) and not torch.is_autocast_enabled(k.device.type):
+        return _ChunkOwn.apply(k, v, log_i, log_f)
+    return _chunk_own(k, v, log_i, log_f)
+
+
+def _chunk_starts(C_loc, n_loc, m_loc, b_last, rows: int, keep=None) -> MLSTMState:
+    """The states (C, n, m) before chunks 0..rows-1 (row N: after the last chunk) in closed form, from each column's
+    contribution: C_loc ``[B, H, columns, D, D]`` and n_loc ``[B, H, columns, D]`` scaled by exp(-m_loc), m_loc
+    ``[B, H, columns]``: the N chunks' own, after the state before chunk 0 where one is given (columns N + 1; N: the
+    empty state); b_last ``[B, H, N]``, the chunks' total log decays. Returns ``[B, H, rows, D, D]``,
+    ``[B, H, rows, D]``, ``[B, H, rows]``. ``keep``: a dict that receives what :class:`_ChunkStarts`'s backward reads.
+
+    The state before chunk k sums chunk j < k's contribution with log weight ``b_last[j+1..k-1].sum() + m_loc[j]``
+    and the given state's with ``b_last[0..k-1].sum() + m``: one ``[rows, columns]`` weight matrix per batch element
+    and head, -inf where a column is not before the row, its row maximum the stabiliser (the carry recurrence's running
+    maximum, unrolled; ``max`` with its indices, as the written backward routes its gradient), applied to every
+    column's (C, n) as one product over the chunks. The segment sums are a cumulative sum down the rows of masked
+    copies of b_last (Mamba-2's segsum), not differences of one running sum, which would lose float32 precision over
+    many strongly decaying chunks. A row with no finite weight (before chunk 0 from the empty state) gets C = n = 0
+    and the dtype's lowest m: weight exp(-inf - lowest) = 0, with no inf - inf.
+    """
+    N, columns = b_last.shape[-1], m_loc.shape[-1]
+    first = columns - N  # 1: the given state's column, before the chunks'
+    # later[k, c]: column c is not before row k; later[k, c + 1]: b_last[k - 1] is not in column c's sum for row k
+    later = torch.ones(rows, columns + 1, dtype=torch.bool, device=m_loc.device).triu(first)
+    decay_rows = F.pad(b_last, (1, rows - 1 - N))  # [B, H, rows]  row k holds b_last[k - 1] (row 0: 0, never summed)
+    decays = decay_rows.unsqueeze(-1).masked_fill(later[:, 1:], 0.0).cumsum(-2)  # [B, H, rows, columns]
+    log_w = (decays + m_loc.unsqueeze(-2)).masked_fill_(later[:, :-1], float("-inf"))
+    m_top, top = log_w.max(-1)  # [B, H, rows]
+    m = m_top.clamp(min=torch.finfo(log_w.dtype).min)
+    w = torch.exp(log_w - m.unsqueeze(-1))  # 0 where -inf
+    if keep is not None:
+        keep.update(later=later, top=top, m=m, w=w)
+    C = (w @ C_loc.flatten(-2)).unflatten(-1, C_loc.shape[-2:])
+    return C, w @ n_loc, m
+
+
+class _ChunkStarts(torch.autograd.Function):
+    """:func:`_chunk_starts` with its backward written out (the chain rule through every line of its forward): the
+    maximum's gradient scattered to its index and the masks applied once, where autograd's graph passes over the
+    weights for each mask, the clamp and the maximum, and sums each broadcast. Held to autograd of
+    :func:`_chunk_starts` in float64; a given state's column is joined before it (its gradient: the join's)."""
+
+    @staticmethod
+    def forward(ctx, C_loc, n_loc, m_loc, b_last, rows):
+        kept = {}
+        C, n, m = _chunk_starts(C_loc, n_loc, m_loc, b_last, rows, keep=kept)
+        ctx.save_for_backward(C_loc, n_loc, *(kept[name] for name in ("later", "top", "m", "w")))
+        ctx.N = b_last.shape[-1]
+        return C, n, m
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_C, g_n, g_m):
+        C_loc, n_loc, later, top, m, w = ctx.saved_tensors
+        rows, N = w.shape[-2], ctx.N
+        # C = w C_loc, n = w n_loc: products over the columns
+        g_C = g_C.flatten(-2)
+        C_flat = C_loc.flatten(-2)
+        g_w = torch.baddbmm((g_n @ n_loc.transpose(-1, -2)).flatten(0, -3), g_C.flatten(0, -3),
+                            C_flat.transpose(-1, -2).flatten(0, -3)).view(w.shape)
+        w_t = w.transpose(-1, -2)
+        g_C_loc = (w_t @ g_C).view(C_loc.shape)
+        g_n_loc = w_t @ g_n
+        # w = exp(log_w - m); m = clamp(log_w[top]): no gradient where a row has no finite weight
+        g_log_w = g_w.mul_(w)
+        g_top = (g_m - g_log_w.sum(-1)).masked_fill_(m == torch.finfo(m.dtype).min, 0.0)
+        g_log_w.scatter_add_(-1, top.unsqueeze(-1), g_top.unsqueeze(-1))
+        # log_w = decays + m_loc where the column is before the row (masked entries: w = 0, no maximum)
+        g_m_loc = g_log_w.sum(-2)
+        # decays = cumsum down the rows of b_last[k - 1] where it is in the column's sum
+        g_sums = g_log_w.flip(-2).cumsum(-2).flip(-2).masked_fill_(later[:, 1:], 0.0)
+        g_b_last = F.pad(g_sums.sum(-1), (-1, N + 1 - rows))  # row k held b_last[k - 1]
+        return g_C_loc, g_n_loc, g_m_loc, g_b_last, None
+
+
+def _starts_of_chunks(C_loc, n_loc, m_loc, b_last, state, rows: int) -> MLSTMState:
+    """:func:`_chunk_starts` of the chunks' own contributions (``[B, H, N, ...]``) and ``state`` (None: the empty
+    state, whose column is left out): through :class:`_ChunkStarts` where ``wants_written_backward``, except under
+    autocast, whose bf16 products the written-out backward (float32) would not mirror."""
+    if state is not None:
+        C_loc, n_loc, m_loc = (torch.cat([s.unsqueeze(2), x], dim=2) for s, x in zip(state, (C_loc, n_loc, m_loc)))
+    inputs = (C_loc, n_loc, m_loc, b_last, rows)
+    if wants_written_backward(*inputs) and not torch.is_autocast_enabled(C_loc.device.type):
+        return _ChunkStarts.apply(*inputs)
+    return _chunk_starts(*inputs)
+
+
 def mlstm_chunkwise(
     q: Tensor,
     k: Tensor,
@@ -328,8 +475,9 @@ def mlstm_chunkwise(
 ) -> tuple[Tensor, MLSTMState | None]:
     """Chunkwise mLSTM: O(T L) memory for chunk length L; any T (the last chunk may be short).
 
-    1. every full chunk's own contribution to the state is computed at once (all chunks in parallel);
-    2. a loop over chunks (not tokens) carries (C, n, m) from chunk to chunk;
+    1. every full chunk's own contribution to the state is computed at once (all chunks in parallel,
+       :func:`_chunk_own`);
+    2. every chunk's starting state at once, in closed form over the chunks (:func:`_chunk_starts`);
     3. all full chunks' outputs are computed at once from their starting states;
     4. a trailing partial chunk is one more parallel block.
     A sequence of at most one chunk is one parallel block (:func:`mlstm_parallel`'s form).
@@ -337,14 +485,12 @@ def mlstm_chunkwise(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size ({chunk_size}) must be >= 1")
-    if q.shape[-2] <= chunk_size:  # one block: the parallel form, without the carry loop and the chunk-state detour
+    if q.shape[-2] <= chunk_size:  # one block: the parallel form, without the carry and the chunk-state detour
         return mlstm_parallel(q, k, v, i_pre, f_pre, state, forget_gate=forget_gate, eps=eps, with_state=with_state,
                               mask=mask)
     out_dtype = q.dtype
     q, k, v, log_i, log_f, state = _prepare(q, k, v, i_pre, f_pre, state, forget_gate, mask)
-    given = state
     B, H, T, D = q.shape
-    C, n, m = _state_or_empty(state, q)  # the carry loop starts from it
     L = chunk_size
     N = T // L  # at least 1
 
@@ -353,44 +499,23 @@ def mlstm_chunkwise(
         return (x if N * L == T else x[:, :, : N * L]).reshape(B, H, N, L, *x.shape[3:])
 
     qc, kc, vc, ic, fc = map(chunks, (q, k, v, log_i, log_f))
-    b = fc.cumsum(-1)  # [B, H, N, L]
-    b_last = b[..., -1]  # [B, H, N]  total log decay across each chunk
-    log_w = b_last.unsqueeze(-1) - b + ic  # [B, H, N, L]  log weight of input j at chunk end
-    m_loc = log_w.amax(-1)  # [B, H, N]
-    kw = kc * torch.exp(log_w - m_loc.unsqueeze(-1)).unsqueeze(-1)
-    C_loc = kw.transpose(-1, -2) @ vc  # [B, H, N, D, D]  (scaled by exp(-m_loc))
-    n_loc = kw.sum(-2)  # [B, H, N, D]
+    C_loc, n_loc, m_loc, b_last = _chunk_own_states(kc, vc, ic, fc)  # [B, H, N, D, D], [B, H, N, D], [B, H, N] x2
 
-    starts_C, starts_n, starts_m = [], [], []
-    # the chunks' pieces from unbind, not indexing in the loop: the backward of an unbind is one stack, where each
-    # index's backward would zero-fill a tensor of all N chunks (the [B, H, N, D, D] states among them)
-    # (the state after the last full chunk is wanted for the returned state or a trailing partial chunk)
-    carried = C_loc.unbind(2), n_loc.unbind(2), m_loc.unbind(2), b_last.unbind(2)
-    for index, (C_c, n_c, m_c, b_c) in enumerate(zip(*carried)):
-        starts_C.append(C)
-        starts_n.append(n)
-        starts_m.append(m)
-        if index == N - 1 and not with_state and T == N * L:
-            break
-        log_prev = b_c + m
-        m_new = torch.maximum(log_prev, m_c)
-        a = torch.exp(log_prev - m_new)
-        g = torch.exp(m_c - m_new)
-        C = a[..., None, None] * C + g[..., None, None] * C_c
-        n = a.unsqueeze(-1) * n + g.unsqueeze(-1) * n_c
-        m = m_new
-    C0 = torch.stack(starts_C, dim=2)
-    n0 = torch.stack(starts_n, dim=2)
-    m0 = torch.stack(starts_m, dim=2)
+    # the state before each full chunk, and after the last one where the returned state or a trailing chunk wants it
+    rows = N + 1 if with_state or T > N * L else N
+    C0, n0, m0 = _starts_of_chunks(C_loc, n_loc, m_loc, b_last, state, rows)
+    if rows > N:
+        (C0, C), (n0, n), (m0, m) = (x.split([N, 1], dim=2) for x in (C0, n0, m0))
+        C0, C, n, m = C0.contiguous(), C.squeeze(2), n.squeeze(2), m.squeeze(2)
     h = _chunk_outputs(qc, kc, vc, ic, fc, C0, n0, m0, eps)  # [B, H, N, L, D]
     h = h.reshape(B, H, N * L, D)
     if T > N * L:
         s = N * L
         tail_inputs = (k[:, :, s:], v[:, :, s:], log_i[:, :, s:], log_f[:, :, s:], C, n, m)
         tail = _chunk_outputs(q[:, :, s:], *tail_inputs, eps)
-        final = _kept_where_unseen(_chunk_state(*tail_inputs), given, q, mask) if with_state else None
+        final = _kept_where_unseen(_chunk_state(*tail_inputs), state, q, mask) if with_state else None
         return torch.cat([h, tail], dim=2).to(out_dtype), final
-    return h.to(out_dtype), _kept_where_unseen((C, n, m), given, q, mask) if with_state else None
+    return h.to(out_dtype), _kept_where_unseen((C, n, m), state, q, mask) if with_state else None
 
 
 def mlstm_step(
