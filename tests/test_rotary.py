@@ -13,10 +13,16 @@ from ltcx.errors import ConfigError, LtcxError
 from ltcx.eval.long_context import lengths_within_context
 from ltcx.models.catalog import CATALOG
 from ltcx.models.gpt import GPT, GPTConfig, GQAAttention
-from ltcx.ops.attention import apply_rope
+from ltcx.ops.attention import apply_rope as _apply_rope
+from ltcx.ops.attention import rope_tables
 from ltcx.ops.naive.attention import naive_attention, reference_rope, rope_matrix
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def apply_rope(x, positions, base=10000.0):
+    """``apply_rope`` of x [..., T, D] at positions [T], its tables made for the call."""
+    return _apply_rope(x, rope_tables(positions, x.shape[-1], x.dtype, base))
 
 
 @pytest.mark.parametrize("base", [10000.0, 50.0])
@@ -56,8 +62,8 @@ def test_the_gpt_rope_attention_is_softmax_attention_over_rotated_queries_and_ke
                        position="rope", rope_base=100.0)
     attention = GQAAttention(config).double().eval()
     x = torch.randn(2, 13, 16, dtype=torch.float64)
-    first, cache = attention(x[:, :9])
-    second, _ = attention(x[:, 9:], cache)
+    first, cache = attention(x[:, :9], rope=rope_tables(torch.arange(9), 4, torch.float64, 100.0))
+    second, _ = attention(x[:, 9:], cache, rope=rope_tables(torch.arange(9, 13), 4, torch.float64, 100.0))
     q, k, v = attention.project(x)
     positions = list(range(13))
     q, k = reference_rope(q, positions, 100.0), reference_rope(k, positions, 100.0)
