@@ -13,6 +13,7 @@ from ltcx.errors import ConfigError, LtcxError
 from ltcx.eval.long_context import lengths_within_context
 from ltcx.models.catalog import CATALOG
 from ltcx.models.gpt import GPT, GPTConfig, GQAAttention
+from ltcx.ops import attention as attention_ops
 from ltcx.ops.attention import apply_rope as _apply_rope
 from ltcx.ops.attention import rope_tables
 from ltcx.ops.naive.attention import naive_attention, reference_rope, rope_matrix
@@ -35,6 +36,27 @@ def test_the_rotation_matches_its_2x2_reference_in_float64(base):
     for p in (0, 17, 4095):  # each rotation is orthogonal: lengths and dot products at one position are kept
         rot = rope_matrix(p, 8, base)
         torch.testing.assert_close(rot @ rot.T, torch.eye(8, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["positions", "per-row"])
+def test_the_written_backward_equals_autograd_of_the_plain_form_in_float64(per_row):
+    """Where a gradient is wanted the rotation runs as ``_Rotate``: its values and its gradient of x equal autograd's
+    through ``_rotate`` (tables of positions [T], or per row [B, T] broadcast over the heads)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 3, 5, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    rows = [[0, 1, 2, 40, 41], [3, 3, 4, 900, 5000]]
+    positions = torch.tensor(rows if per_row else rows[1])
+    tables = rope_tables(positions, 8, torch.float64)
+    cotangent = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    out = _apply_rope(x, tables)
+    assert out.grad_fn is not None and type(out.grad_fn).__name__ == "_RotateBackward"
+    expected = attention_ops._rotate(x, *tables)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    grad, = torch.autograd.grad(out, x, cotangent)
+    expected_grad, = torch.autograd.grad(expected, x, cotangent)
+    torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-12)
+    with torch.no_grad():  # without a gradient: the plain form, bit for bit
+        assert torch.equal(_apply_rope(x, tables), expected)
 
 
 def test_a_rotated_query_key_product_depends_on_the_offset_only():

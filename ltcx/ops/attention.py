@@ -8,6 +8,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ltcx.ops.written_backward import wants_written_backward
+
 
 def causal_gqa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, scale: float | None = None,
@@ -76,13 +78,41 @@ def rope_tables(positions: torch.Tensor, dim: int, dtype: torch.dtype, base: flo
 
 def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
     """Rotary position embedding, rotate-half layout: x [..., T, D] rotated by ``rope`` (``rope_tables`` of its T
-    positions) -> [..., T, D]: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), x1, x2 the halves of D.
+    positions, in x's dtype) -> [..., T, D]: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), x1, x2 the halves of D.
 
-    x cos + [x2 | x1] [-sin | sin]: four element-wise ops, whose autograd backward is four more (separate products
-    and sum, not a fused multiply-add, so every call rounds a token alike whatever the tensor's length).
-    """
-    swapped = x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)  # [x2 | x1]
-    return x * rope.cos + swapped * rope.sin
+    Through ``_Rotate`` where a gradient is wanted (``wants_written_backward``), else ``_rotate``: without a
+    gradient (prefill, decoding) every call rounds a token alike, whatever the call's length."""
+    if wants_written_backward(x) and rope.cos.dtype == x.dtype:
+        return _Rotate.apply(x, rope.cos, rope.sin)
+    return _rotate(x, rope.cos, rope.sin)
+
+
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """[x1 | x2] -> [x2 | x1] on the last dim."""
+    return x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x cos + [x2 | x1] [-sin | sin], separate products and sum. Differentiated by autograd, the oracle of
+    ``_Rotate``'s backward."""
+    return x * cos + _swap_halves(x) * sin
+
+
+class _Rotate(torch.autograd.Function):
+    """``_rotate`` in three ops forward (a flip, a product, a fused multiply-add) and three backward, where autograd
+    takes four or five: the backward is the rotation's transpose, the rotation by the opposite angles,
+    g cos + swap(g sin) = g cos - swap(g) sin (swap(sin) = -sin). The tables get no gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return torch.addcmul(x * cos, _swap_halves(x), sin)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return torch.addcmul(grad * cos, _swap_halves(grad), sin, value=-1), None, None
 
 
 def padded_positions(mask: torch.Tensor, past_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
