@@ -552,25 +552,28 @@ class MACBlock(MAGBlock):
             segment, segment_weights, memory = state.segment, state.segment_weights, state.memory
         # Split once (its backward one cat) rather than slice per piece (each slice's backward a zero-filled tensor).
         sizes = [piece.length for piece in setup.pieces]
-        parts = zip(setup.pieces, *(t.split(sizes, dim=2) for t in (torch.cat([q_rot, q], dim=-1), q_memory, k_x, v_x)))
+        query = torch.cat([q_rot, q], dim=-1)  # [B, H, T, 2D]
+        parts = zip(setup.pieces, *(t.split(sizes, dim=2) for t in (query, q_memory, k_x, v_x, F.pad(k_x, (0, dim)))))
         slot_k, slot_v = slot_keys_values(self.attn.persistent_k, self.attn.persistent_v, batch, k_x.dtype)
         dropout = self.config.dropout if self.training else 0.0
         outputs = []
-        for piece, query, q_memory_piece, k_x_piece, v_x_piece in parts:  # one piece per segment the call touches
+        for piece, query, q_memory_piece, k_x_piece, v_x_piece, token_k_piece in parts:  # a piece per segment touched
             with without_autocast(x.device):
                 h = memory_apply(*(shared or segment_weights), q_memory_piece)  # eq. 21: read with W^seg
             rope = setup.rope.at(slice(piece.start, piece.start + piece.length))
             k_h, v_h = self.attn.keys_values(self.norm_h(h.transpose(1, 2).flatten(2).to(x.dtype)), rope)
             keys_values = (k_h, v_h, k_x_piece, v_x_piece)
-            if segment is not None:
+            if segment is None:  # keys [slots | h | x]: the x keys' zero half padded once for every piece
+                keys, values = [slot_k, F.pad(k_h, (0, dim)), token_k_piece], [slot_v, v_h, v_x_piece]
+            else:
                 keys_values = tuple(torch.cat([old, new], dim=2) for old, new in zip(segment, keys_values))
-            k_h, v_h, k_xs, v_xs = keys_values
-            mask = piece.mask  # the setup's, unless this state's segment holds another number of keys
-            if mask.shape[-1] != slot_k.shape[2] + 2 * k_h.shape[2]:
-                mask = segment_pieces(piece.position, piece.length, k_h.shape[2] - piece.length, self.config.segment,
+                keys = [slot_k, F.pad(torch.cat(keys_values[::2], dim=2), (0, dim))]  # [k_h | k_x]
+                values = [slot_v, torch.cat(keys_values[1::2], dim=2)]
+            mask, total = piece.mask, keys_values[0].shape[2]  # the setup's, unless the segment holds other keys
+            if mask.shape[-1] != slot_k.shape[2] + 2 * total:
+                mask = segment_pieces(piece.position, piece.length, total - piece.length, self.config.segment,
                                       slot_k.shape[2], x.device)[0].mask
-            y = attend_with_slots(query, slot_k, slot_v, F.pad(torch.cat([k_h, k_xs], dim=2), (0, dim)),
-                                  torch.cat([v_h, v_xs], dim=2), mask, dropout).transpose(1, 2).flatten(2)
+            y = attend_with_slots(query, keys, values, mask, dropout).transpose(1, 2).flatten(2)
             end = piece.position + piece.length
             discarded = not with_state and piece.start + piece.length == x.shape[1]  # the last piece's state: unread
             m, memory = self.memory(y, memory, piece.position, not discarded)

@@ -80,8 +80,8 @@ def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
     """Rotary position embedding, rotate-half layout: x [..., T, D] rotated by ``rope`` (``rope_tables`` of its T
     positions, in x's dtype) -> [..., T, D]: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), x1, x2 the halves of D.
 
-    Through ``_Rotate`` where a gradient is wanted (``wants_written_backward``), else ``_rotate``: without a
-    gradient (prefill, decoding) every call rounds a token alike, whatever the call's length."""
+    Through ``_Rotate`` (the same forward, its backward written out) where a gradient is wanted
+    (``wants_written_backward``), else ``_rotate``."""
     if wants_written_backward(x) and rope.cos.dtype == x.dtype:
         return _Rotate.apply(x, rope.cos, rope.sin)
     return _rotate(x, rope.cos, rope.sin)
@@ -93,20 +93,21 @@ def _swap_halves(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x cos + [x2 | x1] [-sin | sin], separate products and sum. Differentiated by autograd, the oracle of
+    """x cos + [x2 | x1] [-sin | sin]: separate products and sum (no fused multiply-add), so every call rounds a
+    token alike, whatever its length or whether a gradient is wanted. Differentiated by autograd, the oracle of
     ``_Rotate``'s backward."""
     return x * cos + _swap_halves(x) * sin
 
 
 class _Rotate(torch.autograd.Function):
-    """``_rotate`` in three ops forward (a flip, a product, a fused multiply-add) and three backward, where autograd
-    takes four or five: the backward is the rotation's transpose, the rotation by the opposite angles,
-    g cos + swap(g sin) = g cos - swap(g) sin (swap(sin) = -sin). The tables get no gradient."""
+    """``_rotate`` with its backward in three ops (a flip, a product, a fused multiply-add), where autograd takes four
+    or five: the rotation's transpose, the rotation by the opposite angles, g cos + swap(g sin) = g cos - swap(g) sin
+    (swap(sin) = -sin). The tables get no gradient."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
-        return torch.addcmul(x * cos, _swap_halves(x), sin)
+        return _rotate(x, cos, sin)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -145,17 +146,16 @@ def with_slot_columns(mask: torch.Tensor, slots: int) -> torch.Tensor:
     return torch.cat([mask.new_ones(*mask.shape[:-1], slots), mask], dim=-1)
 
 
-def attend_with_slots(
-    query: torch.Tensor, slot_k: torch.Tensor, slot_v: torch.Tensor, token_k: torch.Tensor, v: torch.Tensor,
-    mask: torch.Tensor, dropout_p: float = 0.0,
-) -> torch.Tensor:
+def attend_with_slots(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor,
+                      dropout_p: float = 0.0) -> torch.Tensor:
     """``attention_with_persistent`` on its parts as a caller making them once for many calls holds them:
-    query [q_rot | q] [B, H, T, 2D]; slot_k, slot_v from ``slot_keys_values``; token_k [k_rot | 0] [B, H_kv, L, 2D]
-    and v [B, H_kv, L, D]; mask [..., T, N_p + L] (``with_slot_columns``). Returns [B, H, T, D]."""
-    dim = v.shape[-1]
+    query [q_rot | q] [B, H, T, 2D]; keys and values, the pieces of the key axis in order (joined here): the slots'
+    from ``slot_keys_values``, then token keys [k_rot | 0] [B, H_kv, ., 2D] and values [B, H_kv, ., D];
+    mask [..., T, N_p + L] (``with_slot_columns``). Returns [B, H, T, D]."""
+    dim = values[0].shape[-1]
     return F.scaled_dot_product_attention(
-        query, torch.cat([slot_k, token_k], dim=2), torch.cat([slot_v, v], dim=2), attn_mask=mask,
-        dropout_p=dropout_p, scale=dim ** -0.5, enable_gqa=query.shape[1] != v.shape[1],
+        query, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=mask, dropout_p=dropout_p,
+        scale=dim ** -0.5, enable_gqa=query.shape[1] != values[0].shape[1],
     )
 
 
@@ -180,8 +180,8 @@ def attention_with_persistent(
     each score picks the right pair.
     """
     slot_k, slot_v = slot_keys_values(persistent_k, persistent_v, k_rot.shape[0], k_rot.dtype)
-    return attend_with_slots(torch.cat([q_rot, q], dim=-1), slot_k, slot_v, F.pad(k_rot, (0, k_rot.shape[-1])), v,
-                             with_slot_columns(mask, persistent_k.shape[1]), dropout_p)
+    return attend_with_slots(torch.cat([q_rot, q], dim=-1), [slot_k, F.pad(k_rot, (0, k_rot.shape[-1]))],
+                             [slot_v, v], with_slot_columns(mask, persistent_k.shape[1]), dropout_p)
 
 
 class WindowPlan(NamedTuple):
@@ -259,7 +259,7 @@ def sliding_window_attention(
     query = torch.cat([q_rot, q], dim=-1)  # [B, H, T, 2D]
     if not plan.blocks:
         slot_k, slot_v = slot_keys_values(persistent_k, persistent_v, batch, k_rot.dtype)
-        return attend_with_slots(query, slot_k, slot_v, F.pad(k_rot, (0, dim)), v, plan.mask, dropout_p)
+        return attend_with_slots(query, [slot_k, F.pad(k_rot, (0, dim))], [slot_v, v], plan.mask, dropout_p)
     blocks, span = plan.blocks, plan.span
     slot_k, slot_v = slot_keys_values(persistent_k, persistent_v, batch * blocks, k_rot.dtype)
     if plan.trim:
@@ -272,6 +272,6 @@ def sliding_window_attention(
     after = blocks * window - length  # [B, H, T, 2D] -> [B blocks, H, window, 2D]
     query = (F.pad(query, (0, 0, 0, after)) if after else query).unflatten(2, (blocks, window))
     query = query.transpose(1, 2).reshape(batch * blocks, heads, window, 2 * dim)
-    y = attend_with_slots(query, slot_k, slot_v, spans(k_rot, dim), spans(v, 0), plan.mask,
+    y = attend_with_slots(query, [slot_k, spans(k_rot, dim)], [slot_v, spans(v, 0)], plan.mask,
                           dropout_p)  # [B blocks, H, window, D]
     return y.unflatten(0, (batch, blocks)).transpose(1, 2).flatten(2, 3)[:, :, :length]
