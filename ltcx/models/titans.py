@@ -841,9 +841,10 @@ class Titans(Backbone):
     def _cached_keys(self, state: TitansState | None) -> int:
         """The keys each attention layer of an unpadded ``state`` holds before the next call: its window cache (mag,
         mal), MAC's current segment."""
-        if state is None:
+        first = 1 if self.config.variant == "mal" else 0  # mal: memory first, then attention
+        if state is None or len(state.layers) <= first:
             return 0
-        layer = state.layers[1 if self.config.variant == "mal" else 0]  # mal: memory first, then attention
+        layer = state.layers[first]
         if self.config.variant == "mac":
             return 0 if layer.segment is None else layer.segment[0].shape[2]
         return (layer.attention if self.config.variant == "mag" else layer).k.shape[2]

@@ -137,8 +137,8 @@ def slot_keys_values(persistent_k: torch.Tensor, persistent_v: torch.Tensor, bat
     """The persistent slots [H_kv, N_p, D] as ``attend_with_slots`` reads them: keys [0 | persistent_k]
     [B, H_kv, N_p, 2D] and values [B, H_kv, N_p, D] (expanded over the batch, not copied)."""
     dim = persistent_k.shape[-1]
-    keys = F.pad(persistent_k.to(dtype), (dim, 0))
-    return keys.expand(batch, -1, -1, -1), persistent_v.to(dtype).expand(batch, -1, -1, -1)
+    keys = F.pad(persistent_k.to(dtype), (dim, 0))  # unsqueezed, so at batch 1 the backward sums nothing
+    return keys[None].expand(batch, -1, -1, -1), persistent_v.to(dtype)[None].expand(batch, -1, -1, -1)
 
 
 def with_slot_columns(mask: torch.Tensor, slots: int) -> torch.Tensor:
