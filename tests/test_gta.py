@@ -93,6 +93,12 @@ def naive_gta(attn: GTAAttention, config: GTAConfig, x: torch.Tensor) -> torch.T
 # The fast form equals the equation
 
 
+def layer_call(model, attn, x, cache=None):
+    """The attention layer called as the model calls it: with the model's rotary tables of the new positions."""
+    start = 0 if cache is None else cache.length
+    return attn(x, cache, None, model.rope_tables(start, x.shape[1], None, x.device))
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("split", [None, 4, 8])  # 8: the last token alone, the decode step's path
 def test_fast_form_equals_naive_per_head_reference(variant, split):
@@ -101,10 +107,10 @@ def test_fast_form_equals_naive_per_head_reference(variant, split):
     x = torch.randn(2, 9, SMALL["n_embd"], dtype=F64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         if split is None:
-            y, cache = attn(x)
+            y, cache = layer_call(model, attn, x)
         else:  # the second piece attends over the cached keys and latents
-            first, cache = attn(x[:, :split])
-            second, cache = attn(x[:, split:], cache)
+            first, cache = layer_call(model, attn, x[:, :split])
+            second, cache = layer_call(model, attn, x[:, split:], cache)
             y = torch.cat([first, second], dim=1)
         reference = naive_gta(attn, config, x)
     torch.testing.assert_close(y, reference, rtol=0, atol=1e-12)

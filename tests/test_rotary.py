@@ -13,10 +13,17 @@ from ltcx.errors import ConfigError, LtcxError
 from ltcx.eval.long_context import lengths_within_context
 from ltcx.models.catalog import CATALOG
 from ltcx.models.gpt import GPT, GPTConfig, GQAAttention
-from ltcx.ops.attention import apply_rope
+from ltcx.ops import attention as attention_ops
+from ltcx.ops.attention import apply_rope as _apply_rope
+from ltcx.ops.attention import rope_tables
 from ltcx.ops.naive.attention import naive_attention, reference_rope, rope_matrix
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def apply_rope(x, positions, base=10000.0):
+    """``apply_rope`` of x [..., T, D] at positions [T], its tables made for the call."""
+    return _apply_rope(x, rope_tables(positions, x.shape[-1], x.dtype, base))
 
 
 @pytest.mark.parametrize("base", [10000.0, 50.0])
@@ -29,6 +36,27 @@ def test_the_rotation_matches_its_2x2_reference_in_float64(base):
     for p in (0, 17, 4095):  # each rotation is orthogonal: lengths and dot products at one position are kept
         rot = rope_matrix(p, 8, base)
         torch.testing.assert_close(rot @ rot.T, torch.eye(8, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["positions", "per-row"])
+def test_the_written_backward_equals_autograd_of_the_plain_form_in_float64(per_row):
+    """Where a gradient is wanted the rotation runs as ``_Rotate``: its values (bit for bit) and its gradient of x equal
+    autograd's through ``_rotate`` (tables of positions [T], or per row [B, T] broadcast over the heads)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 3, 5, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    rows = [[0, 1, 2, 40, 41], [3, 3, 4, 900, 5000]]
+    positions = torch.tensor(rows if per_row else rows[1])
+    tables = rope_tables(positions, 8, torch.float64)
+    cotangent = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    out = _apply_rope(x, tables)
+    assert out.grad_fn is not None and type(out.grad_fn).__name__ == "_RotateBackward"
+    expected = attention_ops._rotate(x, *tables)
+    assert torch.equal(out, expected)  # the same forward: with or without a gradient, a token rounds alike
+    grad, = torch.autograd.grad(out, x, cotangent)
+    expected_grad, = torch.autograd.grad(expected, x, cotangent)
+    torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-12)
+    with torch.no_grad():  # without a gradient: the plain form, bit for bit
+        assert torch.equal(_apply_rope(x, tables), expected)
 
 
 def test_a_rotated_query_key_product_depends_on_the_offset_only():
@@ -56,8 +84,8 @@ def test_the_gpt_rope_attention_is_softmax_attention_over_rotated_queries_and_ke
                        position="rope", rope_base=100.0)
     attention = GQAAttention(config).double().eval()
     x = torch.randn(2, 13, 16, dtype=torch.float64)
-    first, cache = attention(x[:, :9])
-    second, _ = attention(x[:, 9:], cache)
+    first, cache = attention(x[:, :9], rope=rope_tables(torch.arange(9), 4, torch.float64, 100.0))
+    second, _ = attention(x[:, 9:], cache, rope=rope_tables(torch.arange(9, 13), 4, torch.float64, 100.0))
     q, k, v = attention.project(x)
     positions = list(range(13))
     q, k = reference_rope(q, positions, 100.0), reference_rope(k, positions, 100.0)

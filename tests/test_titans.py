@@ -21,6 +21,7 @@ from helpers import relative_error, write_corpus
 from ltcx.errors import ConfigError
 from ltcx.models.state import map_state_tensors
 from ltcx.models.titans import MACBlock, MemoryCache, Titans, TitansConfig
+from ltcx.ops.attention import rope_tables
 from ltcx.ops.titans import memory_apply
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,9 +61,9 @@ def reference_mac_block(block: MACBlock, x: torch.Tensor) -> torch.Tensor:
     batch, length, _ = x.shape
     heads, kv_heads, dim = config.n_head, config.n_kv_head, config.head_dim
     normed = block.ln_1(x)
-    positions = torch.arange(length)
-    q, q_rot = block.attn.queries(normed, positions)
-    k_x, v_x = block.attn.keys_values(normed, positions)
+    rope = rope_tables(torch.arange(length), dim, x.dtype, config.rope_base)
+    q, q_rot = block.attn.queries(normed, rope)
+    k_x, v_x = block.attn.keys_values(normed, rope)
     q_memory, _ = block.memory.read_queries(normed, None)
     segment_weights, memory = block.memory.initial_weights(batch, x.dtype), None
     k_h, v_h, outputs = [], [], []
@@ -70,7 +71,7 @@ def reference_mac_block(block: MACBlock, x: torch.Tensor) -> torch.Tensor:
         if i > 0 and i % config.segment == 0:
             segment_weights = (memory.memory.w1, memory.memory.w2)
         h = memory_apply(*segment_weights, q_memory[:, :, i:i + 1]).transpose(1, 2).flatten(2)  # [B, 1, C]
-        k, v = block.attn.keys_values(block.norm_h(h), positions[i:i + 1])
+        k, v = block.attn.keys_values(block.norm_h(h), rope.at(slice(i, i + 1)))
         k_h.append(k[:, :, 0])
         v_h.append(v[:, :, 0])
         visible = range(i - i % config.segment, i + 1)

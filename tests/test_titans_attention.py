@@ -10,13 +10,19 @@ import pytest
 import torch
 
 from helpers import assert_rel
-from ltcx.ops.attention import apply_rope, attention_with_persistent, sliding_window_attention, sliding_window_mask
+from ltcx.ops.attention import apply_rope as _apply_rope
+from ltcx.ops.attention import attention_with_persistent, rope_tables, sliding_window_attention, sliding_window_mask
 from ltcx.ops.naive.attention import reference_attention, reference_rope, rope_matrix
 
 B, H, H_KV, D, N_P = 2, 4, 2, 8, 3
 
 
 pytestmark = [pytest.mark.quick, pytest.mark.usefixtures("one_thread")]  # tiny tensors: see conftest.py
+
+
+def apply_rope(x, positions, base=10000.0):
+    """``apply_rope`` of x [..., T, D] at positions [T] or [B, T], its tables made for the call."""
+    return _apply_rope(x, rope_tables(positions, x.shape[-1], x.dtype, base))
 
 
 def _window(query_positions, key_positions, window):
@@ -57,6 +63,15 @@ def test_apply_rope_equals_rotation_matrices(base):
     x = torch.randn(B, H, 6, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     positions = [0, 1, 5, 130, 4095, 100_003]
     assert_rel(apply_rope(x, torch.tensor(positions), base=base), reference_rope(x, positions, base))
+
+
+def test_per_row_rope_tables_rotate_each_row_at_its_own_positions():
+    """Tables of per-row positions [B, T] rotate row b of x [B, H, T, D] as tables of its positions [T] do."""
+    x = torch.randn(B, H, 4, D, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    positions = torch.tensor([[0, 1, 2, 2], [7, 8, 30, 31]])
+    rotated = apply_rope(x, positions)
+    for row in range(B):
+        assert torch.equal(rotated[row], apply_rope(x[row], positions[row]))
 
 
 def test_rope_scores_depend_only_on_the_offset():

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.base import Backbone
 from ltcx.models.state import model_dtype
-from ltcx.ops.attention import apply_rope, causal_gqa_attention, padded_positions
+from ltcx.ops.attention import RopeTables, apply_rope, causal_gqa_attention, padded_positions, rope_tables
+from ltcx.ops.precision import activation_dtype
 
 POSITIONS = ("learned", "rope")
 
@@ -159,12 +160,12 @@ class Padding:
 
 class GQAAttention(nn.Module):
     """Causal grouped-query self-attention through ``scaled_dot_product_attention``; with ``position: rope`` queries
-    and keys are rotated by their absolute positions (the cache keeps rotated keys)."""
+    and keys are rotated by their absolute positions (the model's tables of the call; the cache keeps rotated
+    keys)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.rope_base = config.rope_base if getattr(config, "position", "learned") == "rope" else None
         self.q_proj = nn.Linear(config.n_embd, config.n_head * config.head_dim, bias=config.bias)
         self.kv_proj = nn.Linear(config.n_embd, 2 * config.n_kv_head * config.head_dim, bias=config.bias)
         self.c_proj = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=config.bias)
@@ -178,18 +179,14 @@ class GQAAttention(nn.Module):
         k, v = self.kv_proj(x).view(batch, length, 2, self.n_kv_head, self.head_dim).permute(2, 0, 3, 1, 4)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None,
-                padding: Padding | None = None) -> tuple[torch.Tensor, KVCache]:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, padding: Padding | None = None,
+                rope: RopeTables | None = None) -> tuple[torch.Tensor, KVCache]:
         """x [B, T, C] at positions [P, P+T), where P is the cache length (with ``padding``: its positions, masked
-        keys left out) -> (y [B, T, C], extended cache)."""
+        keys left out) -> (y [B, T, C], extended cache). ``rope``: the tables of those positions (``position: rope``;
+        ``GPT.rope_tables``)."""
         q, k, v = self.project(x)
-        if self.rope_base is not None:
-            if padding is None:
-                start = 0 if cache is None else cache.length
-                positions = torch.arange(start, start + x.shape[1], device=x.device)
-            else:
-                positions = padding.positions
-            q, k = apply_rope(q, positions, self.rope_base), apply_rope(k, positions, self.rope_base)
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
         if cache is not None:
             k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
         key_mask = None if padding is None else padding.key_mask
@@ -221,8 +218,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config, config.ffn_hidden)
 
-    def forward(self, x: torch.Tensor, cache=None, padding: Padding | None = None):
-        attended, cache = self.attn(self.ln_1(x), cache, padding)
+    def forward(self, x: torch.Tensor, cache=None, padding: Padding | None = None, rope: RopeTables | None = None):
+        """``rope``: the call's rotary tables, given to an attention that rotates (None: the others, unchanged)."""
+        normed = self.ln_1(x)
+        attended, cache = self.attn(normed, cache, padding) if rope is None else self.attn(normed, cache, padding, rope)
         x = x + attended
         return x + self.mlp(self.ln_2(x)), cache
 
@@ -271,6 +270,20 @@ class GPT(Backbone):
     def make_attention(self, config: GPTConfig) -> nn.Module:
         """The attention of one block; subclasses swap in another kind."""
         return GQAAttention(config)
+
+    def rope_tables(self, start: int, length: int, padding: Padding | None,
+                    device: torch.device) -> RopeTables | None:
+        """The rotary tables of a call's new tokens at positions [start, start + length) (with ``padding``: its
+        positions), made once for every layer; None without rotary positions."""
+        if self.config.position != "rope":
+            return None
+        return self._rope_tables(start, length, padding, device, self.config.head_dim)
+
+    def _rope_tables(self, start: int, length: int, padding: Padding | None, device: torch.device,
+                     dim: int) -> RopeTables:
+        positions = torch.arange(start, start + length, device=device) if padding is None else padding.positions
+        dtype = activation_dtype(self.wte.weight.dtype, device)  # the rotated projections' (autocast's, where on)
+        return rope_tables(positions, dim, dtype, self.config.rope_base)
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -345,8 +358,9 @@ class GPT(Backbone):
                 )
             x = x + self.wpe(torch.arange(past_len, past_len + length, device=idx.device))
         x = self.drop(x)
+        rope = self.rope_tables(past_len, length, padding, idx.device)
         new_state = []
         for i, block in enumerate(self.blocks):
-            x, cache = block(x, None if state is None else state[i], padding)
+            x, cache = block(x, None if state is None else state[i], padding, rope)
             new_state.append(cache)
         return self.ln_f(x), tuple(new_state) if with_state else None

@@ -19,7 +19,7 @@ from ltcx.models.gpt import GPT, GPTConfig, Padding
 from ltcx.models.inference_cache import derived_in_inference
 from ltcx.models.state import model_dtype
 from ltcx.ops import gta as gta_ops
-from ltcx.ops.attention import apply_rope
+from ltcx.ops.attention import RopeTables, apply_rope
 
 
 def _require(condition: bool, message: str) -> None:
@@ -120,7 +120,7 @@ class GTAAttention(nn.Module):
     def __init__(self, config: GTAConfig) -> None:
         super().__init__()
         self.groups, self.n_key_head, self.n_latent_head = config.n_query_group, config.n_key_head, config.n_latent_head
-        self.key_dim, self.latent_dim, self.rope = config.key_dim, config.latent_dim, config.rope
+        self.key_dim, self.latent_dim = config.key_dim, config.latent_dim
         width = config.n_embd // self.groups
         self.widths = [self.groups * self.key_dim, self.n_key_head * self.key_dim, self.n_latent_head * self.latent_dim]
         if config.gate:
@@ -133,30 +133,28 @@ class GTAAttention(nn.Module):
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def project(self, x: torch.Tensor, start: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [B, T, C] at positions [start, start + T) (or ``start`` [B, T], each row's own) -> q [B, G, T, d_k],
+    def project(self, x: torch.Tensor, rope: RopeTables | None) -> tuple[torch.Tensor, ...]:
+        """x [B, T, C] (with ``rope``, the tables of its positions: q and k rotated) -> q [B, G, T, d_k],
         k [B, n_k, T, d_k], latent [B, n_c, T, d_l], gate logits [B, T, C] or None."""
         batch, length, _ = x.shape
         q, k, latent, *gate = self.in_proj(x).split(self.widths, dim=-1)
         q = q.view(batch, length, self.groups, self.key_dim).transpose(1, 2)
         k = k.view(batch, length, self.n_key_head, self.key_dim).transpose(1, 2)
         latent = latent.view(batch, length, self.n_latent_head, self.latent_dim).transpose(1, 2)
-        if self.rope:
-            positions = start if isinstance(start, torch.Tensor) else torch.arange(start, start + length,
-                                                                                   device=x.device)
-            q, k = apply_rope(q, positions), apply_rope(k, positions)
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
         return q, k, latent, (gate[0] if gate else None)
 
     def decoder_matrix(self) -> torch.Tensor:
         """D = J_e + B [G, d_l, C / G]; in inference built once and kept until the decoder changes."""
         return derived_in_inference(self, "decoder", (self.decoder,), lambda: self.identity + self.decoder)
 
-    def forward(self, x: torch.Tensor, cache: GTACache | None = None,
-                padding: Padding | None = None) -> tuple[torch.Tensor, GTACache]:
+    def forward(self, x: torch.Tensor, cache: GTACache | None = None, padding: Padding | None = None,
+                rope: RopeTables | None = None) -> tuple[torch.Tensor, GTACache]:
         """x [B, T, C] at positions [P, P+T), where P is the cache length (with ``padding``: its positions, masked
-        keys left out) -> (y [B, T, C], extended cache)."""
-        start = (0 if cache is None else cache.length) if padding is None else padding.positions
-        q, k, latent, gate = self.project(x, start)
+        keys left out) -> (y [B, T, C], extended cache). ``rope``: the tables of those positions (``rope``;
+        ``GTAGPT.rope_tables``)."""
+        q, k, latent, gate = self.project(x, rope)
         if cache is not None:
             k, latent = torch.cat([cache.k, k], dim=2), torch.cat([cache.latent, latent], dim=2)
         key_mask = None if padding is None else padding.key_mask
@@ -180,6 +178,11 @@ class GTAGPT(GPT):
 
     def make_attention(self, config: GTAConfig) -> nn.Module:
         return GTAAttention(config)
+
+    def rope_tables(self, start: int, length: int, padding: Padding | None,
+                    device: torch.device) -> RopeTables | None:
+        """GTA's own rotary option: tables of key_dim wide heads with ``rope``, else None."""
+        return self._rope_tables(start, length, padding, device, self.config.key_dim) if self.config.rope else None
 
     def forward_flops_per_token(self, seq_len: int) -> float:
         """FLOPs of the forward pass per token, counted as the GPT's (matrix products, 2 per multiply-add) with

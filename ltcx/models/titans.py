@@ -44,9 +44,20 @@ from ltcx.errors import ConfigError
 from ltcx.models.base import Backbone
 from ltcx.models.gpt import MLP
 from ltcx.models.state import RowStates, model_dtype, reorder_state
-from ltcx.ops.attention import apply_rope, attention_with_persistent, sliding_window_attention
+from ltcx.ops.attention import (
+    RopeTables,
+    WindowPlan,
+    apply_rope,
+    attend_with_slots,
+    attention_with_persistent,
+    rope_tables,
+    sliding_window_attention,
+    slot_keys_values,
+    window_plan,
+    with_slot_columns,
+)
 from ltcx.ops.conv import causal_depthwise_conv
-from ltcx.ops.precision import compute_dtype, without_autocast
+from ltcx.ops.precision import activation_dtype, compute_dtype, without_autocast
 from ltcx.ops.titans import (
     MemoryState,
     chunk_sizes,
@@ -220,6 +231,54 @@ class MACState(NamedTuple):
     memory: MemoryCache
 
 
+class SegmentPiece(NamedTuple):
+    """The part of a MAC call in one segment: ``length`` tokens at the call's offsets [start, start + length), the
+    first at absolute position ``position``; mask [length, N_p + 2 L]: every slot, then the segment's L memory-read
+    keys and its L token keys up to the piece's end (causal)."""
+
+    start: int
+    length: int
+    position: int
+    mask: Tensor
+
+
+class AttentionSetup(NamedTuple):
+    """What the attention layers of one call share, made once per forward (``attention_setup``): the rotary tables
+    of the call's positions, the sliding window's plan (mag, mal; unpadded calls) and MAC's pieces."""
+
+    rope: RopeTables
+    window: WindowPlan | None = None
+    pieces: tuple[SegmentPiece, ...] | None = None
+
+
+def segment_pieces(position: int, length: int, cached: int, segment: int, slots: int,
+                   device: torch.device) -> tuple[SegmentPiece, ...]:
+    """MAC's pieces of ``length`` tokens at positions [P, P + T) (P = ``position``) in segments of ``segment``, the
+    first piece's segment holding ``cached`` tokens before it."""
+    pieces, start = [], 0
+    while start < length:
+        n = min(segment - (position + start) % segment, length - start)
+        keys = n + (cached if start == 0 else 0)  # the segment's tokens up to the piece's end
+        causal = torch.ones(n, keys, dtype=torch.bool, device=device).tril(keys - n)  # key j <= query i
+        pieces.append(SegmentPiece(start, n, position + start, with_slot_columns(torch.cat([causal, causal], 1),
+                                                                                  slots)))
+        start += n
+    return tuple(pieces)
+
+
+def attention_setup(config: TitansConfig, position: int, length: int, cached: int, batch: int,
+                    device: torch.device, dtype: torch.dtype) -> AttentionSetup:
+    """The ``AttentionSetup`` of an unpadded call of ``length`` tokens after ``position`` tokens, each attention layer
+    holding ``cached`` keys before them (its window cache, or MAC's current segment), rotary tables in ``dtype``."""
+    rope = rope_tables(torch.arange(position, position + length, device=device), config.head_dim, dtype,
+                       config.rope_base)
+    if config.variant == "mac":
+        return AttentionSetup(rope, pieces=segment_pieces(position, length, cached, config.segment,
+                                                          config.n_persistent, device))
+    return AttentionSetup(rope, window_plan(position, length, cached + length, config.window, config.n_persistent,
+                                            batch, device))
+
+
 @dataclass
 class TitansState:
     """position: tokens consumed so far (absolute position of the next token), or after a padded batch each row's
@@ -344,15 +403,15 @@ class TitansAttention(nn.Module):
         self.persistent_k = nn.Parameter(torch.randn(slots) * config.init_std)
         self.persistent_v = nn.Parameter(torch.randn(slots) * config.init_std)
 
-    def queries(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """x [B, T, C] -> (q, RoPE(q)) [B, H, T, D]."""
+    def queries(self, x: Tensor, rope: RopeTables) -> tuple[Tensor, Tensor]:
+        """x [B, T, C], ``rope`` the tables of its positions -> (q, RoPE(q)) [B, H, T, D]."""
         q = self.q_proj(x).unflatten(-1, (self.n_head, self.head_dim)).transpose(1, 2)
-        return q, apply_rope(q, positions, self.config.rope_base)
+        return q, apply_rope(q, rope)
 
-    def keys_values(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """x [B, T, C] -> (RoPE(k), v) [B, H_kv, T, D]."""
+    def keys_values(self, x: Tensor, rope: RopeTables) -> tuple[Tensor, Tensor]:
+        """x [B, T, C], ``rope`` the tables of its positions -> (RoPE(k), v) [B, H_kv, T, D]."""
         k, v = self.kv_proj(x).unflatten(-1, (2, self.n_kv_head, self.head_dim)).permute(2, 0, 3, 1, 4)
-        return apply_rope(k, positions, self.config.rope_base), v
+        return apply_rope(k, rope), v
 
     def attend(self, q: Tensor, q_rot: Tensor, k_rot: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """-> merged heads [B, T, H * D]."""
@@ -360,29 +419,31 @@ class TitansAttention(nn.Module):
         y = attention_with_persistent(q, q_rot, k_rot, v, self.persistent_k, self.persistent_v, mask, dropout)
         return y.transpose(1, 2).flatten(2)
 
-    def sliding_window(self, x: Tensor, cache: WindowCache | None, position: int) -> tuple[Tensor, WindowCache]:
-        """x [B, T, C] at positions [P, P+T) -> (y [B, T, H * D], the keys/values of the last window - 1 positions)."""
-        length, window = x.shape[1], self.config.window
-        positions = torch.arange(position, position + length, device=x.device)
-        q, q_rot = self.queries(x, positions)
-        k_rot, v = self.keys_values(x, positions)
+    def sliding_window(self, x: Tensor, cache: WindowCache | None, position: int,
+                       setup: AttentionSetup) -> tuple[Tensor, WindowCache]:
+        """x [B, T, C] at positions [P, P+T), ``setup`` the call's -> (y [B, T, H * D], the keys/values of the last
+        window - 1 positions)."""
+        window = self.config.window
+        q, q_rot = self.queries(x, setup.rope)
+        k_rot, v = self.keys_values(x, setup.rope)
         if cache is not None:
             k_rot, v = torch.cat([cache.k, k_rot], dim=2), torch.cat([cache.v, v], dim=2)
         dropout = self.config.dropout if self.training else 0.0
         y = sliding_window_attention(q, q_rot, k_rot, v, self.persistent_k, self.persistent_v, position, window,
-                                     dropout).transpose(1, 2).flatten(2)
+                                     dropout, setup.window).transpose(1, 2).flatten(2)
         keep = min(window - 1, k_rot.shape[2])
         return y, WindowCache(k_rot[:, :, k_rot.shape[2] - keep:], v[:, :, v.shape[2] - keep:])
 
-    def sliding_window_padded(self, x: Tensor, cache: WindowCache | None,
-                              padding: Padding) -> tuple[Tensor, WindowCache]:
+    def sliding_window_padded(self, x: Tensor, cache: WindowCache | None, padding: Padding,
+                              rope: RopeTables) -> tuple[Tensor, WindowCache]:
         """``sliding_window`` of a padded batch: query i sees the real keys at its row's positions (p_i - window,
         p_i] (a masked query its own key too, so it stays finite), one masked call over all cached and new keys ->
-        (y [B, T, H * D], each row's last window - 1 real keys with their mask and positions)."""
+        (y [B, T, H * D], each row's last window - 1 real keys with their mask and positions); ``rope``: the tables
+        of padding's positions."""
         positions, past, mask = padding
         length, window = x.shape[1], self.config.window
-        q, q_rot = self.queries(x, positions)
-        k_rot, v = self.keys_values(x, positions)
+        q, q_rot = self.queries(x, rope)
+        k_rot, v = self.keys_values(x, rope)
         key_mask, key_positions = mask, positions
         if cache is not None and cache.k.shape[2]:
             cached = cache.k.shape[2]
@@ -410,6 +471,16 @@ class TitansAttention(nn.Module):
         return y, WindowCache(kept_k, kept_v, key_mask.gather(1, last), key_positions.gather(1, last))
 
 
+def block_setup(config: TitansConfig, x: Tensor, position: int, cached: int,
+                padding: Padding | None) -> AttentionSetup:
+    """The setup of a block's call x [B, T, C] (``attention_setup``; with ``padding``, the tables of its positions
+    alone), for a block called without the model's."""
+    dtype = activation_dtype(x.dtype, x.device)
+    if padding is not None:
+        return AttentionSetup(rope_tables(padding.positions, config.head_dim, dtype, config.rope_base))
+    return attention_setup(config, position, x.shape[1], cached, x.shape[0], x.device, dtype)
+
+
 def _layer_norm(config: TitansConfig, width: int) -> nn.LayerNorm:
     return nn.LayerNorm(width, bias=config.bias)
 
@@ -430,14 +501,17 @@ class MAGBlock(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor, state: MAGState | None, position: int, with_state: bool = True,
-                padding: Padding | None = None) -> tuple[Tensor, MAGState | None]:
+                padding: Padding | None = None, setup: AttentionSetup | None = None) -> tuple[Tensor, MAGState | None]:
+        """``setup``: the call's (``attention_setup``; None: made here)."""
         normed = self.ln_1(x)
+        cache = None if state is None else state.attention
+        if setup is None:
+            setup = block_setup(self.attn.config, x, position, 0 if cache is None else cache.k.shape[2], padding)
         if padding is None:
-            y, attention = self.attn.sliding_window(normed, None if state is None else state.attention, position)
+            y, attention = self.attn.sliding_window(normed, cache, position, setup)
             m, memory = self.memory(normed, None if state is None else state.memory, position, with_state)
         else:
-            y, attention = self.attn.sliding_window_padded(normed, None if state is None else state.attention,
-                                                           padding)
+            y, attention = self.attn.sliding_window_padded(normed, cache, padding, setup.rope)
             m, memory = self.memory(normed, None if state is None else state.memory, padding.past, with_state,
                                     padding.mask)
         x = x + self.dropout(self.out_proj(self.norm_y(y) * torch.sigmoid(self.norm_m(m))))
@@ -458,14 +532,16 @@ class MACBlock(MAGBlock):
         self.config = config
         self.norm_h = _layer_norm(config, config.n_embd)
 
-    def forward(self, x: Tensor, state: MACState | None, position: int,
-                with_state: bool = True) -> tuple[Tensor, MACState | None]:
-        batch, length, _ = x.shape
-        segment_len = self.config.segment
+    def forward(self, x: Tensor, state: MACState | None, position: int, with_state: bool = True,
+                setup: AttentionSetup | None = None) -> tuple[Tensor, MACState | None]:
+        """``setup``: the call's (``attention_setup``; None: made here)."""
+        batch, dim = x.shape[0], self.config.head_dim
+        if setup is None:
+            cached = 0 if state is None or state.segment is None else state.segment[0].shape[2]
+            setup = block_setup(self.config, x, position, cached, None)
         normed = self.ln_1(x)
-        positions = torch.arange(position, position + length, device=x.device)
-        q, q_rot = self.attn.queries(normed, positions)
-        k_x, v_x = self.attn.keys_values(normed, positions)
+        q, q_rot = self.attn.queries(normed, setup.rope)
+        k_x, v_x = self.attn.keys_values(normed, setup.rope)
         q_memory, query_conv = self.memory.read_queries(normed, None if state is None else state.query_conv)
         shared = None  # the segment's weights where every row has the same (M_0), read per head: [H, ...]
         if state is None:
@@ -474,35 +550,40 @@ class MACBlock(MAGBlock):
             shared = tuple(w[0] for w in segment_weights)
         else:
             segment, segment_weights, memory = state.segment, state.segment_weights, state.memory
-
-        outputs, start = [], 0
-        while start < length:  # one piece per segment the call touches
-            piece_start = position + start
-            n = min(segment_len - piece_start % segment_len, length - start)
-            piece = slice(start, start + n)
+        # Split once (its backward one cat) rather than slice per piece (each slice's backward a zero-filled tensor).
+        sizes = [piece.length for piece in setup.pieces]
+        query = torch.cat([q_rot, q], dim=-1)  # [B, H, T, 2D]
+        parts = zip(setup.pieces, *(t.split(sizes, dim=2) for t in (query, q_memory, k_x, v_x, F.pad(k_x, (0, dim)))))
+        slot_k, slot_v = slot_keys_values(self.attn.persistent_k, self.attn.persistent_v, batch, k_x.dtype)
+        dropout = self.config.dropout if self.training else 0.0
+        outputs = []
+        for piece, query, q_memory_piece, k_x_piece, v_x_piece, token_k_piece in parts:  # a piece per segment touched
             with without_autocast(x.device):
-                h = memory_apply(*(shared or segment_weights), q_memory[:, :, piece])  # eq. 21: read with W^seg
-            k_h, v_h = self.attn.keys_values(self.norm_h(h.transpose(1, 2).flatten(2).to(x.dtype)), positions[piece])
-            keys_values = (k_h, v_h, k_x[:, :, piece], v_x[:, :, piece])
-            if segment is not None:
+                h = memory_apply(*(shared or segment_weights), q_memory_piece)  # eq. 21: read with W^seg
+            rope = setup.rope.at(slice(piece.start, piece.start + piece.length))
+            k_h, v_h = self.attn.keys_values(self.norm_h(h.transpose(1, 2).flatten(2).to(x.dtype)), rope)
+            keys_values = (k_h, v_h, k_x_piece, v_x_piece)
+            if segment is None:  # keys [slots | h | x]: the x keys' zero half padded once for every piece
+                keys, values = [slot_k, F.pad(k_h, (0, dim)), token_k_piece], [slot_v, v_h, v_x_piece]
+            else:
                 keys_values = tuple(torch.cat([old, new], dim=2) for old, new in zip(segment, keys_values))
-            k_h, v_h, k_xs, v_xs = keys_values
-            key_positions = torch.arange(piece_start + n - k_h.shape[2], piece_start + n, device=x.device)
-            causal = key_positions[None, :] <= positions[piece, None]  # only this segment's keys are here
-            y = self.attn.attend(
-                q[:, :, piece], q_rot[:, :, piece], torch.cat([k_h, k_xs], dim=2), torch.cat([v_h, v_xs], dim=2),
-                torch.cat([causal, causal], dim=1),
-            )
-            discarded = not with_state and start + n == length  # the last piece's state, which nothing reads
-            m, memory = self.memory(y, memory, piece_start, not discarded)
+                keys = [slot_k, F.pad(torch.cat(keys_values[::2], dim=2), (0, dim))]  # [k_h | k_x]
+                values = [slot_v, torch.cat(keys_values[1::2], dim=2)]
+            mask, total = piece.mask, keys_values[0].shape[2]  # the setup's, unless the segment holds other keys
+            if mask.shape[-1] != slot_k.shape[2] + 2 * total:
+                mask = segment_pieces(piece.position, piece.length, total - piece.length, self.config.segment,
+                                      slot_k.shape[2], x.device)[0].mask
+            y = attend_with_slots(query, keys, values, mask, dropout).transpose(1, 2).flatten(2)
+            end = piece.position + piece.length
+            discarded = not with_state and piece.start + piece.length == x.shape[1]  # the last piece's state: unread
+            m, memory = self.memory(y, memory, piece.position, not discarded)
             outputs.append(self.out_proj(self.norm_y(y) * torch.sigmoid(self.norm_m(m))))
             if discarded:
                 break
-            if (piece_start + n) % segment_len == 0:  # segment finished: the next one reads the updated memory
+            if end % self.config.segment == 0:  # segment finished: the next one reads the updated memory
                 segment, segment_weights, shared = None, (memory.memory.w1, memory.memory.w2), None
             else:
                 segment = keys_values
-            start += n
         x = x + self.dropout(torch.cat(outputs, dim=1))
         new_state = MACState(segment, segment_weights, query_conv, memory) if with_state else None
         return x + self.mlp(self.ln_2(x)), new_state
@@ -524,7 +605,9 @@ class MemoryBlock(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor, state: MemoryCache | None, position: int, with_state: bool = True,
-                padding: Padding | None = None) -> tuple[Tensor, MemoryCache | None]:
+                padding: Padding | None = None,
+                setup: AttentionSetup | None = None) -> tuple[Tensor, MemoryCache | None]:
+        """``setup``: the attention layers' (none here)."""
         normed = self.ln_1(x)
         if padding is None:
             m, state = self.memory(normed, state, position, with_state)
@@ -547,11 +630,15 @@ class SWABlock(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor, state: WindowCache | None, position: int, with_state: bool = True,
-                padding: Padding | None = None) -> tuple[Tensor, WindowCache | None]:
+                padding: Padding | None = None,
+                setup: AttentionSetup | None = None) -> tuple[Tensor, WindowCache | None]:
+        """``setup``: the call's (``attention_setup``; None: made here)."""
+        if setup is None:
+            setup = block_setup(self.attn.config, x, position, 0 if state is None else state.k.shape[2], padding)
         if padding is None:
-            y, state = self.attn.sliding_window(self.ln_1(x), state, position)
+            y, state = self.attn.sliding_window(self.ln_1(x), state, position, setup)
         else:
-            y, state = self.attn.sliding_window_padded(self.ln_1(x), state, padding)
+            y, state = self.attn.sliding_window_padded(self.ln_1(x), state, padding, setup.rope)
         x = x + self.dropout(self.c_proj(y))
         return x + self.mlp(self.ln_2(x)), state if with_state else None
 
@@ -742,11 +829,25 @@ class Titans(Backbone):
             return self._forward_padded(idx, state, with_state, mask)
         position = 0 if state is None else state.position
         x = self.drop(self.wte(idx))
+        setup = None if self.config.variant == "lmm" else attention_setup(
+            self.config, position, idx.shape[1], self._cached_keys(state), idx.shape[0], idx.device,
+            activation_dtype(x.dtype, x.device))
         layer_states = []
         for i, block in enumerate(self.blocks):
-            x, layer_state = block(x, None if state is None else state.layers[i], position, with_state)
+            x, layer_state = block(x, None if state is None else state.layers[i], position, with_state, setup=setup)
             layer_states.append(layer_state)
         return self.ln_f(x), TitansState(position + idx.shape[1], tuple(layer_states)) if with_state else None
+
+    def _cached_keys(self, state: TitansState | None) -> int:
+        """The keys each attention layer of an unpadded ``state`` holds before the next call: its window cache (mag,
+        mal), MAC's current segment."""
+        first = 1 if self.config.variant == "mal" else 0  # mal: memory first, then attention
+        if state is None or len(state.layers) <= first:
+            return 0
+        layer = state.layers[first]
+        if self.config.variant == "mac":
+            return 0 if layer.segment is None else layer.segment[0].shape[2]
+        return (layer.attention if self.config.variant == "mag" else layer).k.shape[2]
 
     def _forward_padded(self, idx: Tensor, state: TitansState | None, with_state: bool,
                         mask: Tensor | None) -> tuple[Tensor, TitansState | None]:
@@ -761,9 +862,10 @@ class Titans(Backbone):
             past = torch.full((batch,), state.position, dtype=torch.long, device=idx.device)
         padding = Padding((past[:, None] + mask.long().cumsum(1) - 1).clamp(min=0), past, mask)
         x = self.drop(self.wte(idx))
+        setup = block_setup(self.config, x, 0, 0, padding)
         layer_states = []
         for i, block in enumerate(self.blocks):
-            x, layer_state = block(x, None if state is None else state.layers[i], 0, with_state, padding)
+            x, layer_state = block(x, None if state is None else state.layers[i], 0, with_state, padding, setup)
             layer_states.append(layer_state)
         return self.ln_f(x), TitansState(past + mask.sum(1), tuple(layer_states)) if with_state else None
 

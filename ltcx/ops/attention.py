@@ -3,8 +3,12 @@ cached positions; rotary embeddings; attention with persistent (position-free) s
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+
+from ltcx.ops.written_backward import wants_written_backward
 
 
 def causal_gqa_attention(
@@ -42,22 +46,74 @@ def causal_gqa_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotary position embedding, rotate-half layout: x [..., T, D] (D even) at integer positions [T] (or [B, T],
-    a row's own, for x [B, H, T, D]).
+class RopeTables(NamedTuple):
+    """The rotation of every position of a call, shared by its layers and by queries and keys: cos [T, D] and the
+    signed sin [T, D] = [-sin | sin] of the angles (or [B, 1, T, D], a row's own, broadcast over the heads)."""
 
-    Pair i of (x[..., i], x[..., i + D/2]) is rotated by the angle position * base^(-2i/D). The angles are
-    computed in float64 from the absolute position, so a token gets bit-identical rotations whether it is
-    embedded in a long prefill or in a one-token decode step.
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def at(self, piece: slice) -> RopeTables:
+        """The tables of the positions ``piece`` of the call's (views)."""
+        return RopeTables(self.cos[..., piece, :], self.sin[..., piece, :])
+
+
+def rope_tables(positions: torch.Tensor, dim: int, dtype: torch.dtype, base: float = 10000.0) -> RopeTables:
+    """Rotary tables for integer positions [T] (or [B, T]) and head width ``dim`` (even), in ``dtype``, on the
+    positions' device.
+
+    Pair i of (x[..., i], x[..., i + D/2]) turns by the angle position * base^(-2i/D). The angles are computed in
+    float64 from the absolute position, then cast, so a token gets bit-identical rotations whether it is embedded in
+    a long prefill or in a one-token decode step.
     """
-    half = x.shape[-1] // 2
-    inv_freq = base ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
-    angles = positions.to(device=x.device, dtype=torch.float64)[..., None] * inv_freq  # [T, D/2] or [B, T, D/2]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    half = dim // 2
+    inv_freq = base ** (-torch.arange(half, dtype=torch.float64, device=positions.device) / half)
+    angles = positions.to(torch.float64)[..., None] * inv_freq  # [T, D/2] or [B, T, D/2]
+    cos, sin = angles.cos(), angles.sin()
+    cos, sin = torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
     if positions.dim() == 2:  # per-row positions [B, T]: broadcast over the heads
         cos, sin = cos[:, None], sin[:, None]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return RopeTables(cos, sin)
+
+
+def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+    """Rotary position embedding, rotate-half layout: x [..., T, D] rotated by ``rope`` (``rope_tables`` of its T
+    positions, in x's dtype) -> [..., T, D]: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), x1, x2 the halves of D.
+
+    Through ``_Rotate`` (the same forward, its backward written out) where a gradient is wanted
+    (``wants_written_backward``), else ``_rotate``."""
+    if wants_written_backward(x) and rope.cos.dtype == x.dtype:
+        return _Rotate.apply(x, rope.cos, rope.sin)
+    return _rotate(x, rope.cos, rope.sin)
+
+
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """[x1 | x2] -> [x2 | x1] on the last dim."""
+    return x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x cos + [x2 | x1] [-sin | sin]: separate products and sum (no fused multiply-add), so every call rounds a
+    token alike, whatever its length or whether a gradient is wanted. Differentiated by autograd, the oracle of
+    ``_Rotate``'s backward."""
+    return x * cos + _swap_halves(x) * sin
+
+
+class _Rotate(torch.autograd.Function):
+    """``_rotate`` with its backward in three ops (a flip, a product, a fused multiply-add), where autograd takes four
+    or five: the rotation's transpose, the rotation by the opposite angles, g cos + swap(g sin) = g cos - swap(g) sin
+    (swap(sin) = -sin). The tables get no gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return torch.addcmul(grad * cos, _swap_halves(grad), sin, value=-1), None, None
 
 
 def padded_positions(mask: torch.Tensor, past_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,6 +130,33 @@ def sliding_window_mask(query_positions: torch.Tensor, key_positions: torch.Tens
     i - window < j <= i."""
     offset = query_positions[..., :, None] - key_positions[..., None, :]
     return (offset >= 0) & (offset < window)
+
+
+def slot_keys_values(persistent_k: torch.Tensor, persistent_v: torch.Tensor, batch: int,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The persistent slots [H_kv, N_p, D] as ``attend_with_slots`` reads them: keys [0 | persistent_k]
+    [B, H_kv, N_p, 2D] and values [B, H_kv, N_p, D] (expanded over the batch, not copied)."""
+    dim = persistent_k.shape[-1]
+    keys = F.pad(persistent_k.to(dtype), (dim, 0))  # unsqueezed, so at batch 1 the backward sums nothing
+    return keys[None].expand(batch, -1, -1, -1), persistent_v.to(dtype)[None].expand(batch, -1, -1, -1)
+
+
+def with_slot_columns(mask: torch.Tensor, slots: int) -> torch.Tensor:
+    """mask [..., T, L] over token keys -> [..., T, N_p + L], the N_p slot columns (every query sees them) first."""
+    return torch.cat([mask.new_ones(*mask.shape[:-1], slots), mask], dim=-1)
+
+
+def attend_with_slots(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor,
+                      dropout_p: float = 0.0) -> torch.Tensor:
+    """``attention_with_persistent`` on its parts as a caller making them once for many calls holds them:
+    query [q_rot | q] [B, H, T, 2D]; keys and values, the pieces of the key axis in order (joined here): the slots'
+    from ``slot_keys_values``, then token keys [k_rot | 0] [B, H_kv, ., 2D] and values [B, H_kv, ., D];
+    mask [..., T, N_p + L] (``with_slot_columns``). Returns [B, H, T, D]."""
+    dim = values[0].shape[-1]
+    return F.scaled_dot_product_attention(
+        query, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=mask, dropout_p=dropout_p,
+        scale=dim ** -0.5, enable_gqa=query.shape[1] != values[0].shape[1],
+    )
 
 
 def attention_with_persistent(
@@ -96,23 +179,50 @@ def attention_with_persistent(
     One SDPA call: queries [q_rot | q] against keys [k_rot | 0] (tokens) and [0 | persistent_k] (slots), so
     each score picks the right pair.
     """
-    batch, kv_heads, length, dim = k_rot.shape
-    slots = persistent_k.shape[1]
-    persistent_k = persistent_k.to(k_rot.dtype).unsqueeze(0).expand(batch, -1, -1, -1)
-    persistent_v = persistent_v.to(v.dtype).unsqueeze(0).expand(batch, -1, -1, -1)
-    keys = torch.cat(
-        [
-            torch.cat([persistent_k.new_zeros(batch, kv_heads, slots, dim), persistent_k], dim=-1),
-            torch.cat([k_rot, k_rot.new_zeros(batch, kv_heads, length, dim)], dim=-1),
-        ],
-        dim=2,
-    )
-    values = torch.cat([persistent_v, v], dim=2)
-    full_mask = torch.cat([mask.new_ones(*mask.shape[:-1], slots), mask], dim=-1)
-    return F.scaled_dot_product_attention(
-        torch.cat([q_rot, q], dim=-1), keys, values, attn_mask=full_mask, dropout_p=dropout_p,
-        scale=dim ** -0.5, enable_gqa=q.shape[1] != kv_heads,
-    )
+    slot_k, slot_v = slot_keys_values(persistent_k, persistent_v, k_rot.shape[0], k_rot.dtype)
+    return attend_with_slots(torch.cat([q_rot, q], dim=-1), [slot_k, F.pad(k_rot, (0, k_rot.shape[-1]))],
+                             [slot_v, v], with_slot_columns(mask, persistent_k.shape[1]), dropout_p)
+
+
+class WindowPlan(NamedTuple):
+    """The geometry of ``sliding_window_attention`` for one shape of call, the same for every layer of a model's
+    call: ``keys`` token keys for ``length`` queries (their offsets fix it, not the position). Single call (blocks
+    0): mask [T, N_p + L]. In blocks: the first ``trim`` keys dropped (no query sees them), key padding (before,
+    after) on the time axis, ``blocks`` blocks of ``window`` queries against spans of ``span`` keys, mask
+    [B blocks, 1, window, N_p + span]."""
+
+    length: int
+    keys: int
+    window: int
+    slots: int
+    blocks: int
+    span: int
+    trim: int
+    key_padding: tuple[int, int]
+    mask: torch.Tensor
+
+
+def window_plan(position: int, length: int, keys: int, window: int, slots: int, batch: int,
+                device: torch.device) -> WindowPlan:
+    """The ``WindowPlan`` of ``length`` queries at positions [P, P + T) (P = ``position``) over the ``keys`` keys
+    that end with theirs, the window ``window``, N_p = ``slots``, batch B."""
+    key_start = position + length - keys
+    if keys <= 2 * window:
+        mask = sliding_window_mask(torch.arange(position, position + length, device=device),
+                                   torch.arange(key_start, position + length, device=device), window)
+        return WindowPlan(length, keys, window, slots, 0, 0, 0, (0, 0), with_slot_columns(mask, slots))
+    span, blocks = 2 * window - 1, -(-length // window)
+    first = position - window + 1  # the first position any query sees; block b's span starts at first + b window
+    trim = max(first - key_start, 0)  # a longer cache than the window: keys no query sees
+    key_start += trim
+    starts = first + window * torch.arange(blocks, device=device)  # [blocks]
+    span_positions = starts[:, None] + torch.arange(span, device=device)  # [blocks, span]
+    block_queries = starts[:, None] + window - 1 + torch.arange(window, device=device)  # [blocks, window]
+    real_key = (span_positions >= key_start) & (span_positions < position + length)  # not padding
+    mask = sliding_window_mask(block_queries, span_positions, window) & real_key[:, None, :]  # [blocks, window, span]
+    mask = with_slot_columns(mask, slots).expand(batch, -1, -1, -1).reshape(batch * blocks, 1, window, slots + span)
+    key_padding = (key_start - first, blocks * window - length)  # to positions [first, first + (blocks + 1) window - 1)
+    return WindowPlan(length, keys, window, slots, blocks, span, trim, key_padding, mask)
 
 
 def sliding_window_attention(
@@ -125,12 +235,14 @@ def sliding_window_attention(
     position: int,
     window: int,
     dropout_p: float = 0.0,
+    plan: WindowPlan | None = None,
 ) -> torch.Tensor:
     """``attention_with_persistent`` under the sliding window, at a cost that grows with T x window, not T x L.
 
     q, q_rot [B, H, T, D]: queries at positions [P, P+T) (P = ``position``); k_rot, v [B, H_kv, L, D]: the keys
     at the L positions that end with the queries' (a cached prefix first); query i sees the keys at positions
-    (p_i - window, p_i]. Returns [B, H, T, D].
+    (p_i - window, p_i]. ``plan``: ``window_plan`` of this shape, made once for many calls (None, or another
+    shape's: made here). Returns [B, H, T, D].
 
     Where the keys are more than two windows, the queries run in blocks of ``window``, all in one call with the blocks
     folded into the batch, each block against the 2 window - 1 keys its queries can see (the first block's span
@@ -140,33 +252,26 @@ def sliding_window_attention(
     """
     batch, heads, length, dim = q.shape
     kv_heads, keys = k_rot.shape[1], k_rot.shape[2]
-    device = q.device
-    key_start = position + length - keys
-    if keys <= 2 * window:
-        mask = sliding_window_mask(torch.arange(position, position + length, device=device),
-                                   torch.arange(key_start, position + length, device=device), window)
-        return attention_with_persistent(q, q_rot, k_rot, v, persistent_k, persistent_v, mask, dropout_p)
-    span, blocks = 2 * window - 1, -(-length // window)
-    first = position - window + 1  # the first position any query sees; block b's span starts at first + b window
-    if key_start < first:  # a longer cache than the window: keys no query sees
-        k_rot, v = k_rot[:, :, first - key_start:], v[:, :, first - key_start:]
-        keys, key_start = keys - (first - key_start), first
-    padding = (0, 0, key_start - first, blocks * window - length)  # positions [first, first + (blocks + 1) window - 1)
+    slots = persistent_k.shape[1]
+    if plan is None or (plan.length, plan.keys, plan.window, plan.slots) != (length, keys, window, slots) \
+            or (plan.blocks and plan.mask.shape[0] != batch * plan.blocks):
+        plan = window_plan(position, length, keys, window, slots, batch, q.device)
+    query = torch.cat([q_rot, q], dim=-1)  # [B, H, T, 2D]
+    if not plan.blocks:
+        slot_k, slot_v = slot_keys_values(persistent_k, persistent_v, batch, k_rot.dtype)
+        return attend_with_slots(query, [slot_k, F.pad(k_rot, (0, dim))], [slot_v, v], plan.mask, dropout_p)
+    blocks, span = plan.blocks, plan.span
+    slot_k, slot_v = slot_keys_values(persistent_k, persistent_v, batch * blocks, k_rot.dtype)
+    if plan.trim:
+        k_rot, v = k_rot[:, :, plan.trim:], v[:, :, plan.trim:]
 
-    def spans(x: torch.Tensor) -> torch.Tensor:  # [B, H_kv, L, D] -> [B blocks, H_kv, span, D]
-        windows = F.pad(x, padding).unfold(2, span, window)  # [B, H_kv, blocks, D, span]
-        return windows.permute(0, 2, 1, 4, 3).reshape(batch * blocks, kv_heads, span, dim)
+    def spans(x: torch.Tensor, extra: int) -> torch.Tensor:  # [B, H_kv, L, D] -> [B blocks, H_kv, span, D + extra]
+        windows = F.pad(x, (0, extra, *plan.key_padding)).unfold(2, span, window)  # [B, H_kv, blocks, D', span]
+        return windows.permute(0, 2, 1, 4, 3).reshape(batch * blocks, kv_heads, span, dim + extra)
 
-    def in_blocks(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [B blocks, H, window, D]
-        x = F.pad(x, (0, 0, 0, blocks * window - length)).unflatten(2, (blocks, window))
-        return x.transpose(1, 2).reshape(batch * blocks, heads, window, dim)
-
-    starts = first + window * torch.arange(blocks, device=device)  # [blocks]
-    span_positions = starts[:, None] + torch.arange(span, device=device)  # [blocks, span]
-    block_queries = starts[:, None] + window - 1 + torch.arange(window, device=device)  # [blocks, window]
-    real_key = (span_positions >= key_start) & (span_positions < position + length)  # not padding
-    mask = sliding_window_mask(block_queries, span_positions, window) & real_key[:, None, :]  # [blocks, window, span]
-    mask = mask.expand(batch, -1, -1, -1).reshape(batch * blocks, 1, window, span)
-    y = attention_with_persistent(in_blocks(q), in_blocks(q_rot), spans(k_rot), spans(v), persistent_k,
-                                  persistent_v, mask, dropout_p)  # [B blocks, H, window, D]
+    after = blocks * window - length  # [B, H, T, 2D] -> [B blocks, H, window, 2D]
+    query = (F.pad(query, (0, 0, 0, after)) if after else query).unflatten(2, (blocks, window))
+    query = query.transpose(1, 2).reshape(batch * blocks, heads, window, 2 * dim)
+    y = attend_with_slots(query, [slot_k, spans(k_rot, dim)], [slot_v, spans(v, 0)], plan.mask,
+                          dropout_p)  # [B blocks, H, window, D]
     return y.unflatten(0, (batch, blocks)).transpose(1, 2).flatten(2, 3)[:, :, :length]

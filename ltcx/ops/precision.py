@@ -17,3 +17,11 @@ def without_autocast(device: torch.device):
     if torch.is_autocast_enabled(device.type):
         return torch.autocast(device_type=device.type, enabled=False)
     return contextlib.nullcontext()
+
+
+def activation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a Linear layer with ``dtype`` weights outputs on ``device`` here: autocast's for float32 weights
+    where autocast is on, else ``dtype``."""
+    if dtype == torch.float32 and torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return dtype
