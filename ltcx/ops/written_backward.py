@@ -1,5 +1,5 @@
-"""Where an op runs with its backward written out: the ops whose ``torch.autograd.Function`` (conv's ``_ShiftedSum``,
-the sLSTM's ``_Scan``, the mLSTM's ``_ChunkOutputs``, Titans' ``_MemoryChunk``) wraps the op's own forward function
+"""Where an op runs with its backward written out: the ops whose ``torch.autograd.Function`` (the sLSTM's ``_Scan``, the
+mLSTM's ``_ChunkOutputs``, Titans' ``_MemoryChunk``, l2norm's ``_L2Normalize``) wraps the op's own forward function
 and has a backward held to autograd of that function in float64."""
 
 from __future__ import annotations
