@@ -126,8 +126,9 @@ class GatedDeltaMixer(nn.Module):
         S, buffer = (None, None) if state is None else state
         qkv, gate, a, b = self.in_proj(x).split(self.split, dim=-1)
         qkv, buffer = causal_depthwise_conv(qkv, self.conv_weight, None, buffer, mask)
-        q, k, v = F.silu(qkv).split([H * dk, H * dk, H * dv], dim=-1)
-        q, k = (l2_normalize(t.unflatten(-1, (H, dk)), EPS).transpose(1, 2) for t in (q, k))
+        qk, v = F.silu(qkv).split([2 * H * dk, H * dv], dim=-1)
+        # q's heads then k's, normalised in one call: [B, T, 2H, Dk] -> q, k [B, H, T, Dk]
+        q, k = l2_normalize(qk.unflatten(-1, (2 * H, dk)), EPS).transpose(1, 2).chunk(2, dim=1)
         v = v.unflatten(-1, (H, dv)).transpose(1, 2)  # [B, H, T, Dv]
         dtype = compute_dtype(x.dtype)  # the gates in float32: bf16 would round the decays
         beta = torch.sigmoid(b.to(dtype)).transpose(1, 2)  # [B, H, T]

@@ -302,7 +302,7 @@ class NeuralMemory(nn.Module):
         dtype = compute_dtype(u.dtype)
         with without_autocast(u.device):
             q, k, v = (F.silu(self._heads(part)) for part in projected.to(dtype).chunk(3, dim=-1))
-            q, k = l2_normalize(q), l2_normalize(k)
+            q, k = l2_normalize(torch.stack((q, k))).unbind(0)  # one call for both
             gates = gates.to(dtype).unflatten(-1, (3, config.mem_heads)).permute(2, 0, 3, 1)  # [3, B, H, T]
             alpha, eta, theta = gates.unbind(0)
             log_retain, log_momentum = F.logsigmoid(-alpha), F.logsigmoid(eta)  # log(1 - alpha_t), log eta_t
