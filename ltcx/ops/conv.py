@@ -19,9 +19,9 @@ def causal_depthwise_conv(
     is finite and meaningless, and the buffer keeps the last K-1 real inputs.
 
     The sum is one product of the taps with a sliding-window view (``unfold``) of the padded input, summed over the
-    window: a few large ops whatever K, and under autograd a few more (the two products' gradients, a sum for the
-    taps, ``unfold_backward`` for the input), where K shifted multiply-adds would cost a handful of ops per tap each
-    way. F.conv1d(groups=C) computes the same sum, but its CPU backward is far slower at these widths.
+    window: a few large ops whatever K, forward and backward (autograd's: the two products' gradients, a sum for the
+    taps, ``unfold_backward`` for the input), rather than a few small ops per tap. F.conv1d(groups=C) computes the
+    same sum, but its CPU backward is far slower at these widths.
     """
     if mask is not None:
         return _masked_conv(x, weight, bias, buffer, mask)

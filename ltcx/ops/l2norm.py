@@ -14,7 +14,7 @@ def l2_normalize(x: Tensor, eps: float = 1e-12) -> Tensor:
     """x / max(||x||, eps) over the last dim: ``F.normalize(x, dim=-1, eps=eps)``, x [..., D] -> [..., D].
 
     Under autograd it runs as ``_L2Normalize``: differentiated op by op (the norm, the clamp, the division) the
-    backward is a dozen small ops; written out it is six."""
+    backward is a dozen small ops; written out, half as many."""
     return _L2Normalize.apply(x, eps) if wants_written_backward(x) else F.normalize(x, dim=-1, eps=eps)
 
 
