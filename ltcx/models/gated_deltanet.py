@@ -35,6 +35,7 @@ from ltcx.models.state import model_dtype
 from ltcx.ops.conv import causal_depthwise_conv
 from ltcx.ops.fla_kernels import fla_kernels_for, gated_delta_fla
 from ltcx.ops.gated_delta import gated_delta_chunked, gated_delta_step
+from ltcx.ops.l2norm import l2_normalize
 from ltcx.ops.precision import compute_dtype
 
 BACKENDS = ("torch", "kernels")
@@ -125,8 +126,9 @@ class GatedDeltaMixer(nn.Module):
         S, buffer = (None, None) if state is None else state
         qkv, gate, a, b = self.in_proj(x).split(self.split, dim=-1)
         qkv, buffer = causal_depthwise_conv(qkv, self.conv_weight, None, buffer, mask)
-        q, k, v = F.silu(qkv).split([H * dk, H * dk, H * dv], dim=-1)
-        q, k = (F.normalize(t.unflatten(-1, (H, dk)), dim=-1, eps=EPS).transpose(1, 2) for t in (q, k))
+        qk, v = F.silu(qkv).split([2 * H * dk, H * dv], dim=-1)
+        # q's heads then k's, normalised in one call: [B, T, 2H, Dk] -> q, k [B, H, T, Dk]
+        q, k = l2_normalize(qk.unflatten(-1, (2 * H, dk)), EPS).transpose(1, 2).chunk(2, dim=1)
         v = v.unflatten(-1, (H, dv)).transpose(1, 2)  # [B, H, T, Dv]
         dtype = compute_dtype(x.dtype)  # the gates in float32: bf16 would round the decays
         beta = torch.sigmoid(b.to(dtype)).transpose(1, 2)  # [B, H, T]

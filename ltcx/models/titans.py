@@ -57,6 +57,7 @@ from ltcx.ops.attention import (
     with_slot_columns,
 )
 from ltcx.ops.conv import causal_depthwise_conv
+from ltcx.ops.l2norm import l2_normalize
 from ltcx.ops.precision import activation_dtype, compute_dtype, without_autocast
 from ltcx.ops.titans import (
     MemoryState,
@@ -344,7 +345,7 @@ class NeuralMemory(nn.Module):
         projected, buffer = causal_depthwise_conv(
             F.linear(u, self.qkv.weight[:width]), self.conv_weight[:width], self.conv_bias[:width], buffer
         )
-        q = F.normalize(F.silu(self._heads(projected.to(compute_dtype(u.dtype)))), dim=-1)
+        q = l2_normalize(F.silu(self._heads(projected.to(compute_dtype(u.dtype)))))
         return q, buffer
 
     def forward(self, u: Tensor, cache: MemoryCache | None, position: int | Tensor,
@@ -360,7 +361,7 @@ class NeuralMemory(nn.Module):
         dtype = compute_dtype(u.dtype)
         with without_autocast(u.device):
             q, k, v = (F.silu(self._heads(part)) for part in projected.to(dtype).chunk(3, dim=-1))
-            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+            q, k = l2_normalize(torch.stack((q, k))).unbind(0)  # one call for both
             gates = gates.to(dtype).unflatten(-1, (3, config.mem_heads)).permute(2, 0, 3, 1)  # [3, B, H, T]
             alpha, eta, theta = gates.unbind(0)
             log_retain, log_momentum = F.logsigmoid(-alpha), F.logsigmoid(eta)  # log(1 - alpha_t), log eta_t

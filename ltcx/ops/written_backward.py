@@ -1,6 +1,6 @@
-"""Where an op runs with its backward written out: the ops whose ``torch.autograd.Function`` (conv's ``_ShiftedSum``,
-the sLSTM's ``_Scan``, the mLSTM's ``_ChunkOutputs``, ``_ChunkOwn`` and ``_ChunkStarts``, Titans' ``_MemoryChunk``,
-RoPE's ``_Rotate``) wraps the op's own forward function and has a backward held to autograd of that function in
+"""Where an op runs with its backward written out: the ops whose ``torch.autograd.Function`` (the sLSTM's ``_Scan``, the
+mLSTM's ``_ChunkOutputs``, ``_ChunkOwn`` and ``_ChunkStarts``, Titans' ``_MemoryChunk``, RoPE's ``_Rotate``, l2norm's
+``_L2Normalize``) wraps the op's own forward function and has a backward held to autograd of that function in
 float64."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ def causal_conv_reference(x, weight, bias=None, buffer=None):
     (zeros without one). x [B, T, C], weight [C, 1, K], bias [C], buffer [B, K-1, C] -> [B, T, C]. Checks
     ``causal_depthwise_conv``."""
     kernel = weight.shape[-1]
-    before = torch.zeros_like(x[:, : kernel - 1]) if buffer is None else buffer.to(x.dtype)
+    before = x.new_zeros(x.shape[0], kernel - 1, x.shape[2]) if buffer is None else buffer.to(x.dtype)
     full = torch.cat([before, x], dim=1)
     out = torch.stack([sum(full[:, t + j] * weight[:, 0, j] for j in range(kernel)) for t in range(x.shape[1])], 1)
     return out if bias is None else out + bias
