@@ -66,7 +66,7 @@ def gated_delta_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
         solved = torch.linalg.solve_triangular(T, rhs, upper=False, unitriangular=True)
         U0, W_neg = solved.split([dv, dk], dim=-1)
         P = (q @ k.transpose(-1, -2)) * D  # [B, H, N, L, L]
-        k_end = (G[..., -1:] - G).exp().unsqueeze(-1) * k  # e^{G_L - G_j} k_j
+        k_end = D[..., -1, :].unsqueeze(-1) * k  # e^{G_L - G_j} k_j: D's last row
         end_decay = decay[..., -1, None, None]  # [B, H, N, 1, 1]
 
         # the loop takes each chunk's pieces from one unbind (backward: one stack), not by indexing (backward: a

@@ -60,9 +60,10 @@ def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, state: T
         G = g.cumsum(-1)
         xdt = x * dt.unsqueeze(-1)
         # within each chunk, from the chunk's own inputs (C B^T once for all heads)
-        y = ((C @ B.transpose(-1, -2)) * decays(g)) @ xdt
+        D = decays(g)  # [B, H, N, L, L]; its last row: e^{G_L - G_j}
+        y = ((C @ B.transpose(-1, -2)) * D) @ xdt
         # each chunk's contribution to the state at its end, then every chunk boundary's state at once
-        contribution = (xdt * (G[..., -1:] - G).exp().unsqueeze(-1)).transpose(-1, -2) @ B  # [B, H, N, P, Ns]
+        contribution = (xdt * D[..., -1, :].unsqueeze(-1)).transpose(-1, -2) @ B  # [B, H, N, P, Ns]
         first = x.new_zeros(batch, heads, 1, *contribution.shape[-2:]) if state is None else \
             state.to(dtype).unsqueeze(2)
         # the state at each chunk boundary: the state given and every chunk's contribution, decayed by the chunks since
