@@ -58,25 +58,31 @@ def gated_delta_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
         q, k, v, g, beta = map(split, (q, k, v, g, beta))
         G = g.cumsum(-1)  # [B, H, N, L]
         D = decays(g)  # [B, H, N, L, L]: e^{G_i - G_j} for j <= i
-        A = (beta.unsqueeze(-1) * (k @ k.transpose(-1, -2)) * D).tril(-1)
-        T = A + torch.eye(size, dtype=dtype, device=q.device)
-        rhs = torch.cat([beta.unsqueeze(-1) * v, (beta * G.exp()).unsqueeze(-1) * k], dim=-1)
+        # I + A: a unit-triangular solve reads only the strictly lower triangle, where this equals A
+        T = beta.unsqueeze(-1) * (k @ k.transpose(-1, -2)) * D
+        decay = G.exp()  # [B, H, N, L]: e^{G_i}
+        # -W, not W: U = U0 + (-W) S is then one baddbmm whose backward scales nothing
+        rhs = torch.cat([beta.unsqueeze(-1) * v, (beta * -decay).unsqueeze(-1) * k], dim=-1)
         solved = torch.linalg.solve_triangular(T, rhs, upper=False, unitriangular=True)
-        U0, W = solved.split([dv, dk], dim=-1)
+        U0, W_neg = solved.split([dv, dk], dim=-1)
         P = (q @ k.transpose(-1, -2)) * D  # [B, H, N, L, L]
-        k_end = (G[..., -1:] - G).exp().unsqueeze(-1) * k  # e^{G_L - G_j} k_j
-        end_decay = G[..., -1].exp()[..., None, None]  # [B, H, N, 1, 1]
+        k_end = D[..., -1, :].unsqueeze(-1) * k  # e^{G_L - G_j} k_j: D's last row
+        end_decay = decay[..., -1, None, None]  # [B, H, N, 1, 1]
 
-        S = q.new_zeros(batch, heads, dk, dv) if state is None else state.to(dtype)
+        # the loop takes each chunk's pieces from one unbind (backward: one stack), not by indexing (backward: a
+        # zero-filled tensor per index), with batch and heads as one batch dim for baddbmm
+        pieces = (U0, W_neg, k_end.transpose(-1, -2), end_decay)
+        S = q.new_zeros(batch * heads, dk, dv) if state is None else state.to(dtype).flatten(0, 1)
         starts, writes = [], []
-        for n in range(chunks):
-            U = U0[:, :, n] - W[:, :, n] @ S
+        for U0_n, W_neg_n, k_end_n, end_decay_n in zip(*(t.flatten(0, 1).unbind(1) for t in pieces)):
+            U = torch.baddbmm(U0_n, W_neg_n, S)  # U0 - W S
             starts.append(S)
             writes.append(U)
-            S = end_decay[:, :, n] * S + k_end[:, :, n].transpose(-1, -2) @ U
-        S0 = torch.stack(starts, dim=2)  # [B, H, N, Dk, Dv]
-        U = torch.stack(writes, dim=2)
-        o = scale * ((G.exp().unsqueeze(-1) * q) @ S0 + P @ U)
+            S = torch.baddbmm(end_decay_n * S, k_end_n, U)
+        S0 = torch.stack(starts, dim=1).unflatten(0, (batch, heads))  # [B, H, N, Dk, Dv]
+        U = torch.stack(writes, dim=1).unflatten(0, (batch, heads))
+        S = S.unflatten(0, (batch, heads))
+        o = scale * ((decay.unsqueeze(-1) * q) @ S0 + P @ U)
     return o.flatten(2, 3)[:, :, :length].to(out_dtype), S
 
 

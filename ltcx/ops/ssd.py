@@ -35,11 +35,11 @@ __all__ = ["decays", "ssd_chunked", "ssd_step"]
 def decays(g: Tensor) -> Tensor:
     """exp(g_{j+1} + ... + g_i) for j <= i, else 0: per-step log-decays g [..., L] -> [..., L, L]. Each entry is
     summed from its own steps, not taken as a difference of running sums, which would lose float32 digits once the
-    sums grow large (mamba_ssm's segsum); masked before exp, where it could overflow."""
+    sums grow large (mamba_ssm's segsum). An entry above the diagonal sums no steps (0, so exp cannot overflow) and
+    is zeroed after exp: no masks to build."""
     size = g.shape[-1]
-    lower = torch.ones(size, size, dtype=torch.bool, device=g.device).tril()
-    steps = g.unsqueeze(-1).expand(*g.shape, size).masked_fill(~lower.tril(-1), 0)  # [i, j]: g_i where i > j
-    return steps.cumsum(-2).masked_fill(~lower, float("-inf")).exp()
+    steps = g.unsqueeze(-1).expand(*g.shape, size).tril(-1)  # [i, j]: g_i where i > j, else 0
+    return steps.cumsum(-2).exp().tril()
 
 
 def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, state: Tensor | None = None,
@@ -60,9 +60,10 @@ def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, state: T
         G = g.cumsum(-1)
         xdt = x * dt.unsqueeze(-1)
         # within each chunk, from the chunk's own inputs (C B^T once for all heads)
-        y = ((C @ B.transpose(-1, -2)) * decays(g)) @ xdt
+        D = decays(g)  # [B, H, N, L, L]; its last row: e^{G_L - G_j}
+        y = ((C @ B.transpose(-1, -2)) * D) @ xdt
         # each chunk's contribution to the state at its end, then every chunk boundary's state at once
-        contribution = (xdt * (G[..., -1:] - G).exp().unsqueeze(-1)).transpose(-1, -2) @ B  # [B, H, N, P, Ns]
+        contribution = (xdt * D[..., -1, :].unsqueeze(-1)).transpose(-1, -2) @ B  # [B, H, N, P, Ns]
         first = x.new_zeros(batch, heads, 1, *contribution.shape[-2:]) if state is None else \
             state.to(dtype).unsqueeze(2)
         # the state at each chunk boundary: the state given and every chunk's contribution, decayed by the chunks since
