@@ -64,6 +64,7 @@ from ltcx.ops.titans import (
     chunk_sizes,
     initial_memory_state,
     memory_apply,
+    memory_gates,
     neural_memory,
     neural_memory_masked,
     neural_memory_recurrent,
@@ -360,17 +361,15 @@ class NeuralMemory(nn.Module):
         gates = self.gates(u)
         dtype = compute_dtype(u.dtype)
         with without_autocast(u.device):
-            q, k, v = (F.silu(self._heads(part)) for part in projected.to(dtype).chunk(3, dim=-1))
+            # One SiLU over q | k | v, split as views: its backward one stack and one copy back to [B, T, 3 H dk].
+            q, k, v = F.silu(projected.to(dtype)).unflatten(-1, (3, config.mem_heads, -1)).permute(2, 0, 3, 1, 4)
             q, k = l2_normalize(torch.stack((q, k))).unbind(0)  # one call for both
-            gates = gates.to(dtype).unflatten(-1, (3, config.mem_heads)).permute(2, 0, 3, 1)  # [3, B, H, T]
-            alpha, eta, theta = gates.unbind(0)
-            log_retain, log_momentum = F.logsigmoid(-alpha), F.logsigmoid(eta)  # log(1 - alpha_t), log eta_t
             if config.theta_mode == "chunk":
                 # theta = rho (1 - eta) / b: a chunk of b aligned tokens moves the memory by at most 2 rho (A.4).
-                chunk = config.memory_chunk_size or 1
-                step = config.rho_max * torch.sigmoid(theta) * torch.sigmoid(-eta) / chunk
+                scale, coupled = config.rho_max / (config.memory_chunk_size or 1), True
             else:
-                step = config.theta_max * torch.sigmoid(theta)
+                scale, coupled = config.theta_max, False
+            log_retain, log_momentum, step = memory_gates(gates.to(dtype), config.mem_heads, scale, coupled)
             state = cache.memory if cache is not None else initial_memory_state(
                 self.w1_init.to(dtype), self.w2_init.to(dtype), batch
             )
