@@ -514,8 +514,13 @@ class MAGBlock(nn.Module):
             y, attention = self.attn.sliding_window_padded(normed, cache, padding, setup.rope)
             m, memory = self.memory(normed, None if state is None else state.memory, padding.past, with_state,
                                     padding.mask)
-        x = x + self.dropout(self.out_proj(self.norm_y(y) * torch.sigmoid(self.norm_m(m))))
+        x = x + self.dropout(self.gated_output(y, m))
         return x + self.mlp(self.ln_2(x)), MAGState(attention, memory) if with_state else None
+
+    def gated_output(self, y: Tensor, m: Tensor) -> Tensor:
+        """W_O(N_y(y) * sigmoid(N_m(m))), y, m [B, T, C] -> [B, T, C]."""
+        # glu(a | b) = a * sigmoid(b): one backward op for the product and the sigmoid
+        return self.out_proj(F.glu(torch.cat([self.norm_y(y), self.norm_m(m)], dim=-1)))
 
 
 class MACBlock(MAGBlock):
@@ -556,7 +561,7 @@ class MACBlock(MAGBlock):
         parts = zip(setup.pieces, *(t.split(sizes, dim=2) for t in (query, q_memory, k_x, v_x, F.pad(k_x, (0, dim)))))
         slot_k, slot_v = slot_keys_values(self.attn.persistent_k, self.attn.persistent_v, batch, k_x.dtype)
         dropout = self.config.dropout if self.training else 0.0
-        outputs = []
+        ys, ms = [], []  # per piece; the output gating runs once over them all
         for piece, query, q_memory_piece, k_x_piece, v_x_piece, token_k_piece in parts:  # a piece per segment touched
             with without_autocast(x.device):
                 h = memory_apply(*(shared or segment_weights), q_memory_piece)  # eq. 21: read with W^seg
@@ -577,14 +582,15 @@ class MACBlock(MAGBlock):
             end = piece.position + piece.length
             discarded = not with_state and piece.start + piece.length == x.shape[1]  # the last piece's state: unread
             m, memory = self.memory(y, memory, piece.position, not discarded)
-            outputs.append(self.out_proj(self.norm_y(y) * torch.sigmoid(self.norm_m(m))))
+            ys.append(y)
+            ms.append(m)
             if discarded:
                 break
             if end % self.config.segment == 0:  # segment finished: the next one reads the updated memory
                 segment, segment_weights, shared = None, (memory.memory.w1, memory.memory.w2), None
             else:
                 segment = keys_values
-        x = x + self.dropout(torch.cat(outputs, dim=1))
+        x = x + self.dropout(self.gated_output(torch.cat(ys, dim=1), torch.cat(ms, dim=1)))
         new_state = MACState(segment, segment_weights, query_conv, memory) if with_state else None
         return x + self.mlp(self.ln_2(x)), new_state
 
