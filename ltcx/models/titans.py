@@ -403,10 +403,14 @@ class TitansAttention(nn.Module):
         self.persistent_k = nn.Parameter(torch.randn(slots) * config.init_std)
         self.persistent_v = nn.Parameter(torch.randn(slots) * config.init_std)
 
-    def queries(self, x: Tensor, rope: RopeTables) -> tuple[Tensor, Tensor]:
-        """x [B, T, C], ``rope`` the tables of its positions -> (q, RoPE(q)) [B, H, T, D]."""
-        q = self.q_proj(x).unflatten(-1, (self.n_head, self.head_dim)).transpose(1, 2)
-        return q, apply_rope(q, rope)
+    def project(self, x: Tensor, rope: RopeTables) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x [B, T, C], ``rope`` the tables of its positions -> (q, RoPE(q)) [B, H, T, D], (RoPE(k), v) [B, H_kv, T, D].
+        One product with the stacked weights (its backward two products and a cat, not four and a sum)."""
+        weight = torch.cat([self.q_proj.weight, self.kv_proj.weight])
+        bias = None if self.q_proj.bias is None else torch.cat([self.q_proj.bias, self.kv_proj.bias])
+        heads = F.linear(x, weight, bias).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # [B, H + 2 H_kv, T, D]
+        q, k, v = heads.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=1)
+        return q, apply_rope(q, rope), apply_rope(k, rope), v
 
     def keys_values(self, x: Tensor, rope: RopeTables) -> tuple[Tensor, Tensor]:
         """x [B, T, C], ``rope`` the tables of its positions -> (RoPE(k), v) [B, H_kv, T, D]."""
@@ -424,8 +428,7 @@ class TitansAttention(nn.Module):
         """x [B, T, C] at positions [P, P+T), ``setup`` the call's -> (y [B, T, H * D], the keys/values of the last
         window - 1 positions)."""
         window = self.config.window
-        q, q_rot = self.queries(x, setup.rope)
-        k_rot, v = self.keys_values(x, setup.rope)
+        q, q_rot, k_rot, v = self.project(x, setup.rope)
         if cache is not None:
             k_rot, v = torch.cat([cache.k, k_rot], dim=2), torch.cat([cache.v, v], dim=2)
         dropout = self.config.dropout if self.training else 0.0
@@ -442,8 +445,7 @@ class TitansAttention(nn.Module):
         of padding's positions."""
         positions, past, mask = padding
         length, window = x.shape[1], self.config.window
-        q, q_rot = self.queries(x, rope)
-        k_rot, v = self.keys_values(x, rope)
+        q, q_rot, k_rot, v = self.project(x, rope)
         key_mask, key_positions = mask, positions
         if cache is not None and cache.k.shape[2]:
             cached = cache.k.shape[2]
@@ -545,8 +547,7 @@ class MACBlock(MAGBlock):
             cached = 0 if state is None or state.segment is None else state.segment[0].shape[2]
             setup = block_setup(self.config, x, position, cached, None)
         normed = self.ln_1(x)
-        q, q_rot = self.attn.queries(normed, setup.rope)
-        k_x, v_x = self.attn.keys_values(normed, setup.rope)
+        q, q_rot, k_x, v_x = self.attn.project(normed, setup.rope)
         q_memory, query_conv = self.memory.read_queries(normed, None if state is None else state.query_conv)
         shared = None  # the segment's weights where every row has the same (M_0), read per head: [H, ...]
         if state is None:
