@@ -62,8 +62,7 @@ def reference_mac_block(block: MACBlock, x: torch.Tensor) -> torch.Tensor:
     heads, kv_heads, dim = config.n_head, config.n_kv_head, config.head_dim
     normed = block.ln_1(x)
     rope = rope_tables(torch.arange(length), dim, x.dtype, config.rope_base)
-    q, q_rot = block.attn.queries(normed, rope)
-    k_x, v_x = block.attn.keys_values(normed, rope)
+    q, q_rot, k_x, v_x = block.attn.project(normed, rope)
     q_memory, _ = block.memory.read_queries(normed, None)
     segment_weights, memory = block.memory.initial_weights(batch, x.dtype), None
     k_h, v_h, outputs = [], [], []

@@ -522,3 +522,34 @@ def test_masked_steps_are_skipped_and_each_row_keeps_its_own_positions(chunk_siz
         torch.testing.assert_close(y[b:b + 1, :, real], alone_y, rtol=1e-12, atol=1e-12)
         for part, alone_part in zip(state, alone):
             torch.testing.assert_close(part[b:b + 1], alone_part.expand_as(part[b:b + 1]), rtol=1e-12, atol=1e-12)
+
+
+def _gates_written_out(gates, heads, scale, coupled):
+    """The gates as the equations read: logsigmoid(-alpha), logsigmoid(eta), scale sigmoid(theta) [sigmoid(-eta)]."""
+    alpha, eta, theta = gates.unflatten(-1, (3, heads)).permute(2, 0, 3, 1).unbind(0)
+    step = scale * torch.sigmoid(theta)
+    return F.logsigmoid(-alpha), F.logsigmoid(eta), step * torch.sigmoid(-eta) if coupled else step
+
+
+@pytest.mark.parametrize("coupled", [True, False])
+def test_gates_values_and_gradient_equal_autograd_of_the_gates_written_out_float64(coupled):
+    """``memory_gates`` (its written backward) equals autograd through the gates written out in float64, values and
+    the gradient of every pre-activation, for pre-activations from -40 to 40 and gradients of all three outputs."""
+    g = torch.Generator().manual_seed(0)
+    heads = 3
+    gates = torch.randn(2, 7, 3 * heads, generator=g, dtype=torch.float64) * 8
+    gates.view(-1)[:4] = torch.tensor([-40.0, 40.0, 0.0, -6.0], dtype=torch.float64)
+    gates.requires_grad_()
+    cotangents = [torch.randn(2, heads, 7, generator=g, dtype=torch.float64) for _ in range(3)]
+    outputs = titans_ops.memory_gates(gates, heads, 0.3, coupled)
+    reference = _gates_written_out(gates, heads, 0.3, coupled)
+    assert "MemoryGates" in type(outputs[0].grad_fn).__name__
+    for out, ref in zip(outputs, reference):
+        torch.testing.assert_close(out, ref, rtol=1e-13, atol=1e-300)
+    (grad,) = torch.autograd.grad(outputs, gates, cotangents)
+    (grad_ref,) = torch.autograd.grad(reference, gates, cotangents)
+    assert grad.shape == gates.shape and grad_ref.abs().min() > 0
+    torch.testing.assert_close(grad, grad_ref, rtol=1e-12, atol=1e-12 * grad_ref.abs().max().item())
+    with torch.no_grad():
+        plain = titans_ops.memory_gates(gates, heads, 0.3, coupled)
+    assert all(torch.equal(a, b) for a, b in zip(plain, outputs))

@@ -64,6 +64,7 @@ from ltcx.ops.titans import (
     chunk_sizes,
     initial_memory_state,
     memory_apply,
+    memory_gates,
     neural_memory,
     neural_memory_masked,
     neural_memory_recurrent,
@@ -360,17 +361,15 @@ class NeuralMemory(nn.Module):
         gates = self.gates(u)
         dtype = compute_dtype(u.dtype)
         with without_autocast(u.device):
-            q, k, v = (F.silu(self._heads(part)) for part in projected.to(dtype).chunk(3, dim=-1))
+            # One SiLU over q | k | v, split as views: its backward one stack and one copy back to [B, T, 3 H dk].
+            q, k, v = F.silu(projected.to(dtype)).unflatten(-1, (3, config.mem_heads, -1)).permute(2, 0, 3, 1, 4)
             q, k = l2_normalize(torch.stack((q, k))).unbind(0)  # one call for both
-            gates = gates.to(dtype).unflatten(-1, (3, config.mem_heads)).permute(2, 0, 3, 1)  # [3, B, H, T]
-            alpha, eta, theta = gates.unbind(0)
-            log_retain, log_momentum = F.logsigmoid(-alpha), F.logsigmoid(eta)  # log(1 - alpha_t), log eta_t
             if config.theta_mode == "chunk":
                 # theta = rho (1 - eta) / b: a chunk of b aligned tokens moves the memory by at most 2 rho (A.4).
-                chunk = config.memory_chunk_size or 1
-                step = config.rho_max * torch.sigmoid(theta) * torch.sigmoid(-eta) / chunk
+                scale, coupled = config.rho_max / (config.memory_chunk_size or 1), True
             else:
-                step = config.theta_max * torch.sigmoid(theta)
+                scale, coupled = config.theta_max, False
+            log_retain, log_momentum, step = memory_gates(gates.to(dtype), config.mem_heads, scale, coupled)
             state = cache.memory if cache is not None else initial_memory_state(
                 self.w1_init.to(dtype), self.w2_init.to(dtype), batch
             )
@@ -404,10 +403,14 @@ class TitansAttention(nn.Module):
         self.persistent_k = nn.Parameter(torch.randn(slots) * config.init_std)
         self.persistent_v = nn.Parameter(torch.randn(slots) * config.init_std)
 
-    def queries(self, x: Tensor, rope: RopeTables) -> tuple[Tensor, Tensor]:
-        """x [B, T, C], ``rope`` the tables of its positions -> (q, RoPE(q)) [B, H, T, D]."""
-        q = self.q_proj(x).unflatten(-1, (self.n_head, self.head_dim)).transpose(1, 2)
-        return q, apply_rope(q, rope)
+    def project(self, x: Tensor, rope: RopeTables) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x [B, T, C], ``rope`` the tables of its positions -> (q, RoPE(q)) [B, H, T, D], (RoPE(k), v) [B, H_kv, T, D].
+        One product with the stacked weights (its backward two products and a cat, not four and a sum)."""
+        weight = torch.cat([self.q_proj.weight, self.kv_proj.weight])
+        bias = None if self.q_proj.bias is None else torch.cat([self.q_proj.bias, self.kv_proj.bias])
+        heads = F.linear(x, weight, bias).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # [B, H + 2 H_kv, T, D]
+        q, k, v = heads.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=1)
+        return q, apply_rope(q, rope), apply_rope(k, rope), v
 
     def keys_values(self, x: Tensor, rope: RopeTables) -> tuple[Tensor, Tensor]:
         """x [B, T, C], ``rope`` the tables of its positions -> (RoPE(k), v) [B, H_kv, T, D]."""
@@ -425,8 +428,7 @@ class TitansAttention(nn.Module):
         """x [B, T, C] at positions [P, P+T), ``setup`` the call's -> (y [B, T, H * D], the keys/values of the last
         window - 1 positions)."""
         window = self.config.window
-        q, q_rot = self.queries(x, setup.rope)
-        k_rot, v = self.keys_values(x, setup.rope)
+        q, q_rot, k_rot, v = self.project(x, setup.rope)
         if cache is not None:
             k_rot, v = torch.cat([cache.k, k_rot], dim=2), torch.cat([cache.v, v], dim=2)
         dropout = self.config.dropout if self.training else 0.0
@@ -443,8 +445,7 @@ class TitansAttention(nn.Module):
         of padding's positions."""
         positions, past, mask = padding
         length, window = x.shape[1], self.config.window
-        q, q_rot = self.queries(x, rope)
-        k_rot, v = self.keys_values(x, rope)
+        q, q_rot, k_rot, v = self.project(x, rope)
         key_mask, key_positions = mask, positions
         if cache is not None and cache.k.shape[2]:
             cached = cache.k.shape[2]
@@ -515,8 +516,13 @@ class MAGBlock(nn.Module):
             y, attention = self.attn.sliding_window_padded(normed, cache, padding, setup.rope)
             m, memory = self.memory(normed, None if state is None else state.memory, padding.past, with_state,
                                     padding.mask)
-        x = x + self.dropout(self.out_proj(self.norm_y(y) * torch.sigmoid(self.norm_m(m))))
+        x = x + self.dropout(self.gated_output(y, m))
         return x + self.mlp(self.ln_2(x)), MAGState(attention, memory) if with_state else None
+
+    def gated_output(self, y: Tensor, m: Tensor) -> Tensor:
+        """W_O(N_y(y) * sigmoid(N_m(m))), y, m [B, T, C] -> [B, T, C]."""
+        # glu(a | b) = a * sigmoid(b): one backward op for the product and the sigmoid
+        return self.out_proj(F.glu(torch.cat([self.norm_y(y), self.norm_m(m)], dim=-1)))
 
 
 class MACBlock(MAGBlock):
@@ -541,8 +547,7 @@ class MACBlock(MAGBlock):
             cached = 0 if state is None or state.segment is None else state.segment[0].shape[2]
             setup = block_setup(self.config, x, position, cached, None)
         normed = self.ln_1(x)
-        q, q_rot = self.attn.queries(normed, setup.rope)
-        k_x, v_x = self.attn.keys_values(normed, setup.rope)
+        q, q_rot, k_x, v_x = self.attn.project(normed, setup.rope)
         q_memory, query_conv = self.memory.read_queries(normed, None if state is None else state.query_conv)
         shared = None  # the segment's weights where every row has the same (M_0), read per head: [H, ...]
         if state is None:
@@ -557,7 +562,7 @@ class MACBlock(MAGBlock):
         parts = zip(setup.pieces, *(t.split(sizes, dim=2) for t in (query, q_memory, k_x, v_x, F.pad(k_x, (0, dim)))))
         slot_k, slot_v = slot_keys_values(self.attn.persistent_k, self.attn.persistent_v, batch, k_x.dtype)
         dropout = self.config.dropout if self.training else 0.0
-        outputs = []
+        ys, ms = [], []  # per piece; the output gating runs once over them all
         for piece, query, q_memory_piece, k_x_piece, v_x_piece, token_k_piece in parts:  # a piece per segment touched
             with without_autocast(x.device):
                 h = memory_apply(*(shared or segment_weights), q_memory_piece)  # eq. 21: read with W^seg
@@ -578,14 +583,15 @@ class MACBlock(MAGBlock):
             end = piece.position + piece.length
             discarded = not with_state and piece.start + piece.length == x.shape[1]  # the last piece's state: unread
             m, memory = self.memory(y, memory, piece.position, not discarded)
-            outputs.append(self.out_proj(self.norm_y(y) * torch.sigmoid(self.norm_m(m))))
+            ys.append(y)
+            ms.append(m)
             if discarded:
                 break
             if end % self.config.segment == 0:  # segment finished: the next one reads the updated memory
                 segment, segment_weights, shared = None, (memory.memory.w1, memory.memory.w2), None
             else:
                 segment = keys_values
-        x = x + self.dropout(torch.cat(outputs, dim=1))
+        x = x + self.dropout(self.gated_output(torch.cat(ys, dim=1), torch.cat(ms, dim=1)))
         new_state = MACState(segment, segment_weights, query_conv, memory) if with_state else None
         return x + self.mlp(self.ln_2(x)), new_state
 

@@ -73,6 +73,61 @@ def initial_memory_state(w1_init: Tensor, w2_init: Tensor, batch_size: int) -> M
     return MemoryState(w1, w2, w1, w2, None, None)
 
 
+def memory_gates(gates: Tensor, heads: int, scale: float, coupled: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The per-token gates from their pre-activations: gates [B, T, 3H] (alpha, eta, theta blocks of H) ->
+    (log_retain = log(1 - alpha_t) = logsigmoid(-alpha), log_momentum = log eta_t = logsigmoid(eta),
+    step = scale sigmoid(theta) [sigmoid(-eta) if ``coupled``]), each [B, H, T].
+
+    Under autograd it runs as ``_MemoryGates``: differentiated op by op the backward is a dozen small ops and a
+    stack of the three gradients; written out, six ops writing into one gradient."""
+    if wants_written_backward(gates):
+        return _MemoryGates.apply(gates, heads, scale, coupled)
+    return _gates_and_saved(gates, heads, scale, coupled)[:3]
+
+
+def _gates_and_saved(gates: Tensor, heads: int, scale: float, coupled: bool):
+    """``memory_gates``' forward op by op -> (log_retain, log_momentum, step, sigmoid(theta), sigmoid(-eta) or None)."""
+    alpha, eta, theta = gates.unflatten(-1, (3, heads)).permute(2, 0, 3, 1)  # [B, H, T] views
+    negated = -gates.unflatten(-1, (3, heads))[..., :2, :].permute(2, 0, 3, 1)  # -alpha, -eta in one op
+    log_retain, log_momentum = F.logsigmoid(negated[0]), F.logsigmoid(eta)
+    kept_theta = torch.sigmoid(theta)
+    step = scale * kept_theta
+    kept_eta = None
+    if coupled:
+        kept_eta = torch.sigmoid(negated[1])
+        step = step * kept_eta
+    return log_retain, log_momentum, step, kept_theta, kept_eta
+
+
+class _MemoryGates(torch.autograd.Function):
+    """``memory_gates`` with its backward written out. With g_r, g_m, g_s the gradients of the three outputs and
+    t = g_s step: d alpha = -g_r sigmoid(alpha) = g_r expm1(log_retain), d theta = t (1 - sigmoid(theta)),
+    d eta = g_m sigmoid(-eta) - t sigmoid(eta) = lerp(-t, g_m, sigmoid(-eta)) (coupled; else g_m sigmoid(-eta),
+    sigmoid(-eta) = -expm1(log_momentum))."""
+
+    @staticmethod
+    def forward(ctx, gates: Tensor, heads: int, scale: float, coupled: bool):
+        log_retain, log_momentum, step, kept_theta, kept_eta = _gates_and_saved(gates, heads, scale, coupled)
+        ctx.save_for_backward(log_retain, log_momentum, step, kept_theta, kept_eta)
+        return log_retain, log_momentum, step
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_retain: Tensor, grad_momentum: Tensor, grad_step: Tensor):
+        log_retain, log_momentum, step, kept_theta, kept_eta = ctx.saved_tensors
+        batch, heads, length = log_retain.shape
+        grad = log_retain.new_empty(batch, length, 3, heads)
+        d_alpha, d_eta, d_theta = grad.permute(2, 0, 3, 1)  # written in place: the gradient of gates [B, T, 3H]
+        torch.mul(grad_retain, torch.expm1(log_retain), out=d_alpha)
+        t = grad_step * step
+        torch.addcmul(t, t, kept_theta, value=-1, out=d_theta)
+        if kept_eta is None:
+            torch.mul(grad_momentum, torch.expm1(log_momentum), out=d_eta).neg_()
+        else:
+            torch.lerp(t.neg_(), grad_momentum, kept_eta, out=d_eta)
+        return grad.flatten(2), None, None, None
+
+
 def _times_gelu_derivative(x: Tensor, z: Tensor) -> Tensor:
     """x * GELU'(z) = x (Phi(z) + z phi(z)) in one kernel (aten's ``gelu_backward``), where writing GELU' out took
     seven passes over z's size; GELU' itself is never materialised."""

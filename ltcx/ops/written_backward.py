@@ -1,7 +1,7 @@
 """Where an op runs with its backward written out: the ops whose ``torch.autograd.Function`` (the sLSTM's ``_Scan``, the
-mLSTM's ``_ChunkOutputs``, ``_ChunkOwn`` and ``_ChunkStarts``, Titans' ``_MemoryChunk``, RoPE's ``_Rotate``, l2norm's
-``_L2Normalize``) wraps the op's own forward function and has a backward held to autograd of that function in
-float64."""
+mLSTM's ``_ChunkOutputs``, ``_ChunkOwn`` and ``_ChunkStarts``, Titans' ``_MemoryChunk`` and ``_MemoryGates``, RoPE's
+``_Rotate``, l2norm's ``_L2Normalize``) wraps the op's own forward function and has a backward held to autograd of that
+function in float64."""
 
 from __future__ import annotations
 
