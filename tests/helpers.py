@@ -51,6 +51,25 @@ def assert_rel(actual: torch.Tensor, expected: torch.Tensor, tol: float = REL_TO
     assert err <= tol * scale, f"{what}: max |err| {err:.3e} > {tol:.0e} x {scale:.3e}"
 
 
+def assert_written_backward(written, plain, inputs, cotangents, *extra) -> tuple[tuple, tuple]:
+    """A written backward (``written``, a ``torch.autograd.Function.apply``) against autograd of its forward
+    (``plain``), both called as ``form(*leaves, *extra)`` on fresh leaves cloned from ``inputs``: the same outputs bit
+    for bit, and the gradients of sum(output * cotangent) over every input within float64 rounding (1e-12). Returns
+    the written form's (outputs, gradients)."""
+    def run(form):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        outputs = form(*leaves, *extra)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        return outputs, torch.autograd.grad(sum((o * c).sum() for o, c in zip(outputs, cotangents)), leaves)
+
+    (got, got_grads), (want, want_grads) = run(written), run(plain)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same forward
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    return got, got_grads
+
+
 def unit_docs(n: int, start: int = 0, size: int = 16) -> list[str]:
     """Documents of exactly ``size`` bytes: with the bytes tokenizer and block_size ``size`` each one plus its
     end-of-text is exactly one block."""
