@@ -386,15 +386,11 @@ def table(name: str, data: dict) -> str:
     elif name == "kernels":
         batches = settings["batch_sizes"]
         base = next((r for r in rows if r["arch"] == "gpt"), rows[0])
-        first = f"b{batches[0]}"
         recall = "recall, {batch} x {seq_len}".format(**RECALL_SHAPE)
-        lines = _rows(["model", "tiny, 2 x 32", recall, *(f"{b} x {settings['seq_len']}" for b in batches),
-                       f"vs GPT ({batches[0]} x {settings['seq_len']})", f"fused, {recall}",
-                       f"fused, {batches[0]} x {settings['seq_len']}", "fused vs GPT", "top ops (fused)"],
-                      [[r["arch"], _n(r["tiny"]), _n(r["recall"]), *(_n(r[f"b{b}"]) for b in batches),
-                        f"{r[first] / base[first]:.1f}x", _n(r["fused_recall"]), _n(r["fused"]),
-                        f"{r['fused'] / base['fused']:.1f}x",
-                        ", ".join(f"{op} {calls:,}" for op, calls in r["fused_top_ops"])] for r in rows])
+        lines = _rows(["model", recall, *(f"{b} x {settings['seq_len']}" for b in batches), f"fused, {recall}",
+                       f"fused, {batches[0]} x {settings['seq_len']}", "fused vs GPT"],
+                      [[r["arch"], _n(r["recall"]), *(_n(r[f"b{b}"]) for b in batches), _n(r["fused_recall"]),
+                        _n(r["fused"]), f"{r['fused'] / base['fused']:.1f}x"] for r in rows])
     elif name == "memory":
         lines = _rows(["model", "params", "peak RSS, MiB", "before the step, MiB", "the step adds, MiB"],
                       [[r["arch"], _n(r["params"]), _n(r["peak_rss_mb"], 4), _n(r["rss_before_mb"], 4),
