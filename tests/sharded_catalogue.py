@@ -99,6 +99,7 @@ def main(path: str) -> None:
     if rank == 0:
         with open(path, "w") as f:
             json.dump(results, f)
+    dist.barrier()  # both ranks done before either tears gloo down: a rank torn down mid-exchange aborts (SIGABRT)
     dist.destroy_process_group()
 
 
