@@ -11,8 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import assert_rel, assert_written_backward
 from ltcx.errors import ConfigError
 from ltcx.models.gated_deltanet import GatedDeltaNet
+from ltcx.ops import gated_delta
 from ltcx.ops.gated_delta import gated_delta_chunked, gated_delta_step
 from ltcx.ops.naive.gated_delta import gated_delta_reference
 
@@ -76,6 +78,35 @@ def test_gradients_of_every_input_equal_the_recurrences(chunk):
     for name, fast, slow in zip(("q", "k", "v", "g", "beta", "state"), *grads):
         assert rel(fast, slow) < 1e-11, name
 
+
+
+@pytest.mark.parametrize("final_used", [False, True])
+def test_the_chunk_loops_written_backward_equals_autograd_of_the_loop(final_used, monkeypatch):
+    """``_ChunkLoop`` against autograd of ``_chunk_loop`` in float64 (every input: U0, -W, k_end, e^{G_L}, the state
+    in; the final state's gradient given or not), then ``gated_delta_chunked`` through it against the same function
+    with its loop left to autograd: 13 steps in chunks of 5, a state in and out, every input's gradient."""
+    gen = torch.Generator().manual_seed(5)
+    N, L = 3, 5
+
+    def randn(*shape, scale=1.0):
+        return scale * torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    pieces = [randn(B, H, N, L, DV), randn(B, H, N, L, DK, scale=0.3), randn(B, H, N, L, DK, scale=0.3),
+              torch.rand(B, H, N, 1, 1, generator=gen, dtype=torch.float64), randn(B, H, DK, DV)]
+    cotangents = [randn(B, H, N, DK, DV), randn(B, H, N, L, DV), randn(B, H, DK, DV)][:3 if final_used else 2]
+    count = len(cotangents)
+    assert_written_backward(lambda *a: gated_delta._ChunkLoop.apply(*a)[:count],
+                            lambda *a: gated_delta._chunk_loop(*a)[:count], pieces, cotangents)
+
+    weights, state_weights = randn(B, H, T, DV), randn(B, H, DK, DV)
+    grads = []
+    for written in (True, False):
+        monkeypatch.setattr(gated_delta, "wants_written_backward", lambda *a, written=written: written)
+        tensors = inputs(grad=True)
+        o, final = gated_delta_chunked(*tensors, chunk_size=5)
+        grads.append(torch.autograd.grad((o * weights).sum() + (final * state_weights).sum(), tensors))
+    for name, fast, slow in zip(("q", "k", "v", "g", "beta", "state"), *grads):
+        assert_rel(fast, slow, what=name)
 
 def test_float32_within_tolerance_of_the_float64_reference():
     tensors = inputs(length=70)

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ltcx.ops.precision import compute_dtype, without_autocast
 from ltcx.ops.ssd import decays
+from ltcx.ops.written_backward import wants_written_backward
 
 __all__ = ["gated_delta_chunked", "gated_delta_step"]
 
@@ -67,23 +68,85 @@ def gated_delta_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
         U0, W_neg = solved.split([dv, dk], dim=-1)
         P = (q @ k.transpose(-1, -2)) * D  # [B, H, N, L, L]
         k_end = D[..., -1, :].unsqueeze(-1) * k  # e^{G_L - G_j} k_j: D's last row
-        end_decay = decay[..., -1, None, None]  # [B, H, N, 1, 1]
+        end_decay = decay[..., -1, None, None]  # [B, H, N, 1, 1]: e^{G_L}
 
-        # the loop takes each chunk's pieces from one unbind (backward: one stack), not by indexing (backward: a
-        # zero-filled tensor per index), with batch and heads as one batch dim for baddbmm
-        pieces = (U0, W_neg, k_end.transpose(-1, -2), end_decay)
-        S = q.new_zeros(batch * heads, dk, dv) if state is None else state.to(dtype).flatten(0, 1)
-        starts, writes = [], []
-        for U0_n, W_neg_n, k_end_n, end_decay_n in zip(*(t.flatten(0, 1).unbind(1) for t in pieces)):
-            U = torch.baddbmm(U0_n, W_neg_n, S)  # U0 - W S
-            starts.append(S)
-            writes.append(U)
-            S = torch.baddbmm(end_decay_n * S, k_end_n, U)
-        S0 = torch.stack(starts, dim=1).unflatten(0, (batch, heads))  # [B, H, N, Dk, Dv]
-        U = torch.stack(writes, dim=1).unflatten(0, (batch, heads))
-        S = S.unflatten(0, (batch, heads))
+        S = q.new_zeros(batch, heads, dk, dv) if state is None else state.to(dtype)
+        S0, U, S = _through_chunks(U0, W_neg, k_end, end_decay, S)
         o = scale * ((decay.unsqueeze(-1) * q) @ S0 + P @ U)
     return o.flatten(2, 3)[:, :, :length].to(out_dtype), S
+
+
+def _chunk_loop(U0: Tensor, W_neg: Tensor, k_end: Tensor, end_decay: Tensor,
+                S: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The state's passage from chunk to chunk: U = U0 - W S_0 and S_L = e^{G_L} S_0 + k_end^T U, chunk after chunk.
+    U0 ``[B, H, N, L, Dv]``, W_neg = -W ``[B, H, N, L, Dk]``, k_end = diag(e^{G_L - G}) K ``[B, H, N, L, Dk]``,
+    end_decay = e^{G_L} ``[B, H, N, 1, 1]``, S the state before the first chunk ``[B, H, Dk, Dv]`` -> (S_0 of every
+    chunk ``[B, H, N, Dk, Dv]``, U ``[B, H, N, L, Dv]``, the state after the last chunk ``[B, H, Dk, Dv]``)."""
+    batch, heads = S.shape[:2]
+    # each chunk's pieces from one unbind (backward: one stack), not by indexing (backward: a zero-filled tensor per
+    # index), with batch and heads as one batch dim for baddbmm
+    pieces = (U0, W_neg, k_end.transpose(-1, -2), end_decay)
+    S = S.flatten(0, 1)
+    starts, writes = [], []
+    for U0_n, W_neg_n, k_end_n, end_decay_n in zip(*(t.flatten(0, 1).unbind(1) for t in pieces)):
+        U = torch.baddbmm(U0_n, W_neg_n, S)  # U0 - W S
+        starts.append(S)
+        writes.append(U)
+        S = torch.baddbmm(end_decay_n * S, k_end_n, U)
+    S0 = torch.stack(starts, dim=1).unflatten(0, (batch, heads))
+    U = torch.stack(writes, dim=1).unflatten(0, (batch, heads))
+    return S0, U, S.unflatten(0, (batch, heads))
+
+
+class _ChunkLoop(torch.autograd.Function):
+    """:func:`_chunk_loop` with its backward written out. Substituting U, S_L = M S_0 + k_end^T U0 with the
+    ``[Dk, Dk]`` map M = e^{G_L} I + k_end^T W_neg, so the gradient reaching a chunk's S_0 is
+
+        g_S0 <- M^T g_SL + W_neg^T g_U + g_S0,
+
+    one baddbmm per chunk in the reverse loop (M^T and the last two terms are taken for every chunk at once before
+    it); the gradients of U0, W_neg, k_end and e^{G_L} are then products over every chunk at once, where autograd's
+    graph ran some ten ops per chunk. Held to autograd of :func:`_chunk_loop` in float64."""
+
+    @staticmethod
+    def forward(ctx, U0, W_neg, k_end, end_decay, S):
+        S0, U, S_last = _chunk_loop(U0, W_neg, k_end, end_decay, S)
+        ctx.save_for_backward(W_neg, k_end, end_decay, S0, U)
+        ctx.set_materialize_grads(False)  # a gradient not given (the final state unused) costs no zeros
+        return S0, U, S_last
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_S0, g_U, g_last):
+        W_neg, k_end, end_decay, S0, U = ctx.saved_tensors
+        g_S0 = torch.zeros_like(S0) if g_S0 is None else g_S0
+        g_U = torch.zeros_like(U) if g_U is None else g_U
+        W_t = W_neg.transpose(-1, -2)
+        M_t = W_t @ k_end  # [B, H, N, Dk, Dk]
+        M_t.diagonal(dim1=-2, dim2=-1).add_(end_decay.squeeze(-1))
+        own = torch.baddbmm(g_S0.flatten(0, 2), W_t.flatten(0, 2), g_U.flatten(0, 2)).view(S0.shape)
+        # the reverse loop: g_S after each chunk, from the last (the final state's gradient) backwards
+        g_S, after = None if g_last is None else g_last.flatten(0, 1), []
+        for M_t_n, own_n in zip(M_t.flatten(0, 1).unbind(1)[::-1], own.flatten(0, 1).unbind(1)[::-1]):
+            after.append(g_S)
+            g_S = own_n if g_S is None else torch.baddbmm(own_n, M_t_n, g_S)
+        after[0] = torch.zeros_like(g_S) if after[0] is None else after[0]
+        g_after = torch.stack(after[::-1], dim=1).view(S0.shape)  # [B, H, N, Dk, Dv]
+        # U = U0 + W_neg S_0 and S_L = end_decay S_0 + k_end^T U
+        g_U0 = torch.baddbmm(g_U.flatten(0, 2), k_end.flatten(0, 2), g_after.flatten(0, 2)).view(U.shape)
+        g_W_neg = g_U0 @ S0.transpose(-1, -2)
+        g_k_end = U @ g_after.transpose(-1, -2)
+        g_end_decay = (g_after * S0).sum((-2, -1), keepdim=True)
+        g_S = g_S.view(g_after.shape[:2] + g_after.shape[3:]) if ctx.needs_input_grad[4] else None
+        return g_U0, g_W_neg, g_k_end, g_end_decay, g_S
+
+
+def _through_chunks(U0, W_neg, k_end, end_decay, S) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_chunk_loop`: through :class:`_ChunkLoop` where ``wants_written_backward``."""
+    inputs = (U0, W_neg, k_end, end_decay, S)
+    if wants_written_backward(*inputs):
+        return _ChunkLoop.apply(*inputs)
+    return _chunk_loop(*inputs)
 
 
 def gated_delta_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None = None,
