@@ -51,9 +51,10 @@ def gated_delta_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     chunks = -(-length // size)
     pad = chunks * size - length
     with without_autocast(q.device):
-        def split(t: Tensor) -> Tensor:  # [B, H, T, ...] -> [B, H, N, L, ...], zero-padded
+        def split(t: Tensor) -> Tensor:  # [B, H, T, ...] -> [B, H, N, L, ...], zero-padded (no pad: no copy)
             t = t.to(dtype)
-            t = F.pad(t, (0, 0, 0, pad)) if t.dim() == 4 else F.pad(t, (0, pad))
+            if pad:
+                t = F.pad(t, (0, 0, 0, pad)) if t.dim() == 4 else F.pad(t, (0, pad))
             return t.unflatten(2, (chunks, size))
 
         q, k, v, g, beta = map(split, (q, k, v, g, beta))
