@@ -11,8 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import assert_rel, assert_written_backward
 from ltcx.errors import ConfigError
 from ltcx.models.mamba2 import Mamba2
+from ltcx.ops import ssd
 from ltcx.ops.naive.ssd import ssd_reference
 from ltcx.ops.ssd import ssd_chunked, ssd_step
 
@@ -76,6 +78,33 @@ def test_gradients_of_every_input_equal_the_recurrences(chunk):
     for name, fast, slow in zip(("x", "dt", "A", "B", "C", "state"), *grads):
         assert rel(fast, slow) < 1e-11, name
 
+
+
+@pytest.mark.parametrize("final_used", [False, True])
+def test_the_written_backward_equals_autograd_of_the_chunked_form(final_used, monkeypatch):
+    """``_Chunks`` against autograd of ``_chunks`` in float64 (every input: x, dt, A, B, C, the state in; the final
+    state's gradient given or not), then ``ssd_chunked`` through it against the same function left to autograd: 13
+    steps in chunks of 5, a state in and out, every input's gradient."""
+    gen = torch.Generator().manual_seed(5)
+    x, dt, A, Bm, C, state = inputs()
+    chunked = [x[:, :, :12].unflatten(2, (3, 4)), dt[:, :, :12].unflatten(2, (3, 4)), A,
+               *(t[:, :12].unflatten(1, (3, 4)).unsqueeze(1) for t in (Bm, C)), state.unsqueeze(2)]
+    cotangents = [torch.randn(B, H, 3, 4, P, generator=gen, dtype=torch.float64),
+                  torch.randn(B, H, P, N, generator=gen, dtype=torch.float64)][:2 if final_used else 1]
+    count = len(cotangents)
+    assert_written_backward(lambda *a: ssd._Chunks.apply(*a)[:count], lambda *a: ssd._chunks(*a)[:count], chunked,
+                            cotangents)
+
+    weights = torch.randn(B, H, T, P, generator=gen, dtype=torch.float64)
+    state_weights = torch.randn(B, H, P, N, generator=gen, dtype=torch.float64)
+    grads = []
+    for written in (True, False):
+        monkeypatch.setattr(ssd, "wants_written_backward", lambda *a, written=written: written)
+        tensors = inputs(grad=True)
+        y, final = ssd_chunked(*tensors, chunk_size=5)
+        grads.append(torch.autograd.grad((y * weights).sum() + (final * state_weights).sum(), tensors))
+    for name, fast, slow in zip(("x", "dt", "A", "B", "C", "state"), *grads):
+        assert_rel(fast, slow, what=name)
 
 def test_float32_within_tolerance_of_the_float64_reference():
     tensors = inputs(length=70)
