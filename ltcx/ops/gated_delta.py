@@ -58,6 +58,8 @@ def gated_delta_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
             return t.unflatten(2, (chunks, size))
 
         q, k, v, g, beta = map(split, (q, k, v, g, beta))
+        # q and k come with their heads transposed: one copy each (none if padded), not one by each product
+        q, k = q.contiguous(), k.contiguous()
         G = g.cumsum(-1)  # [B, H, N, L]
         D = decays(g)  # [B, H, N, L, L]: e^{G_i - G_j} for j <= i
         # I + A: a unit-triangular solve reads only the strictly lower triangle, where this equals A
