@@ -81,22 +81,21 @@ def test_gradients_of_every_input_equal_the_recurrences(chunk):
 
 
 @pytest.mark.parametrize("final_used", [False, True])
-def test_the_chunk_loops_written_backward_equals_autograd_of_the_loop(final_used, monkeypatch):
-    """``_ChunkLoop`` against autograd of ``_chunk_loop`` in float64 (every input: U0, -W, k_end, e^{G_L}, the state
-    in; the final state's gradient given or not), then ``gated_delta_chunked`` through it against the same function
-    with its loop left to autograd: 13 steps in chunks of 5, a state in and out, every input's gradient."""
+def test_the_written_backward_equals_autograd_of_the_chunked_form(final_used, monkeypatch):
+    """``_Rule`` against autograd of ``_rule`` in float64 (every input: q, k, v, g, beta, the state in; the final
+    state's gradient given or not), then ``gated_delta_chunked`` through it against the same function left to
+    autograd: 13 steps in chunks of 5, a state in and out, every input's gradient."""
     gen = torch.Generator().manual_seed(5)
-    N, L = 3, 5
 
-    def randn(*shape, scale=1.0):
-        return scale * torch.randn(*shape, generator=gen, dtype=torch.float64)
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
-    pieces = [randn(B, H, N, L, DV), randn(B, H, N, L, DK, scale=0.3), randn(B, H, N, L, DK, scale=0.3),
-              torch.rand(B, H, N, 1, 1, generator=gen, dtype=torch.float64), randn(B, H, DK, DV)]
-    cotangents = [randn(B, H, N, DK, DV), randn(B, H, N, L, DV), randn(B, H, DK, DV)][:3 if final_used else 2]
+    *steps, state = inputs()
+    chunked = [t[:, :, :12].unflatten(2, (3, 4)) for t in steps] + [state]
+    cotangents = [randn(B, H, 3, 4, DV), randn(B, H, DK, DV)][:2 if final_used else 1]
     count = len(cotangents)
-    assert_written_backward(lambda *a: gated_delta._ChunkLoop.apply(*a)[:count],
-                            lambda *a: gated_delta._chunk_loop(*a)[:count], pieces, cotangents)
+    assert_written_backward(lambda *a: gated_delta._Rule.apply(*a)[:count],
+                            lambda *a: gated_delta._rule(*a)[:count], chunked, cotangents, DK ** -0.5)
 
     weights, state_weights = randn(B, H, T, DV), randn(B, H, DK, DV)
     grads = []
@@ -108,12 +107,18 @@ def test_the_chunk_loops_written_backward_equals_autograd_of_the_loop(final_used
     for name, fast, slow in zip(("q", "k", "v", "g", "beta", "state"), *grads):
         assert_rel(fast, slow, what=name)
 
+
 def test_float32_within_tolerance_of_the_float64_reference():
-    tensors = inputs(length=70)
+    """The values and every input's gradient (the written backward's, in float32)."""
+    tensors = inputs(length=70, grad=True)
     ref_o, ref_final = gated_delta_reference(*tensors)
-    o, final = gated_delta_chunked(*(t.float() for t in tensors), chunk_size=16)
+    ref_grads = torch.autograd.grad(ref_o.sum() + ref_final.sum(), tensors)
+    singles = [t.detach().float().requires_grad_() for t in tensors]
+    o, final = gated_delta_chunked(*singles, chunk_size=16)
     assert o.dtype == torch.float32 and final.dtype == torch.float32
     assert rel(o.double(), ref_o) < F32_TOL and rel(final.double(), ref_final) < F32_TOL
+    grads = torch.autograd.grad(o.sum() + final.sum(), singles)
+    assert all(rel(a.double(), b) < F32_TOL for a, b in zip(grads, ref_grads))
 
 
 def test_equals_flash_linear_attentions_recurrence():

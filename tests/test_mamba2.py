@@ -107,11 +107,16 @@ def test_the_written_backward_equals_autograd_of_the_chunked_form(final_used, mo
         assert_rel(fast, slow, what=name)
 
 def test_float32_within_tolerance_of_the_float64_reference():
-    tensors = inputs(length=70)
+    """The values and every input's gradient (the written backward's, in float32)."""
+    tensors = inputs(length=70, grad=True)
     ref_y, ref_final = ssd_reference(*tensors)
-    y, final = ssd_chunked(*(t.float() for t in tensors), chunk_size=16)
+    ref_grads = torch.autograd.grad(ref_y.sum() + ref_final.sum(), tensors)
+    singles = [t.detach().float().requires_grad_() for t in tensors]
+    y, final = ssd_chunked(*singles, chunk_size=16)
     assert y.dtype == torch.float32 and final.dtype == torch.float32
     assert rel(y.double(), ref_y) < F32_TOL and rel(final.double(), ref_final) < F32_TOL
+    grads = torch.autograd.grad(y.sum() + final.sum(), singles)
+    assert all(rel(a.double(), b) < F32_TOL for a, b in zip(grads, ref_grads))
 
 
 def test_float32_keeps_its_digits_across_many_chunks_of_strong_decay():

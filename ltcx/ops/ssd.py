@@ -15,8 +15,8 @@ log-decays G (from the chunk's start) and the state S_0 before it,
 
 the chunks' own state contributions (diag(dt e^{G_L - G}) X)^T B are summed into each chunk's starting state by one
 product with the [N + 1, N + 1] matrix of decays between chunk boundaries (scalar decays commute): no loop over
-tokens or chunks. :func:`ssd_step` is one token (generation). Both run in float32 (float64 for float64 inputs),
-outside autocast.
+tokens or chunks; where a gradient is wanted (outside torch.compile) it runs as ``_Chunks``, its backward written
+out. :func:`ssd_step` is one token (generation). Both run in float32 (float64 for float64 inputs), outside autocast.
 
 Shapes: x ``[B, H, T, P]``, dt ``[B, H, T]``, A ``[H]``, B, C ``[B, T, N]``, state ``[B, H, P, N]``.
 """
@@ -30,7 +30,7 @@ from torch import Tensor
 from ltcx.ops.precision import compute_dtype, without_autocast
 from ltcx.ops.written_backward import wants_written_backward
 
-__all__ = ["decays", "ssd_chunked", "ssd_step"]
+__all__ = ["decays", "decays_backward", "ssd_chunked", "ssd_step"]
 
 
 def decays(g: Tensor) -> Tensor:
@@ -99,7 +99,7 @@ def _chunks(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, first: Tenso
     return y + decay.unsqueeze(-1) * read, final
 
 
-def _decays_backward(g_log: Tensor) -> Tensor:
+def decays_backward(g_log: Tensor) -> Tensor:
     """The gradient of :func:`decays`'s steps 1..L-1 ``[..., L - 1]`` (step 0 is in no entry) from that of its
     entries' logarithms ``[..., L, L]`` (g_D D; 0 above the diagonal): step i is summed into the entries [i', j] with
     i' >= i > j, that is the sums over j <= i - 1 (a cumulative sum along the row) of the rows i' > i - 1."""
@@ -141,7 +141,7 @@ class _Chunks(torch.autograd.Function):
         g_contribution = (between_t[:, :, 1:] @ g_states).unflatten(-1, S0.shape[-2:])
         g_first = (between_t[:, :, :1] @ g_states).unflatten(-1, S0.shape[-2:]) if ctx.needs_input_grad[5] else None
         g_log_between = (g_states @ joined.transpose(-1, -2)).mul_(between)
-        g_G[..., -1].add_(_decays_backward(g_log_between))
+        g_G[..., -1].add_(decays_backward(g_log_between))
         # contribution = ends^T B, ends = xdt e^{G_L - G}
         g_ends = B_h @ g_contribution.transpose(-1, -2)
         g_B = (ends @ g_contribution).sum(1, keepdim=True)
@@ -158,7 +158,7 @@ class _Chunks(torch.autograd.Function):
         g_B += g_CB.transpose(-1, -2) @ C
         # G = cumsum(g), g = dt A, xdt = x dt
         g_g = g_G.flip(-1).cumsum(-1).flip(-1)
-        g_g[..., 1:].add_(_decays_backward(g_log_D))
+        g_g[..., 1:].add_(decays_backward(g_log_D))
         g_x = g_xdt * dt.unsqueeze(-1)
         g_dt = torch.addcmul((g_xdt * x).sum(-1), g_g, A[:, None, None])
         g_A = (g_g * dt).sum((0, 2, 3))
