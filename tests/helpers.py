@@ -1,9 +1,10 @@
 """Helpers shared by several test modules (imported as ``from helpers import ...``, like ``fault_injection``):
-relative errors of tensors against a reference, seeded mLSTM inputs, documents of a fixed byte length, feeding a
-backbone in pieces, a small text corpus, TensorBoard events and a generation check for CLI runs, the arguments of a
-tiny `ltcx fit` run (in process, as a `run.py` subprocess, or as 2 gloo processes under DDP or FSDP2), the facts of
-an error message, one-line user errors and small checkpoints written without training. Fixtures live in
-conftest.py; no test module imports another."""
+relative errors of tensors against a reference, seeded mLSTM inputs, the checks that Gated DeltaNet and Mamba-2
+share (a chunked rule's input gradients, a left-padded batch, the FLOPs formula, the kernels backend off CUDA),
+documents of a fixed byte length, feeding a backbone in pieces, a small text corpus, TensorBoard events and a
+generation check for CLI runs, the arguments of a tiny `ltcx fit` run (in process, as a `run.py` subprocess, or as 2
+gloo processes under DDP or FSDP2), the facts of an error message, one-line user errors and small checkpoints written
+without training. Fixtures live in conftest.py; no test module imports another."""
 
 from __future__ import annotations
 
@@ -96,6 +97,53 @@ def mlstm_inputs(B=2, H=3, T=37, D=8, f_bias=0.0, dtype=torch.float64, seed=0):
     i_pre = 2.0 * torch.randn(B, H, T, generator=g, dtype=dtype)
     f_pre = torch.randn(B, H, T, generator=g, dtype=dtype) + f_bias
     return q, k, v, i_pre, f_pre
+
+
+def input_gradients(form, tensors: list[torch.Tensor], seed: int = 1) -> tuple[torch.Tensor, ...]:
+    """The gradients of every tensor in ``tensors`` (leaves that want one) of a seeded weighted sum of a chunked
+    rule's two outputs, ``(out, final state) = form(*tensors)``: the same weights for every form of the rule."""
+    out, final = form(*tensors)
+    gen = torch.Generator().manual_seed(seed)
+    weights, state_weights = (torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in (out, final))
+    return torch.autograd.grad((out * weights).sum() + (final * state_weights).sum(), tensors)
+
+
+def assert_left_padded_batch_equals_each_prompt(model, vocab: int = 64) -> None:
+    """A recurrent backbone (float64) given a left-padded batch and its mask: each row's real logits, its state and
+    the decoding after it are the prompt's alone."""
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen) for n in (9, 4)]
+    nexts = torch.randint(0, vocab, (2, 3), generator=gen)
+    width = max(len(p) for p in prompts)
+    idx = torch.stack([torch.nn.functional.pad(p, (width - len(p), 0)) for p in prompts])
+    mask = torch.stack([torch.arange(width) >= width - len(p) for p in prompts])
+    with torch.no_grad():
+        logits, state = model(idx, mask=mask)
+        decoded, _ = model(nexts, state)
+        for row, prompt in enumerate(prompts):
+            alone, alone_state = model(prompt[None])
+            assert_rel(logits[row, width - len(prompt):], alone[0], what=f"row {row}'s logits")
+            alone_decoded, _ = model(nexts[row:row + 1], alone_state)
+            assert_rel(decoded[row], alone_decoded[0], what=f"row {row}'s decoding")
+    assert torch.isfinite(logits).all()
+
+
+def assert_flops_formula_counts_the_forward(model, length: int, vocab: int = 64) -> None:
+    """``forward_flops_per_token(length)`` equals FlopCounterMode's count per token of a forward at batch 2."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    idx = torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(4))
+    with FlopCounterMode(display=False) as counter:
+        model(idx)
+    assert counter.get_total_flops() / (2 * length) == pytest.approx(model.forward_flops_per_token(length), rel=1e-12)
+
+
+def assert_kernels_backend_runs_the_torch_form_off_cuda(torch_model, kernels_model, capsys, vocab: int = 64) -> None:
+    """A model with ``backend: kernels`` off CUDA: the torch form's logits bit for bit, and one notice saying so."""
+    idx = torch.randint(0, vocab, (2, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(kernels_model(idx)[0], torch_model(idx)[0], rtol=0, atol=0)
+    assert "runs on CUDA only" in capsys.readouterr().err
 
 
 def write_corpus(folder: Path, train_docs: int = 300, val_docs: int = 30, test_docs: int | None = None) -> Path:

@@ -11,7 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import assert_rel, assert_written_backward
+from helpers import (
+    assert_flops_formula_counts_the_forward,
+    assert_kernels_backend_runs_the_torch_form_off_cuda,
+    assert_left_padded_batch_equals_each_prompt,
+    assert_rel,
+    assert_written_backward,
+    input_gradients,
+)
 from ltcx.errors import ConfigError
 from ltcx.models.mamba2 import Mamba2
 from ltcx.ops import ssd
@@ -66,18 +73,10 @@ def test_steps_equal_the_recurrence_and_pieces_continue():
 
 @pytest.mark.parametrize("chunk", [4, 5])
 def test_gradients_of_every_input_equal_the_recurrences(chunk):
-    gen = torch.Generator().manual_seed(1)
-    weights = torch.randn(B, H, T, P, generator=gen, dtype=torch.float64)
-    state_weights = torch.randn(B, H, P, N, generator=gen, dtype=torch.float64)
-    grads = []
-    for form in (lambda *a: ssd_chunked(*a, chunk_size=chunk), ssd_reference):
-        tensors = inputs(grad=True)
-        y, final = form(*tensors)
-        ((y * weights).sum() + (final * state_weights).sum()).backward()
-        grads.append([t.grad for t in tensors])
-    for name, fast, slow in zip(("x", "dt", "A", "B", "C", "state"), *grads):
-        assert rel(fast, slow) < 1e-11, name
-
+    fast = input_gradients(lambda *a: ssd_chunked(*a, chunk_size=chunk), inputs(grad=True))
+    slow = input_gradients(ssd_reference, inputs(grad=True))
+    for name, got, want in zip(("x", "dt", "A", "B", "C", "state"), fast, slow):
+        assert rel(got, want) < 1e-11, name
 
 
 @pytest.mark.parametrize("final_used", [False, True])
@@ -95,16 +94,13 @@ def test_the_written_backward_equals_autograd_of_the_chunked_form(final_used, mo
     assert_written_backward(lambda *a: ssd._Chunks.apply(*a)[:count], lambda *a: ssd._chunks(*a)[:count], chunked,
                             cotangents)
 
-    weights = torch.randn(B, H, T, P, generator=gen, dtype=torch.float64)
-    state_weights = torch.randn(B, H, P, N, generator=gen, dtype=torch.float64)
-    grads = []
-    for written in (True, False):
-        monkeypatch.setattr(ssd, "wants_written_backward", lambda *a, written=written: written)
-        tensors = inputs(grad=True)
-        y, final = ssd_chunked(*tensors, chunk_size=5)
-        grads.append(torch.autograd.grad((y * weights).sum() + (final * state_weights).sum(), tensors))
-    for name, fast, slow in zip(("x", "dt", "A", "B", "C", "state"), *grads):
-        assert_rel(fast, slow, what=name)
+    def through(written):  # ssd_chunked with its backward written out or left to autograd
+        monkeypatch.setattr(ssd, "wants_written_backward", lambda *a: written)
+        return input_gradients(lambda *a: ssd_chunked(*a, chunk_size=5), inputs(grad=True))
+
+    for name, got, want in zip(("x", "dt", "A", "B", "C", "state"), through(True), through(False)):
+        assert_rel(got, want, what=name)
+
 
 def test_float32_within_tolerance_of_the_float64_reference():
     """The values and every input's gradient (the written backward's, in float32)."""
@@ -177,43 +173,18 @@ def tiny(**overrides):
 def test_a_left_padded_batch_equals_each_prompt_alone_and_decodes_on():
     """mask: dt = 0 at a padded position (decay e^0 = 1, no input) and the convolution skips it, so each row's real
     logits, its state and the decoding after it are the prompt's alone."""
-    model = tiny()
-    gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 64, (n,), generator=gen) for n in (9, 4)]
-    nexts = torch.randint(0, 64, (2, 3), generator=gen)
-    width = max(len(p) for p in prompts)
-    idx = torch.stack([F.pad(p, (width - len(p), 0)) for p in prompts])
-    mask = torch.stack([torch.arange(width) >= width - len(p) for p in prompts])
-    with torch.no_grad():
-        logits, state = model(idx, mask=mask)
-        decoded, _ = model(nexts, state)
-        for row, prompt in enumerate(prompts):
-            alone, alone_state = model(prompt[None])
-            assert rel(logits[row, width - len(prompt):], alone[0]) < 1e-12
-            alone_decoded, _ = model(nexts[row:row + 1], alone_state)
-            assert rel(decoded[row], alone_decoded[0]) < 1e-12
-    assert torch.isfinite(logits).all()
+    assert_left_padded_batch_equals_each_prompt(tiny())
 
 
 @pytest.mark.parametrize("length,chunk", [(13, 4), (16, 8), (5, 64)])
 def test_the_flops_formula_counts_every_product_of_the_forward(length, chunk):
     """forward_flops_per_token = FlopCounterMode's count per token (chunks that divide the length, that do not, and
     one chunk longer than it)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    model = tiny(chunk_size=chunk)
-    idx = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(4))
-    with FlopCounterMode(display=False) as counter:
-        model(idx)
-    assert counter.get_total_flops() / (2 * length) == pytest.approx(model.forward_flops_per_token(length), rel=1e-12)
+    assert_flops_formula_counts_the_forward(tiny(chunk_size=chunk), length)
 
 
 def test_backend_kernels_off_cuda_runs_the_torch_form(capsys):
-    torch_model, kernels_model = tiny(), tiny(backend="kernels")
-    idx = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        torch.testing.assert_close(kernels_model(idx)[0], torch_model(idx)[0], rtol=0, atol=0)
-    assert "runs on CUDA only" in capsys.readouterr().err
+    assert_kernels_backend_runs_the_torch_form_off_cuda(tiny(), tiny(backend="kernels"), capsys)
 
 
 @pytest.mark.parametrize("fields,named", [
