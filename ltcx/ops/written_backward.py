@@ -1,7 +1,5 @@
-"""Where an op runs with its backward written out: the ops whose ``torch.autograd.Function`` (the sLSTM's ``_Scan``, the
-mLSTM's ``_ChunkOutputs``, ``_ChunkOwn`` and ``_ChunkStarts``, Titans' ``_MemoryChunk`` and ``_MemoryGates``, RoPE's
-``_Rotate``, l2norm's ``_L2Normalize``) wraps the op's own forward function and has a backward held to autograd of that
-function in float64."""
+"""Where an op runs with its backward written out: each ``torch.autograd.Function`` in ``ltcx/ops/`` that wraps an op's
+own forward function, with a backward held to autograd of that function in float64 by the op's tests."""
 
 from __future__ import annotations
 
