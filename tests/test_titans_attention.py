@@ -11,7 +11,13 @@ import torch
 
 from helpers import assert_rel
 from ltcx.ops.attention import apply_rope as _apply_rope
-from ltcx.ops.attention import attention_with_persistent, rope_tables, sliding_window_attention, sliding_window_mask
+from ltcx.ops.attention import (
+    attention_with_persistent,
+    rope_tables,
+    sliding_window_attention,
+    sliding_window_mask,
+    window_plan,
+)
 from ltcx.ops.naive.attention import reference_attention, reference_rope, rope_matrix
 
 B, H, H_KV, D, N_P = 2, 4, 2, 8, 3
@@ -146,7 +152,8 @@ def test_sliding_window_attention_equals_per_query_loop(case):
     leaves = [t.requires_grad_() for t in (q, k, v, pk, pv)]
 
     def blocked():
-        return sliding_window_attention(q, apply_rope(q, qp), apply_rope(k, kp), v, pk, pv, start, window)
+        plan = window_plan(start, length, keys, window, pk.shape[1], q.shape[0], q.device)
+        return sliding_window_attention(q, apply_rope(q, qp), apply_rope(k, kp), v, pk, pv, plan)
 
     def single():
         return _fast(q, k, v, pk, pv, query_positions, key_positions, sliding_window_mask(qp, kp, window))

@@ -466,17 +466,17 @@ class TitansAttention(nn.Module):
         y = attention_with_persistent(q, q_rot, k_rot, v, self.persistent_k, self.persistent_v, mask, dropout)
         return y.transpose(1, 2).flatten(2)
 
-    def sliding_window(self, heads: tuple[Tensor, Tensor, Tensor, Tensor], cache: WindowCache | None, position: int,
+    def sliding_window(self, heads: tuple[Tensor, Tensor, Tensor, Tensor], cache: WindowCache | None,
                        setup: AttentionSetup) -> tuple[Tensor, WindowCache]:
-        """``heads`` (q, q_rot, k_rot, v) of x [B, T, C] at positions [P, P+T), ``setup`` the call's ->
-        (y [B, T, H * D], the keys/values of the last window - 1 positions)."""
+        """``heads`` (q, q_rot, k_rot, v) of x [B, T, C], ``setup`` the call's (its window plan over the cached and
+        new keys) -> (y [B, T, H * D], the keys/values of the last window - 1 positions)."""
         window = self.config.window
         q, q_rot, k_rot, v = heads
         if cache is not None:
             k_rot, v = torch.cat([cache.k, k_rot], dim=2), torch.cat([cache.v, v], dim=2)
         dropout = self.config.dropout if self.training else 0.0
-        y = sliding_window_attention(q, q_rot, k_rot, v, self.persistent_k, self.persistent_v, position, window,
-                                     dropout, setup.window).transpose(1, 2).flatten(2)
+        y = sliding_window_attention(q, q_rot, k_rot, v, self.persistent_k, self.persistent_v, setup.window,
+                                     dropout).transpose(1, 2).flatten(2)
         keep = min(window - 1, k_rot.shape[2])
         return y, WindowCache(k_rot[:, :, k_rot.shape[2] - keep:], v[:, :, v.shape[2] - keep:])
 
@@ -558,7 +558,7 @@ class MAGBlock(nn.Module):
         heads = self.attn.heads(projected, setup.rope)
         memory = None if state is None else state.memory
         if padding is None:
-            y, attention = self.attn.sliding_window(heads, cache, position, setup)
+            y, attention = self.attn.sliding_window(heads, cache, setup)
             m, memory = self.memory.from_projections(qkv, gates, normed.dtype, memory, position, with_state)
         else:
             y, attention = self.attn.sliding_window_padded(heads, cache, padding)
@@ -698,7 +698,7 @@ class SWABlock(nn.Module):
             setup = block_setup(self.attn.config, x, position, 0 if state is None else state.k.shape[2], padding)
         heads = self.attn.project(self.ln_1(x), setup.rope)
         if padding is None:
-            y, state = self.attn.sliding_window(heads, state, position, setup)
+            y, state = self.attn.sliding_window(heads, state, setup)
         else:
             y, state = self.attn.sliding_window_padded(heads, state, padding)
         x = x + self.dropout(self.c_proj(y))
