@@ -22,7 +22,7 @@ the README says why.
 The state, per layer, batch-first: ``MemoryCache`` (memory state + conv buffer) for the memory,
 ``(k, v)`` of the last ``window - 1`` positions for sliding-window attention, and for MAC the current
 segment's keys/values, the segment-start memory weights and the x-stream query conv buffer. In a padded batch (a
-mask) each row keeps its own position: the memory skips masked steps (``neural_memory_masked``), the window
+mask) each row keeps its own position: the memory skips masked steps (``neural_memory_recurrent``), the window
 cache keeps each row's last real keys; MAC, whose segment caches would differ in length, runs row by row.
 """
 
@@ -66,7 +66,6 @@ from ltcx.ops.titans import (
     memory_apply,
     memory_gates,
     neural_memory,
-    neural_memory_masked,
     neural_memory_recurrent,
 )
 
@@ -410,8 +409,8 @@ class NeuralMemory(nn.Module):
                 self.w1_init.to(dtype), self.w2_init.to(dtype), batch
             )
             if mask is not None:
-                y, state = neural_memory_masked(q, k, v, log_retain, log_momentum, step, state, position, mask,
-                                                config.memory_chunk_size, config.normalize_step)
+                y, state = neural_memory_recurrent(q, k, v, log_retain, log_momentum, step, state, position,
+                                                   config.memory_chunk_size, config.normalize_step, mask=mask)
                 return y.transpose(1, 2).flatten(2).to(out_dtype), MemoryCache(state, conv) if with_state else None
             memory_fn = neural_memory_recurrent if length == 1 else neural_memory
             if config.memory_backend == "triton" and length > 1:
