@@ -20,7 +20,7 @@ import yaml
 from helpers import relative_error, write_corpus
 from ltcx.errors import ConfigError
 from ltcx.models.state import map_state_tensors
-from ltcx.models.titans import MACBlock, MemoryCache, Titans, TitansConfig
+from ltcx.models.titans import MACBlock, MemoryCache, Titans, TitansConfig, stacked_linear
 from ltcx.ops.naive.attention import reference_rope
 from ltcx.ops.titans import memory_apply
 
@@ -115,6 +115,19 @@ def test_mac_block_equals_explicit_per_query_reference():
     x = torch.randn(2, 21, 32, dtype=torch.float64)
     fast, _ = block(x, None, 0)
     assert relative_error(fast, reference_mac_block(block, x), norm="max") < 1e-12
+
+
+@pytest.mark.parametrize("with_bias", [[False, True, False, True], [True, False, False], [False, False], [True]])
+def test_stacked_linear_equals_each_maps_own_product(with_bias):
+    """One product over stacked weights, the biases of bias-free maps padded in as zeros: each group's output is its
+    maps' own F.linear side by side (float64, tight)."""
+    torch.manual_seed(4)
+    x = torch.randn(2, 5, 6, dtype=torch.float64)
+    maps = [(torch.randn(3 + i, 6, dtype=torch.float64), torch.randn(3 + i, dtype=torch.float64) if bias else None)
+            for i, bias in enumerate(with_bias)]
+    groups = [maps[:1], maps[1:]] if len(maps) > 1 else [maps]
+    for group, out in zip(groups, stacked_linear(x, groups)):
+        assert relative_error(out, torch.cat([F.linear(x, w, b) for w, b in group], dim=-1)) < 1e-12
 
 
 def parameter_formula(c: TitansConfig) -> int:

@@ -291,28 +291,28 @@ class TitansState:
 
 # ----------------------------------------------------------------------------- layers
 
-Projection = tuple[Tensor, "Tensor | None"]
+Projection = tuple[Tensor, Tensor | None]
 """A linear map's (weight [out, C], bias [out] or None), as ``stacked_linear`` reads it."""
 
 
 def stacked_linear(x: Tensor, groups: list[list[Projection]]) -> list[Tensor]:
     """Every map of ``groups`` applied to x [B, T, C], in one product with the weights stacked (its backward two
     products and a cat, not two products a map and a sum of the input's gradients) -> [B, T, out] a group, the
-    outputs of its maps side by side. The biases of maps without one are zeros, padded in."""
+    outputs of its maps side by side. A bias-free map's bias is zeros, padded onto its neighbours' (one pad where
+    a single map has a bias, not a zero tensor a map and a cat)."""
     maps = [projection for group in groups for projection in group]
     weight = torch.cat([w for w, _ in maps]) if len(maps) > 1 else maps[0][0]
-    bias, pending = [], 0  # the biases, and the width of bias-free maps since the last one
+    biases, zeros = [], 0  # zeros: the width of the bias-free maps since the last bias
     for w, b in maps:
         if b is None:
-            pending += w.shape[0]
+            zeros += w.shape[0]
         else:
-            bias.append(F.pad(b, (pending, 0)) if pending else b)
-            pending = 0
-    if bias and pending:
-        bias[-1] = F.pad(bias[-1], (0, pending))
-    bias = None if not bias else bias[0] if len(bias) == 1 else torch.cat(bias)
+            biases.append(F.pad(b, (zeros, 0)) if zeros else b)
+            zeros = 0
+    if biases and zeros:
+        biases[-1] = F.pad(biases[-1], (0, zeros))
+    bias = torch.cat(biases) if len(biases) > 1 else biases[0] if biases else None
     return list(F.linear(x, weight, bias).split([sum(w.shape[0] for w, _ in group) for group in groups], dim=-1))
-
 
 
 class NeuralMemory(nn.Module):
@@ -388,7 +388,7 @@ class NeuralMemory(nn.Module):
                          position: int | Tensor, with_state: bool = True,
                          mask: Tensor | None = None) -> tuple[Tensor, MemoryCache | None]:
         """``forward`` from the projections of u (``projections``): qkv [B, T, 3 mem width], gates [B, T, 3 H];
-        ``out_dtype``: u's, m's."""
+        m comes back in ``out_dtype`` (u's)."""
         config = self.config
         batch, length, _ = qkv.shape
         projected, conv = causal_depthwise_conv(
@@ -552,8 +552,8 @@ class MAGBlock(nn.Module):
         if setup is None:
             setup = block_setup(self.attn.config, x, position, 0 if cache is None else cache.k.shape[2], padding)
         # the attention's q | k | v, the memory's q | k | v and its gates: one product
-        projected, qkv, gates = stacked_linear(normed, [self.attn.projections(), *([p] for p in
-                                                                                   self.memory.projections())])
+        qkv_map, gates_map = self.memory.projections()
+        projected, qkv, gates = stacked_linear(normed, [self.attn.projections(), [qkv_map], [gates_map]])
         heads = self.attn.heads(projected, setup.rope)
         memory = None if state is None else state.memory
         if padding is None:
@@ -666,8 +666,9 @@ class MemoryBlock(nn.Module):
         """``setup``: the attention layers' (none here)."""
         normed = self.ln_1(x)
         # the memory's q | k | v, its gates and the output gate: one product
-        qkv, gates, gate = stacked_linear(normed, [[p] for p in self.memory.projections()]
-                                          + [[(self.gate_proj.weight, self.gate_proj.bias)]])
+        qkv_map, gates_map = self.memory.projections()
+        qkv, gates, gate = stacked_linear(normed, [[qkv_map], [gates_map], [(self.gate_proj.weight,
+                                                                             self.gate_proj.bias)]])
         if padding is None:
             m, state = self.memory.from_projections(qkv, gates, normed.dtype, state, position, with_state)
         else:
