@@ -302,15 +302,16 @@ def stacked_linear(x: Tensor, groups: list[list[Projection]]) -> list[Tensor]:
     a single map has a bias, not a zero tensor a map and a cat)."""
     maps = [projection for group in groups for projection in group]
     weight = torch.cat([w for w, _ in maps]) if len(maps) > 1 else maps[0][0]
-    biases, zeros = [], 0  # zeros: the width of the bias-free maps since the last bias
+    biases, zeros = [], 0  # [zeros before, bias, zeros after]; zeros: the bias-free width since the last bias
     for w, b in maps:
         if b is None:
             zeros += w.shape[0]
         else:
-            biases.append(F.pad(b, (zeros, 0)) if zeros else b)
+            biases.append([zeros, b, 0])
             zeros = 0
-    if biases and zeros:
-        biases[-1] = F.pad(biases[-1], (0, zeros))
+    if biases:
+        biases[-1][2] = zeros
+    biases = [F.pad(b, (before, after)) if before or after else b for before, b, after in biases]
     bias = torch.cat(biases) if len(biases) > 1 else biases[0] if biases else None
     return list(F.linear(x, weight, bias).split([sum(w.shape[0] for w, _ in group) for group in groups], dim=-1))
 
