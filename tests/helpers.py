@@ -52,6 +52,13 @@ def assert_rel(actual: torch.Tensor, expected: torch.Tensor, tol: float = REL_TO
     assert err <= tol * scale, f"{what}: max |err| {err:.3e} > {tol:.0e} x {scale:.3e}"
 
 
+def rope_at(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """``ltcx.ops.attention.apply_rope`` of x [..., T, D] at positions [T] or [B, T], its tables made for the call."""
+    from ltcx.ops.attention import apply_rope, rope_tables
+
+    return apply_rope(x, rope_tables(positions, x.shape[-1], x.dtype, base))
+
+
 def assert_written_backward(written, plain, inputs, cotangents, *extra) -> tuple[tuple, tuple]:
     """A written backward (``written``, a ``torch.autograd.Function.apply``) against autograd of its forward
     (``plain``), both called as ``form(*leaves, *extra)`` on fresh leaves cloned from ``inputs``: the same outputs bit

@@ -8,22 +8,16 @@ import math
 import pytest
 import torch
 
-from helpers import assert_mentions
+from helpers import assert_mentions, rope_at
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.eval.long_context import lengths_within_context
 from ltcx.models.catalog import CATALOG
 from ltcx.models.gpt import GPT, GPTConfig, GQAAttention
 from ltcx.ops import attention as attention_ops
-from ltcx.ops.attention import apply_rope as _apply_rope
-from ltcx.ops.attention import rope_tables
+from ltcx.ops.attention import apply_rope, rope_tables
 from ltcx.ops.naive.attention import naive_attention, reference_rope, rope_matrix
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def apply_rope(x, positions, base=10000.0):
-    """``apply_rope`` of x [..., T, D] at positions [T], its tables made for the call."""
-    return _apply_rope(x, rope_tables(positions, x.shape[-1], x.dtype, base))
 
 
 @pytest.mark.parametrize("base", [10000.0, 50.0])
@@ -31,7 +25,7 @@ def test_the_rotation_matches_its_2x2_reference_in_float64(base):
     torch.manual_seed(0)
     x = torch.randn(2, 3, 7, 8, dtype=torch.float64)
     positions = [0, 1, 5, 63, 64, 200, 4095]
-    fast = apply_rope(x, torch.tensor(positions), base)
+    fast = rope_at(x, torch.tensor(positions), base)
     torch.testing.assert_close(fast, reference_rope(x, positions, base), rtol=0, atol=1e-12)
     for p in (0, 17, 4095):  # each rotation is orthogonal: lengths and dot products at one position are kept
         rot = rope_matrix(p, 8, base)
@@ -48,7 +42,7 @@ def test_the_written_backward_equals_autograd_of_the_plain_form_in_float64(per_r
     positions = torch.tensor(rows if per_row else rows[1])
     tables = rope_tables(positions, 8, torch.float64)
     cotangent = torch.randn(x.shape, generator=g, dtype=torch.float64)
-    out = _apply_rope(x, tables)
+    out = apply_rope(x, tables)
     assert out.grad_fn is not None and type(out.grad_fn).__name__ == "_RotateBackward"
     expected = attention_ops._rotate(x, *tables)
     assert torch.equal(out, expected)  # the same forward: with or without a gradient, a token rounds alike
@@ -56,7 +50,7 @@ def test_the_written_backward_equals_autograd_of_the_plain_form_in_float64(per_r
     expected_grad, = torch.autograd.grad(expected, x, cotangent)
     torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-12)
     with torch.no_grad():  # without a gradient: the plain form, bit for bit
-        assert torch.equal(_apply_rope(x, tables), expected)
+        assert torch.equal(apply_rope(x, tables), expected)
 
 
 def test_a_rotated_query_key_product_depends_on_the_offset_only():
@@ -66,7 +60,7 @@ def test_a_rotated_query_key_product_depends_on_the_offset_only():
     q, k = torch.randn(2, 16, dtype=torch.float64).unbind(0)
 
     def score(m, n):
-        rotated = apply_rope(torch.stack([q, k]), torch.tensor([m, n]))
+        rotated = rope_at(torch.stack([q, k]), torch.tensor([m, n]))
         return float(rotated[0] @ rotated[1])
 
     for m, n in [(0, 0), (3, 0), (10, 2), (100, 37)]:

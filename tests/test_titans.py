@@ -20,8 +20,8 @@ import yaml
 from helpers import relative_error, write_corpus
 from ltcx.errors import ConfigError
 from ltcx.models.state import map_state_tensors
-from ltcx.models.titans import MACBlock, MemoryCache, Titans, TitansConfig
-from ltcx.ops.attention import rope_tables
+from ltcx.models.titans import MACBlock, MemoryCache, Titans, TitansConfig, stacked_linear
+from ltcx.ops.naive.attention import reference_rope
 from ltcx.ops.titans import memory_apply
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,17 +60,32 @@ def reference_mac_block(block: MACBlock, x: torch.Tensor) -> torch.Tensor:
     config = block.config
     batch, length, _ = x.shape
     heads, kv_heads, dim = config.n_head, config.n_kv_head, config.head_dim
+    attn, positions = block.attn, list(range(length))
+
+    def heads_of(t: torch.Tensor, width: int) -> torch.Tensor:  # [B, T, n width] -> [B, n, T, width]
+        return t.unflatten(-1, (-1, width)).transpose(1, 2)
+
+    def keys_values(u: torch.Tensor, at: list[int]) -> tuple[torch.Tensor, torch.Tensor]:  # RoPE(u W_K), u W_V
+        k, v = heads_of(u @ attn.kv_proj.weight.T, dim).split(kv_heads, dim=1)
+        return reference_rope(k, at, config.rope_base), v
+
     normed = block.ln_1(x)
-    rope = rope_tables(torch.arange(length), dim, x.dtype, config.rope_base)
-    q, q_rot, k_x, v_x = block.attn.project(normed, rope)
-    q_memory, _ = block.memory.read_queries(normed, None)
+    q = heads_of(normed @ attn.q_proj.weight.T, dim)
+    q_rot = reference_rope(q, positions, config.rope_base)
+    k_x, v_x = keys_values(normed, positions)
+    # the x-stream memory queries: W_Q^m, the short causal conv written out tap by tap, SiLU, l2 normalisation
+    memory, width, taps = block.memory, config.memory_width, config.conv_kernel
+    projected = normed @ memory.qkv.weight[:width].T
+    conv = memory.conv_bias[:width] + sum(
+        F.pad(projected, (0, 0, taps - 1 - j, 0))[:, :length] * memory.conv_weight[:width, 0, j] for j in range(taps))
+    q_memory = F.normalize(F.silu(heads_of(conv, config.mem_head_dim)), dim=-1)
     segment_weights, memory = block.memory.initial_weights(batch, x.dtype), None
     k_h, v_h, outputs = [], [], []
     for i in range(length):
         if i > 0 and i % config.segment == 0:
             segment_weights = (memory.memory.w1, memory.memory.w2)
         h = memory_apply(*segment_weights, q_memory[:, :, i:i + 1]).transpose(1, 2).flatten(2)  # [B, 1, C]
-        k, v = block.attn.keys_values(block.norm_h(h), rope.at(slice(i, i + 1)))
+        k, v = keys_values(block.norm_h(h), [i])
         k_h.append(k[:, :, 0])
         v_h.append(v[:, :, 0])
         visible = range(i - i % config.segment, i + 1)
@@ -100,6 +115,19 @@ def test_mac_block_equals_explicit_per_query_reference():
     x = torch.randn(2, 21, 32, dtype=torch.float64)
     fast, _ = block(x, None, 0)
     assert relative_error(fast, reference_mac_block(block, x), norm="max") < 1e-12
+
+
+@pytest.mark.parametrize("with_bias", [[False, True, False, True], [True, False, False], [False, False], [True]])
+def test_stacked_linear_equals_each_maps_own_product(with_bias):
+    """One product over stacked weights, the biases of bias-free maps padded in as zeros: each group's output is its
+    maps' own F.linear side by side (float64, tight)."""
+    torch.manual_seed(4)
+    x = torch.randn(2, 5, 6, dtype=torch.float64)
+    maps = [(torch.randn(3 + i, 6, dtype=torch.float64), torch.randn(3 + i, dtype=torch.float64) if bias else None)
+            for i, bias in enumerate(with_bias)]
+    groups = [maps[:1], maps[1:]] if len(maps) > 1 else [maps]
+    for group, out in zip(groups, stacked_linear(x, groups)):
+        assert relative_error(out, torch.cat([F.linear(x, w, b) for w, b in group], dim=-1)) < 1e-12
 
 
 def parameter_formula(c: TitansConfig) -> int:

@@ -9,20 +9,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_rel
-from ltcx.ops.attention import apply_rope as _apply_rope
-from ltcx.ops.attention import attention_with_persistent, rope_tables, sliding_window_attention, sliding_window_mask
+from helpers import assert_rel, rope_at
+from ltcx.ops.attention import (
+    attention_with_persistent,
+    sliding_window_attention,
+    sliding_window_mask,
+    window_plan,
+)
 from ltcx.ops.naive.attention import reference_attention, reference_rope, rope_matrix
 
 B, H, H_KV, D, N_P = 2, 4, 2, 8, 3
 
 
 pytestmark = [pytest.mark.quick, pytest.mark.usefixtures("one_thread")]  # tiny tensors: see conftest.py
-
-
-def apply_rope(x, positions, base=10000.0):
-    """``apply_rope`` of x [..., T, D] at positions [T] or [B, T], its tables made for the call."""
-    return _apply_rope(x, rope_tables(positions, x.shape[-1], x.dtype, base))
 
 
 def _window(query_positions, key_positions, window):
@@ -40,7 +39,7 @@ def _qkv(length, keys, seed=0):
 
 def _fast(q, k, v, pk, pv, query_positions, key_positions, mask):
     qp, kp = torch.tensor(query_positions), torch.tensor(key_positions)
-    return attention_with_persistent(q, apply_rope(q, qp), apply_rope(k, kp), v, pk, pv, mask)
+    return attention_with_persistent(q, rope_at(q, qp), rope_at(k, kp), v, pk, pv, mask)
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -62,16 +61,16 @@ def test_apply_rope_equals_rotation_matrices(base):
     pair, on [B, H, T, D] inputs at arbitrary (non-contiguous) absolute positions, float64."""
     x = torch.randn(B, H, 6, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     positions = [0, 1, 5, 130, 4095, 100_003]
-    assert_rel(apply_rope(x, torch.tensor(positions), base=base), reference_rope(x, positions, base))
+    assert_rel(rope_at(x, torch.tensor(positions), base=base), reference_rope(x, positions, base))
 
 
 def test_per_row_rope_tables_rotate_each_row_at_its_own_positions():
     """Tables of per-row positions [B, T] rotate row b of x [B, H, T, D] as tables of its positions [T] do."""
     x = torch.randn(B, H, 4, D, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     positions = torch.tensor([[0, 1, 2, 2], [7, 8, 30, 31]])
-    rotated = apply_rope(x, positions)
+    rotated = rope_at(x, positions)
     for row in range(B):
-        assert torch.equal(rotated[row], apply_rope(x[row], positions[row]))
+        assert torch.equal(rotated[row], rope_at(x[row], positions[row]))
 
 
 def test_rope_scores_depend_only_on_the_offset():
@@ -81,7 +80,7 @@ def test_rope_scores_depend_only_on_the_offset():
     q, k = (torch.randn(D, generator=g, dtype=torch.float64) for _ in range(2))
 
     def score(i, j):
-        return apply_rope(q[None], torch.tensor([i])) @ apply_rope(k[None], torch.tensor([j]))[0]
+        return rope_at(q[None], torch.tensor([i])) @ rope_at(k[None], torch.tensor([j]))[0]
 
     for i, j in ((0, 0), (7, 3), (3, 7), (40, 1)):
         base_score = score(i, j)
@@ -146,7 +145,8 @@ def test_sliding_window_attention_equals_per_query_loop(case):
     leaves = [t.requires_grad_() for t in (q, k, v, pk, pv)]
 
     def blocked():
-        return sliding_window_attention(q, apply_rope(q, qp), apply_rope(k, kp), v, pk, pv, start, window)
+        plan = window_plan(start, length, keys, window, pk.shape[1], q.shape[0], q.device)
+        return sliding_window_attention(q, rope_at(q, qp), rope_at(k, kp), v, pk, pv, plan)
 
     def single():
         return _fast(q, k, v, pk, pv, query_positions, key_positions, sliding_window_mask(qp, kp, window))
@@ -184,8 +184,8 @@ def test_persistent_scores_do_not_depend_on_position():
     assert_rel(shifted, out)
 
     def rotated_persistent(shift):  # the wrong design: persistent slots scored with the rotated query
-        q_rot = apply_rope(q, torch.tensor(query_positions) + shift)
-        return attention_with_persistent(q_rot, q_rot, apply_rope(k, torch.tensor(key_positions) + shift), v,
+        q_rot = rope_at(q, torch.tensor(query_positions) + shift)
+        return attention_with_persistent(q_rot, q_rot, rope_at(k, torch.tensor(key_positions) + shift), v,
                                          pk, pv, mask)
 
     assert (rotated_persistent(1000) - rotated_persistent(0)).abs().max() > 1e-3

@@ -24,7 +24,6 @@ from ltcx.ops.titans import (
     memory_apply,
     memory_loss_gradients,
     neural_memory,
-    neural_memory_masked,
     neural_memory_recurrent,
     step_curvature,
 )
@@ -497,9 +496,10 @@ def test_online_memory_recalls_stored_pairs():
 
 @pytest.mark.parametrize("chunk_size", [1, 3, None], ids=lambda b: f"b={b}")
 def test_masked_steps_are_skipped_and_each_row_keeps_its_own_positions(chunk_size):
-    """``neural_memory_masked`` over rows at different positions (3 and 8 tokens in, from states written by those
-    tokens) with gaps and a fully masked row: each row's real outputs and state equal the recurrence over its real
-    tokens alone from its own position (float64, tight); the fully masked row keeps its state, its outputs finite."""
+    """``neural_memory_recurrent`` with a mask, over rows at different positions (3 and 8 tokens in, from states
+    written by those tokens) with gaps and a fully masked row: each row's real outputs and state equal the recurrence
+    over its real tokens alone from its own position (float64, tight); the fully masked row keeps its state, its
+    outputs finite."""
     batch, length = 3, 11
     x = _inputs(batch=batch, length=8 + length, seed=5)
     args = _op_args(x, chunk_size, True)
@@ -514,7 +514,7 @@ def test_masked_steps_are_skipped_and_each_row_keeps_its_own_positions(chunk_siz
     new = [torch.stack([a[b, :, p:p + length] for b, p in enumerate(past)]) for a in args]
     mask = torch.tensor([[1, 0, 1, 1, 0, 0, 1, 1, 1, 0, 1], [0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1], [0] * 11],
                         dtype=torch.bool)
-    y, state = neural_memory_masked(*new, given, torch.tensor(past), mask, **kw)
+    y, state = neural_memory_recurrent(*new, given, torch.tensor(past), mask=mask, **kw)
     assert torch.isfinite(y).all()
     for b, p in enumerate(past):
         real = mask[b]

@@ -22,7 +22,7 @@ the README says why.
 The state, per layer, batch-first: ``MemoryCache`` (memory state + conv buffer) for the memory,
 ``(k, v)`` of the last ``window - 1`` positions for sliding-window attention, and for MAC the current
 segment's keys/values, the segment-start memory weights and the x-stream query conv buffer. In a padded batch (a
-mask) each row keeps its own position: the memory skips masked steps (``neural_memory_masked``), the window
+mask) each row keeps its own position: the memory skips masked steps (``neural_memory_recurrent``), the window
 cache keeps each row's last real keys; MAC, whose segment caches would differ in length, runs row by row.
 """
 
@@ -66,7 +66,6 @@ from ltcx.ops.titans import (
     memory_apply,
     memory_gates,
     neural_memory,
-    neural_memory_masked,
     neural_memory_recurrent,
 )
 
@@ -292,6 +291,30 @@ class TitansState:
 
 # ----------------------------------------------------------------------------- layers
 
+Projection = tuple[Tensor, Tensor | None]
+"""A linear map's (weight [out, C], bias [out] or None), as ``stacked_linear`` reads it."""
+
+
+def stacked_linear(x: Tensor, groups: list[list[Projection]]) -> list[Tensor]:
+    """Every map of ``groups`` applied to x [B, T, C], in one product with the weights stacked (its backward two
+    products and a cat, not two products a map and a sum of the input's gradients) -> [B, T, out] a group, the
+    outputs of its maps side by side. A bias-free map's bias is zeros, padded onto its neighbours' (one pad where
+    a single map has a bias, not a zero tensor a map and a cat)."""
+    maps = [projection for group in groups for projection in group]
+    weight = torch.cat([w for w, _ in maps]) if len(maps) > 1 else maps[0][0]
+    biases, zeros = [], 0  # [zeros before, bias, zeros after]; zeros: the bias-free width since the last bias
+    for w, b in maps:
+        if b is None:
+            zeros += w.shape[0]
+        else:
+            biases.append([zeros, b, 0])
+            zeros = 0
+    if biases:
+        biases[-1][2] = zeros
+    biases = [F.pad(b, (before, after)) if before or after else b for before, b, after in biases]
+    bias = torch.cat(biases) if len(biases) > 1 else biases[0] if biases else None
+    return list(F.linear(x, weight, bias).split([sum(w.shape[0] for w, _ in group) for group in groups], dim=-1))
+
 
 class NeuralMemory(nn.Module):
     """The LMM core: projections, short causal conv, per-token gates, and the memory of ``ltcx/ops/titans.py``.
@@ -339,28 +362,41 @@ class NeuralMemory(nn.Module):
         """[B, T, H * dk] -> [B, H, T, dk]."""
         return x.unflatten(-1, (self.config.mem_heads, self.config.mem_head_dim)).transpose(1, 2)
 
-    def read_queries(self, u: Tensor, buffer: Tensor | None) -> tuple[Tensor, Tensor]:
-        """The query path alone (MAC's read of the x-stream, sharing W_Q^m and the q conv): u [B, T, C] ->
-        (q [B, H, T, dk] in the compute dtype, new conv buffer)."""
+    def projections(self) -> list[Projection]:
+        """The maps of the memory's input u, for ``stacked_linear``: W_Q^m | W_K^m | W_V^m, then the gates."""
+        return [(self.qkv.weight, None), (self.gates.weight, self.gates.bias)]
+
+    def query_projection(self) -> Projection:
+        """W_Q^m alone (MAC's read of the x-stream), for ``stacked_linear``."""
+        return self.qkv.weight[:self.config.memory_width], None
+
+    def read_queries(self, projected: Tensor, buffer: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The query path alone (MAC's read of the x-stream, sharing W_Q^m and the q conv): projected = u W_Q^m
+        [B, T, mem width] (``query_projection``) -> (q [B, H, T, dk] in the compute dtype, new conv buffer)."""
         width = self.config.memory_width
-        projected, buffer = causal_depthwise_conv(
-            F.linear(u, self.qkv.weight[:width]), self.conv_weight[:width], self.conv_bias[:width], buffer
-        )
-        q = l2_normalize(F.silu(self._heads(projected.to(compute_dtype(u.dtype)))))
+        projected, buffer = causal_depthwise_conv(projected, self.conv_weight[:width], self.conv_bias[:width], buffer)
+        q = l2_normalize(F.silu(self._heads(projected.to(compute_dtype(projected.dtype)))))
         return q, buffer
 
     def forward(self, u: Tensor, cache: MemoryCache | None, position: int | Tensor,
                 with_state: bool = True, mask: Tensor | None = None) -> tuple[Tensor, MemoryCache | None]:
         """u [B, T, C] after ``position`` tokens (with ``mask`` [B, T]: each row's own count [B], and masked steps
         skipped by the conv and the memory, token by token, whatever the memory backend) -> (m, cache)."""
+        qkv, gates = stacked_linear(u, [[p] for p in self.projections()])
+        return self.from_projections(qkv, gates, u.dtype, cache, position, with_state, mask)
+
+    def from_projections(self, qkv: Tensor, gates: Tensor, out_dtype: torch.dtype, cache: MemoryCache | None,
+                         position: int | Tensor, with_state: bool = True,
+                         mask: Tensor | None = None) -> tuple[Tensor, MemoryCache | None]:
+        """``forward`` from the projections of u (``projections``): qkv [B, T, 3 mem width], gates [B, T, 3 H];
+        m comes back in ``out_dtype`` (u's)."""
         config = self.config
-        batch, length, _ = u.shape
+        batch, length, _ = qkv.shape
         projected, conv = causal_depthwise_conv(
-            self.qkv(u), self.conv_weight, self.conv_bias, None if cache is None else cache.conv, mask=mask
+            qkv, self.conv_weight, self.conv_bias, None if cache is None else cache.conv, mask=mask
         )
-        gates = self.gates(u)
-        dtype = compute_dtype(u.dtype)
-        with without_autocast(u.device):
+        dtype = compute_dtype(out_dtype)
+        with without_autocast(qkv.device):
             # One SiLU over q | k | v, split as views: its backward one stack and one copy back to [B, T, 3 H dk].
             q, k, v = F.silu(projected.to(dtype)).unflatten(-1, (3, config.mem_heads, -1)).permute(2, 0, 3, 1, 4)
             q, k = l2_normalize(torch.stack((q, k))).unbind(0)  # one call for both
@@ -374,19 +410,19 @@ class NeuralMemory(nn.Module):
                 self.w1_init.to(dtype), self.w2_init.to(dtype), batch
             )
             if mask is not None:
-                y, state = neural_memory_masked(q, k, v, log_retain, log_momentum, step, state, position, mask,
-                                                config.memory_chunk_size, config.normalize_step)
-                return y.transpose(1, 2).flatten(2).to(u.dtype), MemoryCache(state, conv) if with_state else None
+                y, state = neural_memory_recurrent(q, k, v, log_retain, log_momentum, step, state, position,
+                                                   config.memory_chunk_size, config.normalize_step, mask=mask)
+                return y.transpose(1, 2).flatten(2).to(out_dtype), MemoryCache(state, conv) if with_state else None
             memory_fn = neural_memory_recurrent if length == 1 else neural_memory
             if config.memory_backend == "triton" and length > 1:
-                memory_fn = _triton_neural_memory(u.device)
+                memory_fn = _triton_neural_memory(qkv.device)
             elif self.compiled and length > 1 and torch.is_grad_enabled():  # compile: ops (Titans.compile_ops)
                 memory_fn = _compiled_neural_memory()
             y, state = memory_fn(
                 q, k, v, log_retain, log_momentum, step, state, position, config.memory_chunk_size,
                 config.normalize_step, with_state=with_state,
             )
-        return y.transpose(1, 2).flatten(2).to(u.dtype), MemoryCache(state, conv) if with_state else None
+        return y.transpose(1, 2).flatten(2).to(out_dtype), MemoryCache(state, conv) if with_state else None
 
 
 class TitansAttention(nn.Module):
@@ -403,14 +439,21 @@ class TitansAttention(nn.Module):
         self.persistent_k = nn.Parameter(torch.randn(slots) * config.init_std)
         self.persistent_v = nn.Parameter(torch.randn(slots) * config.init_std)
 
+    def projections(self) -> list[Projection]:
+        """The maps of the attention's input x, for ``stacked_linear``: W_Q, then W_K | W_V."""
+        return [(self.q_proj.weight, self.q_proj.bias), (self.kv_proj.weight, self.kv_proj.bias)]
+
+    def heads(self, projected: Tensor, rope: RopeTables) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """projected = x [W_Q | W_K | W_V] [B, T, (H + 2 H_kv) D] (``projections``), ``rope`` the tables of its
+        positions -> (q, RoPE(q)) [B, H, T, D], (RoPE(k), v) [B, H_kv, T, D]; q and k rotated in one call."""
+        heads = projected.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # [B, H + 2 H_kv, T, D]
+        qk, v = heads.split([self.n_head + self.n_kv_head, self.n_kv_head], dim=1)
+        q_rot, k_rot = apply_rope(qk, rope).split([self.n_head, self.n_kv_head], dim=1)
+        return qk[:, :self.n_head], q_rot, k_rot, v
+
     def project(self, x: Tensor, rope: RopeTables) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """x [B, T, C], ``rope`` the tables of its positions -> (q, RoPE(q)) [B, H, T, D], (RoPE(k), v) [B, H_kv, T, D].
-        One product with the stacked weights (its backward two products and a cat, not four and a sum)."""
-        weight = torch.cat([self.q_proj.weight, self.kv_proj.weight])
-        bias = None if self.q_proj.bias is None else torch.cat([self.q_proj.bias, self.kv_proj.bias])
-        heads = F.linear(x, weight, bias).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # [B, H + 2 H_kv, T, D]
-        q, k, v = heads.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=1)
-        return q, apply_rope(q, rope), apply_rope(k, rope), v
+        """``heads`` of x [B, T, C]."""
+        return self.heads(*stacked_linear(x, [self.projections()]), rope)
 
     def keys_values(self, x: Tensor, rope: RopeTables) -> tuple[Tensor, Tensor]:
         """x [B, T, C], ``rope`` the tables of its positions -> (RoPE(k), v) [B, H_kv, T, D]."""
@@ -423,42 +466,42 @@ class TitansAttention(nn.Module):
         y = attention_with_persistent(q, q_rot, k_rot, v, self.persistent_k, self.persistent_v, mask, dropout)
         return y.transpose(1, 2).flatten(2)
 
-    def sliding_window(self, x: Tensor, cache: WindowCache | None, position: int,
+    def sliding_window(self, heads: tuple[Tensor, Tensor, Tensor, Tensor], cache: WindowCache | None,
                        setup: AttentionSetup) -> tuple[Tensor, WindowCache]:
-        """x [B, T, C] at positions [P, P+T), ``setup`` the call's -> (y [B, T, H * D], the keys/values of the last
-        window - 1 positions)."""
+        """``heads`` (q, q_rot, k_rot, v) of x [B, T, C], ``setup`` the call's (its window plan over the cached and
+        new keys) -> (y [B, T, H * D], the keys/values of the last window - 1 positions)."""
         window = self.config.window
-        q, q_rot, k_rot, v = self.project(x, setup.rope)
+        q, q_rot, k_rot, v = heads
         if cache is not None:
             k_rot, v = torch.cat([cache.k, k_rot], dim=2), torch.cat([cache.v, v], dim=2)
         dropout = self.config.dropout if self.training else 0.0
-        y = sliding_window_attention(q, q_rot, k_rot, v, self.persistent_k, self.persistent_v, position, window,
-                                     dropout, setup.window).transpose(1, 2).flatten(2)
+        y = sliding_window_attention(q, q_rot, k_rot, v, self.persistent_k, self.persistent_v, setup.window,
+                                     dropout).transpose(1, 2).flatten(2)
         keep = min(window - 1, k_rot.shape[2])
         return y, WindowCache(k_rot[:, :, k_rot.shape[2] - keep:], v[:, :, v.shape[2] - keep:])
 
-    def sliding_window_padded(self, x: Tensor, cache: WindowCache | None, padding: Padding,
-                              rope: RopeTables) -> tuple[Tensor, WindowCache]:
+    def sliding_window_padded(self, heads: tuple[Tensor, Tensor, Tensor, Tensor], cache: WindowCache | None,
+                              padding: Padding) -> tuple[Tensor, WindowCache]:
         """``sliding_window`` of a padded batch: query i sees the real keys at its row's positions (p_i - window,
         p_i] (a masked query its own key too, so it stays finite), one masked call over all cached and new keys ->
-        (y [B, T, H * D], each row's last window - 1 real keys with their mask and positions); ``rope``: the tables
-        of padding's positions."""
+        (y [B, T, H * D], each row's last window - 1 real keys with their mask and positions); ``heads`` rotated by
+        the tables of padding's positions."""
         positions, past, mask = padding
-        length, window = x.shape[1], self.config.window
-        q, q_rot, k_rot, v = self.project(x, rope)
+        q, q_rot, k_rot, v = heads
+        (batch, length), window, device = mask.shape, self.config.window, mask.device
         key_mask, key_positions = mask, positions
         if cache is not None and cache.k.shape[2]:
             cached = cache.k.shape[2]
             if cache.mask is None:  # an unpadded cache: the positions just before each row's
-                cache_mask = torch.ones(x.shape[0], cached, dtype=torch.bool, device=x.device)
-                cache_positions = past[:, None] - cached + torch.arange(cached, device=x.device)
+                cache_mask = torch.ones(batch, cached, dtype=torch.bool, device=device)
+                cache_positions = past[:, None] - cached + torch.arange(cached, device=device)
             else:
                 cache_mask, cache_positions = cache.mask, cache.positions
             k_rot, v = torch.cat([cache.k, k_rot], dim=2), torch.cat([cache.v, v], dim=2)
             key_mask = torch.cat([cache_mask, mask], dim=1)
             key_positions = torch.cat([cache_positions, positions], dim=1)
         total = key_mask.shape[1]
-        columns = torch.arange(total, device=x.device)
+        columns = torch.arange(total, device=device)
         query_columns = columns[total - length:]
         offset = positions[:, :, None] - key_positions[:, None, :]  # [B, T, L]
         visible = (offset >= 0) & (offset < window) & key_mask[:, None, :] \
@@ -509,13 +552,18 @@ class MAGBlock(nn.Module):
         cache = None if state is None else state.attention
         if setup is None:
             setup = block_setup(self.attn.config, x, position, 0 if cache is None else cache.k.shape[2], padding)
+        # the attention's q | k | v, the memory's q | k | v and its gates: one product
+        qkv_map, gates_map = self.memory.projections()
+        projected, qkv, gates = stacked_linear(normed, [self.attn.projections(), [qkv_map], [gates_map]])
+        heads = self.attn.heads(projected, setup.rope)
+        memory = None if state is None else state.memory
         if padding is None:
-            y, attention = self.attn.sliding_window(normed, cache, position, setup)
-            m, memory = self.memory(normed, None if state is None else state.memory, position, with_state)
+            y, attention = self.attn.sliding_window(heads, cache, setup)
+            m, memory = self.memory.from_projections(qkv, gates, normed.dtype, memory, position, with_state)
         else:
-            y, attention = self.attn.sliding_window_padded(normed, cache, padding, setup.rope)
-            m, memory = self.memory(normed, None if state is None else state.memory, padding.past, with_state,
-                                    padding.mask)
+            y, attention = self.attn.sliding_window_padded(heads, cache, padding)
+            m, memory = self.memory.from_projections(qkv, gates, normed.dtype, memory, padding.past, with_state,
+                                                     padding.mask)
         x = x + self.dropout(self.gated_output(y, m))
         return x + self.mlp(self.ln_2(x)), MAGState(attention, memory) if with_state else None
 
@@ -547,8 +595,10 @@ class MACBlock(MAGBlock):
             cached = 0 if state is None or state.segment is None else state.segment[0].shape[2]
             setup = block_setup(self.config, x, position, cached, None)
         normed = self.ln_1(x)
-        q, q_rot, k_x, v_x = self.attn.project(normed, setup.rope)
-        q_memory, query_conv = self.memory.read_queries(normed, None if state is None else state.query_conv)
+        projected, projected_memory = stacked_linear(normed, [self.attn.projections(),
+                                                              [self.memory.query_projection()]])
+        q, q_rot, k_x, v_x = self.attn.heads(projected, setup.rope)
+        q_memory, query_conv = self.memory.read_queries(projected_memory, None if state is None else state.query_conv)
         shared = None  # the segment's weights where every row has the same (M_0), read per head: [H, ...]
         if state is None:
             segment, memory = None, None
@@ -616,11 +666,16 @@ class MemoryBlock(nn.Module):
                 setup: AttentionSetup | None = None) -> tuple[Tensor, MemoryCache | None]:
         """``setup``: the attention layers' (none here)."""
         normed = self.ln_1(x)
+        # the memory's q | k | v, its gates and the output gate: one product
+        qkv_map, gates_map = self.memory.projections()
+        qkv, gates, gate = stacked_linear(normed, [[qkv_map], [gates_map], [(self.gate_proj.weight,
+                                                                             self.gate_proj.bias)]])
         if padding is None:
-            m, state = self.memory(normed, state, position, with_state)
+            m, state = self.memory.from_projections(qkv, gates, normed.dtype, state, position, with_state)
         else:
-            m, state = self.memory(normed, state, padding.past, with_state, padding.mask)
-        x = x + self.dropout(self.out_proj(self.norm_m(m) * F.silu(self.gate_proj(normed))))
+            m, state = self.memory.from_projections(qkv, gates, normed.dtype, state, padding.past, with_state,
+                                                    padding.mask)
+        x = x + self.dropout(self.out_proj(self.norm_m(m) * F.silu(gate)))
         return x + self.mlp(self.ln_2(x)), state
 
 
@@ -642,10 +697,11 @@ class SWABlock(nn.Module):
         """``setup``: the call's (``attention_setup``; None: made here)."""
         if setup is None:
             setup = block_setup(self.attn.config, x, position, 0 if state is None else state.k.shape[2], padding)
+        heads = self.attn.project(self.ln_1(x), setup.rope)
         if padding is None:
-            y, state = self.attn.sliding_window(self.ln_1(x), state, position, setup)
+            y, state = self.attn.sliding_window(heads, state, setup)
         else:
-            y, state = self.attn.sliding_window_padded(self.ln_1(x), state, padding, setup.rope)
+            y, state = self.attn.sliding_window_padded(heads, state, padding)
         x = x + self.dropout(self.c_proj(y))
         return x + self.mlp(self.ln_2(x)), state if with_state else None
 

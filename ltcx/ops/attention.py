@@ -186,15 +186,12 @@ def attention_with_persistent(
 
 class WindowPlan(NamedTuple):
     """The geometry of ``sliding_window_attention`` for one shape of call, the same for every layer of a model's
-    call: ``keys`` token keys for ``length`` queries (their offsets fix it, not the position). Single call (blocks
-    0): mask [T, N_p + L]. In blocks: the first ``trim`` keys dropped (no query sees them), key padding (before,
-    after) on the time axis, ``blocks`` blocks of ``window`` queries against spans of ``span`` keys, mask
+    call: L token keys for T queries (their offsets fix it, not the position). Single call (blocks 0): mask
+    [T, N_p + L]. In blocks: the first ``trim`` keys dropped (no query sees them), key padding (before, after) on
+    the time axis, ``blocks`` blocks of ``window`` queries against spans of ``span`` keys, mask
     [B blocks, 1, window, N_p + span]."""
 
-    length: int
-    keys: int
     window: int
-    slots: int
     blocks: int
     span: int
     trim: int
@@ -210,7 +207,7 @@ def window_plan(position: int, length: int, keys: int, window: int, slots: int, 
     if keys <= 2 * window:
         mask = sliding_window_mask(torch.arange(position, position + length, device=device),
                                    torch.arange(key_start, position + length, device=device), window)
-        return WindowPlan(length, keys, window, slots, 0, 0, 0, (0, 0), with_slot_columns(mask, slots))
+        return WindowPlan(window, 0, 0, 0, (0, 0), with_slot_columns(mask, slots))
     span, blocks = 2 * window - 1, -(-length // window)
     first = position - window + 1  # the first position any query sees; block b's span starts at first + b window
     trim = max(first - key_start, 0)  # a longer cache than the window: keys no query sees
@@ -222,7 +219,7 @@ def window_plan(position: int, length: int, keys: int, window: int, slots: int, 
     mask = sliding_window_mask(block_queries, span_positions, window) & real_key[:, None, :]  # [blocks, window, span]
     mask = with_slot_columns(mask, slots).expand(batch, -1, -1, -1).reshape(batch * blocks, 1, window, slots + span)
     key_padding = (key_start - first, blocks * window - length)  # to positions [first, first + (blocks + 1) window - 1)
-    return WindowPlan(length, keys, window, slots, blocks, span, trim, key_padding, mask)
+    return WindowPlan(window, blocks, span, trim, key_padding, mask)
 
 
 def sliding_window_attention(
@@ -232,17 +229,14 @@ def sliding_window_attention(
     v: torch.Tensor,
     persistent_k: torch.Tensor,
     persistent_v: torch.Tensor,
-    position: int,
-    window: int,
+    plan: WindowPlan,
     dropout_p: float = 0.0,
-    plan: WindowPlan | None = None,
 ) -> torch.Tensor:
     """``attention_with_persistent`` under the sliding window, at a cost that grows with T x window, not T x L.
 
-    q, q_rot [B, H, T, D]: queries at positions [P, P+T) (P = ``position``); k_rot, v [B, H_kv, L, D]: the keys
-    at the L positions that end with the queries' (a cached prefix first); query i sees the keys at positions
-    (p_i - window, p_i]. ``plan``: ``window_plan`` of this shape, made once for many calls (None, or another
-    shape's: made here). Returns [B, H, T, D].
+    q, q_rot [B, H, T, D]: queries at positions [P, P+T); k_rot, v [B, H_kv, L, D]: the keys at the L positions
+    that end with the queries' (a cached prefix first); query i sees the keys at positions (p_i - window, p_i].
+    ``plan``: ``window_plan`` of this shape (T, L, window, N_p, B), made once for many calls. Returns [B, H, T, D].
 
     Where the keys are more than two windows, the queries run in blocks of ``window``, all in one call with the blocks
     folded into the batch, each block against the 2 window - 1 keys its queries can see (the first block's span
@@ -251,11 +245,7 @@ def sliding_window_attention(
     single call, which shorter inputs keep.
     """
     batch, heads, length, dim = q.shape
-    kv_heads, keys = k_rot.shape[1], k_rot.shape[2]
-    slots = persistent_k.shape[1]
-    if plan is None or (plan.length, plan.keys, plan.window, plan.slots) != (length, keys, window, slots) \
-            or (plan.blocks and plan.mask.shape[0] != batch * plan.blocks):
-        plan = window_plan(position, length, keys, window, slots, batch, q.device)
+    kv_heads, window = k_rot.shape[1], plan.window
     query = torch.cat([q_rot, q], dim=-1)  # [B, H, T, 2D]
     if not plan.blocks:
         slot_k, slot_v = slot_keys_values(persistent_k, persistent_v, batch, k_rot.dtype)

@@ -547,57 +547,43 @@ def chunk_sizes(position: int, length: int, chunk_size: int | None) -> list[int]
 
 def neural_memory_recurrent(
     q: Tensor, k: Tensor, v: Tensor, log_retain: Tensor, log_momentum: Tensor, step: Tensor,
-    state: MemoryState, position: int, chunk_size: int | None, normalize_step: bool = True, with_state: bool = True,
+    state: MemoryState, position: int | Tensor, chunk_size: int | None, normalize_step: bool = True,
+    with_state: bool = True, mask: Tensor | None = None,
 ) -> tuple[Tensor, MemoryState | None]:
-    """The same function as :func:`neural_memory`, token by token with explicit weights (the decode step)."""
-    w1_start, w2_start, w1, w2, s1, s2 = state
-    outputs = []
-    for t in range(q.shape[2]):
-        q_t, k_t, v_t = q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1]  # [B, H, 1, dk]
-        h, delta1, delta2 = memory_loss_gradients(w1_start, w2_start, k_t, v_t)
-        theta = _step_sizes(step[..., t:t + 1], k_t, h, delta1, delta2, normalize_step).unsqueeze(-1)  # [B, H, 1, 1]
-        retain, momentum = (x[..., t:t + 1].exp().unsqueeze(-1) for x in (log_retain, log_momentum))
-        s1 = -theta * (delta1.transpose(-1, -2) @ k_t) + (0.0 if s1 is None else momentum * s1)
-        s2 = -theta * (delta2.transpose(-1, -2) @ h) + (0.0 if s2 is None else momentum * s2)
-        w1, w2 = retain * w1 + s1, retain * w2 + s2
-        outputs.append(memory_apply(w1, w2, q_t))
-        position += 1
-        if chunk_size is not None and position % chunk_size == 0:
-            w1_start, w2_start = w1, w2
-    y = torch.cat(outputs, dim=2) if outputs else q.new_zeros(q.shape)
-    return y, MemoryState(w1_start, w2_start, w1, w2, s1, s2) if with_state else None
+    """The same function as :func:`neural_memory`, token by token with explicit weights (the decode step).
 
-
-def neural_memory_masked(
-    q: Tensor, k: Tensor, v: Tensor, log_retain: Tensor, log_momentum: Tensor, step: Tensor,
-    state: MemoryState, positions: Tensor, mask: Tensor, chunk_size: int | None, normalize_step: bool = True,
-) -> tuple[Tensor, MemoryState]:
-    """:func:`neural_memory_recurrent` over a padded batch: rows at positions of their own, masked steps skipped.
-
-    Shapes as :func:`neural_memory`; positions [B]: each row's tokens before the call (its chunks start at its own
-    multiples of b); mask [B, T] (True = a real token). A masked step neither writes nor decays the memory, nor adds
-    the momentum (every part of the state, the chunk start included, stays as it was) and does not count as a
-    position; its y reads the unchanged memory. The momentum comes back as a tensor (zeros where it was None).
-    Token by token, for prompts and decoding: the training forms (one shared position) take no mask.
+    With ``mask`` [B, T] (True = a real token), a padded batch: rows at positions of their own, position [B] each
+    row's tokens before the call (its chunks start at its own multiples of b). A masked step neither writes nor
+    decays the memory, nor adds the momentum (every part of the state, the chunk start included, stays as it was)
+    and does not count as a position; its y reads the unchanged memory. The momentum then comes back as a tensor
+    (zeros where it was None). For prompts and decoding: the training forms (one shared position) take no mask.
     """
     w1_start, w2_start, w1, w2, s1, s2 = state
-    s1 = torch.zeros_like(w1) if s1 is None else s1
-    s2 = torch.zeros_like(w2) if s2 is None else s2
-    position = positions.clone()
+    if mask is not None:  # a masked step keeps the momentum it had: one to keep
+        s1 = torch.zeros_like(w1) if s1 is None else s1
+        s2 = torch.zeros_like(w2) if s2 is None else s2
     outputs = []
     for t in range(q.shape[2]):
         q_t, k_t, v_t = q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1]  # [B, H, 1, dk]
         h, delta1, delta2 = memory_loss_gradients(w1_start, w2_start, k_t, v_t)
         theta = _step_sizes(step[..., t:t + 1], k_t, h, delta1, delta2, normalize_step).unsqueeze(-1)  # [B, H, 1, 1]
         retain, momentum = (x[..., t:t + 1].exp().unsqueeze(-1) for x in (log_retain, log_momentum))
-        real = mask[:, t].view(-1, 1, 1, 1)
-        s1 = torch.where(real, -theta * (delta1.transpose(-1, -2) @ k_t) + momentum * s1, s1)
-        s2 = torch.where(real, -theta * (delta2.transpose(-1, -2) @ h) + momentum * s2, s2)
-        w1, w2 = torch.where(real, retain * w1 + s1, w1), torch.where(real, retain * w2 + s2, w2)
+        written_s1 = -theta * (delta1.transpose(-1, -2) @ k_t) + (0.0 if s1 is None else momentum * s1)
+        written_s2 = -theta * (delta2.transpose(-1, -2) @ h) + (0.0 if s2 is None else momentum * s2)
+        if mask is None:
+            s1, s2 = written_s1, written_s2
+            w1, w2 = retain * w1 + s1, retain * w2 + s2
+            position += 1
+            if chunk_size is not None and position % chunk_size == 0:
+                w1_start, w2_start = w1, w2
+        else:
+            real = mask[:, t].view(-1, 1, 1, 1)
+            s1, s2 = torch.where(real, written_s1, s1), torch.where(real, written_s2, s2)
+            w1, w2 = torch.where(real, retain * w1 + s1, w1), torch.where(real, retain * w2 + s2, w2)
+            position = position + mask[:, t].long()
+            if chunk_size is not None:
+                boundary = (real.flatten() & (position % chunk_size == 0)).view(-1, 1, 1, 1)
+                w1_start, w2_start = torch.where(boundary, w1, w1_start), torch.where(boundary, w2, w2_start)
         outputs.append(memory_apply(w1, w2, q_t))
-        position = position + mask[:, t].long()
-        if chunk_size is not None:
-            boundary = (real.flatten() & (position % chunk_size == 0)).view(-1, 1, 1, 1)
-            w1_start, w2_start = torch.where(boundary, w1, w1_start), torch.where(boundary, w2, w2_start)
     y = torch.cat(outputs, dim=2) if outputs else q.new_zeros(q.shape)
-    return y, MemoryState(w1_start, w2_start, w1, w2, s1, s2)
+    return y, MemoryState(w1_start, w2_start, w1, w2, s1, s2) if with_state else None
