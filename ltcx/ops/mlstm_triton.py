@@ -94,7 +94,9 @@ def _forward_kernel(
         # the first column holding the block's maximum; a later block takes over only where it is larger
         block_top = tl.min(tl.where(log_D == block_max[:, None], cols[None, :], 2147483647), 1)
         top = tl.where(block_max > m, block_top, top)
-        m_new = tl.maximum(m, block_max)  # finite: every row sees column 0 in the first block
+        # finite in every real row (it sees column 0 in the first block); rows past T get 0, not -inf - -inf
+        m_new = tl.maximum(m, block_max)
+        m_new = tl.where(row_mask, m_new, 0.0)
         alpha = tl.exp(m - m_new)
         P = tl.dot(q, tl.trans(k), input_precision=IEEE) * tl.exp(log_D - m_new[:, None])
         acc = tl.dot(P, v, acc=acc * alpha[:, None], input_precision=IEEE)
