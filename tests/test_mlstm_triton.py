@@ -196,10 +196,16 @@ def test_a_state_or_a_mask_runs_the_chunkwise_form(fused, monkeypatch):
 
 
 def test_under_torch_compile_the_torch_parallel_form_runs(fused):
-    """Dynamo can not trace the launches: a compiled caller gets the torch form (traced, no graph break)."""
+    """Dynamo can not trace the launches: a compiled caller gets the torch form (traced, no graph break), the model's
+    training forward included."""
     inputs = [x.detach() for x in _inputs(5)]
     compiled = torch.compile(fused.mlstm_parallel_triton, backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(*inputs), mlstm_parallel(*inputs, with_state=False)[0], **F64)
+    model, plain = _model("triton"), _model("chunkwise")
+    model.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 23, (2, 9), generator=torch.Generator().manual_seed(1))
+    logits, _ = torch.compile(model, backend="eager", fullgraph=True)(idx, with_state=False)
+    torch.testing.assert_close(logits, plain(idx, with_state=False)[0], **F64)
 
 
 def test_refused_on_a_cpu_without_the_interpreter(fused, monkeypatch):

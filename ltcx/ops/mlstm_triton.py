@@ -57,7 +57,7 @@ def _log_decay(F_rows, F_cols, I_cols, rows, cols, T):
 
 
 @triton.jit
-def _forward_kernel(
+def _mlstm_forward_kernel(
     Q, K, V, LI, FC,  # q, k (scaled), v [B, H, T, D] strided; log i~, F [B, H, T] strided
     Hout, M, S, TOP,  # h [B, H, T, D] strided; m, s, j* [B H, T]
     T, H, D, eps,
@@ -112,7 +112,7 @@ def _forward_kernel(
 
 
 @triton.jit
-def _backward_queries_kernel(
+def _mlstm_backward_queries_kernel(
     Q, K, V, LI, FC, Hout, G, M, S,  # as the forward read and wrote them; G: dh [B, H, T, D] strided
     DQ, R, C, DM, ROW,  # dq [B, H, T, D] strided; r, c, dm, the row total of dlogD [B H, T]
     T, H, D, eps,
@@ -165,7 +165,7 @@ def _backward_queries_kernel(
 
 
 @triton.jit
-def _backward_keys_kernel(
+def _mlstm_backward_keys_kernel(
     Q, K, V, LI, FC, G, M, TOP, R, C, DM, ROW,  # as the forward and the query-block kernel wrote them
     DK, DV, DI, DF,  # dk, dv [B, H, T, D] strided; d i~, dF [B H, T]
     T, H, D,
@@ -228,8 +228,10 @@ def _blocks(D: int) -> tuple[int, int]:
     return (32 if block_d <= 256 else 16), block_d
 
 
-def _bhtd(x: Tensor) -> tuple[int, ...]:
-    return tuple(x.stride())
+def _launch_options(block_d: int) -> dict:
+    """Wide heads: more warps (fewer values a thread, less spilling) and one stage (the loop's [BLOCK, BLOCK_D] tiles
+    not multiplied in shared memory by pipelining)."""
+    return dict(num_warps=4, num_stages=2) if block_d <= 64 else dict(num_warps=8, num_stages=1)
 
 
 def _forward(q, k, v, log_i, F_cum, eps):
@@ -239,10 +241,10 @@ def _forward(q, k, v, log_i, F_cum, eps):
     m, s = (q.new_empty(B * H, T) for _ in range(2))
     top = torch.empty(B * H, T, device=q.device, dtype=torch.int32)
     block, block_d = _blocks(D)
-    _forward_kernel[(triton.cdiv(T, block), B * H)](
+    _mlstm_forward_kernel[(triton.cdiv(T, block), B * H)](
         q, k, v, log_i, F_cum, h, m, s, top, T, H, D, eps,
-        *_bhtd(q), *_bhtd(k), *_bhtd(v), *log_i.stride(), *F_cum.stride(), *_bhtd(h),
-        BLOCK=block, BLOCK_D=block_d,
+        *q.stride(), *k.stride(), *v.stride(), *log_i.stride(), *F_cum.stride(), *h.stride(),
+        BLOCK=block, BLOCK_D=block_d, **_launch_options(block_d),
     )
     return h, m, s, top
 
@@ -267,14 +269,14 @@ class _Parallel(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         r, c, dm, row, d_i, d_f = (m.new_empty(B * H, T) for _ in range(6))
         grid = (triton.cdiv(T, block), B * H)
-        strides = (*_bhtd(q), *_bhtd(k), *_bhtd(v), *log_i.stride(), *F_cum.stride())
-        _backward_queries_kernel[grid](
+        strides = (*q.stride(), *k.stride(), *v.stride(), *log_i.stride(), *F_cum.stride())
+        _mlstm_backward_queries_kernel[grid](
             q, k, v, log_i, F_cum, h, g_h, m, s, dq, r, c, dm, row, T, H, D, ctx.eps,
-            *strides, *_bhtd(h), *_bhtd(g_h), BLOCK=block, BLOCK_D=block_d,
+            *strides, *h.stride(), *g_h.stride(), BLOCK=block, BLOCK_D=block_d, **_launch_options(block_d),
         )
-        _backward_keys_kernel[grid](
+        _mlstm_backward_keys_kernel[grid](
             q, k, v, log_i, F_cum, g_h, m, top, r, c, dm, row, dk, dv, d_i, d_f, T, H, D,
-            *strides, *_bhtd(g_h), BLOCK=block, BLOCK_D=block_d,
+            *strides, *g_h.stride(), BLOCK=block, BLOCK_D=block_d, **_launch_options(block_d),
         )
         return dq, dk, dv, d_i.view(B, H, T), d_f.view(B, H, T), None
 
