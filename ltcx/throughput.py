@@ -229,7 +229,8 @@ def launches_kernel(func: torch._ops.OpOverload) -> bool:
     return returns_tensor or schema.is_mutable or func.overloadpacket.__name__ == "_local_scalar_dense"
 
 
-FUSED_BACKENDS = {"XLSTM": {"slstm_backend": "triton"}, "Titans": {"memory_backend": "triton"}}
+FUSED_BACKENDS = {"XLSTM": {"slstm_backend": "triton", "mlstm_backend": "triton"},
+                  "Titans": {"memory_backend": "triton"}}
 """A backbone class's fused form: the config fields that choose its Triton kernels."""
 
 

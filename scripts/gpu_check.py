@@ -8,7 +8,8 @@ then every catalogued architecture eager, compiled and fused; written as JSON an
    every visible GPU) and a bf16 ``ltcx generate`` from its checkpoint.
 2. The kernel checks (``KERNEL_CASES``): Titans' memory (``neural_memory_triton`` against ``neural_memory``) and the
    sLSTM scan (``slstm_scan_head_major_triton`` against ``slstm_scan_head_major``) at the 29M configs' shapes, 509
-   tokens fed as 37 + 472 (no chunk divides either) with the state carried between the calls: the largest absolute
+   tokens fed as 37 + 472 (no chunk divides either) with the state carried between the calls, and the mLSTM
+   (``mlstm_parallel_triton`` against ``mlstm_parallel``, 509 tokens from the empty state): the largest absolute
    and relative differences of the outputs, the final state and every input's gradient, pass or fail against
    ``KERNEL_TOL``; float32, and bf16 where the torch form takes bf16. On CUDA also ``FLA_CASES``: Gated DeltaNet's
    and Mamba-2's ``backend: kernels`` (flash-linear-attention) against ltcx's chunked forms (``fla_case``).
@@ -70,7 +71,7 @@ KERNEL_TOL = {"float32": 1e-4, "bf16": 1e-2}
 """max |fused - torch| / max |torch| of every output, state and gradient: float32 over a 512-step recurrence in
 another order of operations; bf16 outputs differ by their last bit (both forms compute in float32 inside)."""
 KERNEL_CASES = (("titans_memory", "float32"), ("titans_memory", "bf16"), ("slstm_scan", "float32"),
-                ("slstm_scan", "bf16"))
+                ("slstm_scan", "bf16"), ("mlstm", "float32"), ("mlstm", "bf16"))
 FORMS = ("eager", "compiled", "fused")
 
 
@@ -172,6 +173,26 @@ def slstm_scan_case(tiny: bool, device, dtype):
     return run, f"B {B}, heads {H} x {Dh}, T {T1} + {T2}"
 
 
+def mlstm_case(tiny: bool, device, dtype):
+    """(run(form) -> (outputs, gradients), shape): the mLSTM of configs/xlstm.yaml's blocks (4 heads of 208) over 509
+    tokens from the empty state, as training runs it; q, k, v in ``dtype`` (bf16: as a block hands them under
+    autocast), the gates float32; the gradients of every input."""
+    import torch
+
+    B, H, T, D = (2, 2, 11, 5) if tiny else (24, 4, 509, 208)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, D, generator=g).to(device, dtype) for _ in range(3))
+    i_pre = torch.randn(B, H, T, generator=g).to(device)
+    f_pre = (torch.randn(B, H, T, generator=g) + 3.0).to(device)  # forget gates mostly open, as the biases start
+
+    def run(form):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, i_pre, f_pre)]
+        h = form(*leaves)
+        return [h], torch.autograd.grad(objective([h]), leaves)
+
+    return run, f"B {B}, heads {H} x {D}, T {T}"
+
+
 def differences(got, want) -> tuple[float, float]:
     """(max |got - want|, the same over max |want|) of the worst tensor of the two lists; inf for a non-finite one."""
     worst_abs = worst_rel = 0.0
@@ -195,6 +216,13 @@ def check_kernel(kernel: str, dtype_name: str, tiny: bool, device) -> dict:
         from ltcx.ops.titans import neural_memory
         from ltcx.ops.titans_triton import neural_memory_triton as fused
         case, reference = titans_memory_case, neural_memory
+    elif kernel == "mlstm":
+        from ltcx.ops.mlstm import mlstm_parallel
+        from ltcx.ops.mlstm_triton import mlstm_parallel_triton as fused
+
+        def reference(*inputs):
+            return mlstm_parallel(*inputs, with_state=False)[0]
+        case = mlstm_case
     else:
         from ltcx.ops.slstm import slstm_scan_head_major as reference
         from ltcx.ops.slstm_triton import slstm_scan_head_major_triton as fused

@@ -66,15 +66,16 @@ def test_tiny_check_reports_every_model_and_field_and_the_cli_checks(tmp_path):
     assert [r["arch"] for r in report["results"]] == list(CATALOG)
     kernels = {(row["kernel"], row["dtype"]): row for row in report["kernels"]}
     assert list(kernels) == [("titans_memory", "float32"), ("titans_memory", "bf16"), ("slstm_scan", "float32"),
-                             ("slstm_scan", "bf16")]
+                             ("slstm_scan", "bf16"), ("mlstm", "float32"), ("mlstm", "bf16")]
     assert kernels["titans_memory", "bf16"]["status"].startswith("n/a") or not HAS_TRITON
-    for key in [("titans_memory", "float32"), ("slstm_scan", "float32"), ("slstm_scan", "bf16")]:
+    for key in [("titans_memory", "float32"), ("slstm_scan", "float32"), ("slstm_scan", "bf16"), ("mlstm", "float32"),
+                ("mlstm", "bf16")]:
         row = kernels[key]
         if not HAS_TRITON:
             assert row["status"] == "skipped (no triton)", row
             continue
         assert row["ok"] and row["status"] == "passed", row
-        assert "T 3 + " in row["shape"], row  # fed in two calls, the state carried
+        assert "T 3 + " in row["shape"] or key[0] == "mlstm", row  # fed in two calls, the state carried
         for what in ("values", "grads"):
             assert 0 <= row[f"{what}_max_rel"] <= row["tol"] and math.isfinite(row[f"{what}_max_abs"]), row
     for result in report["results"]:

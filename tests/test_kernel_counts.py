@@ -58,7 +58,7 @@ def test_views_and_metadata_launch_nothing_and_compute_does():
 
 # Kernels of one training step at batch 1 x 8 with the fused backends (ltcx.throughput.FUSED_BACKENDS), each Triton
 # launch one kernel, about 1.2x each count: every Titans entry (the memory's kernels) and the xLSTM (the sLSTM
-# scan's). One child process: Triton reads TRITON_INTERPRET when imported.
+# scan's and the mLSTM's). One child process: Triton reads TRITON_INTERPRET when imported.
 FUSED_CEILINGS = {"titans_lmm": 245, "titans_mac": 815, "titans_mag": 380, "titans_mal": 255, "xlstm": 380}
 FUSED_COUNT = """
 import json, torch
@@ -89,4 +89,5 @@ def test_fused_training_step_kernels_stay_under_the_ceiling():
     assert {op: n for op, n in counts["titans_mal"].items() if op.startswith("triton:")} == \
         {"triton:_memory_forward_kernel": 1, "triton:_memory_backward_kernel": 1}
     assert {op: n for op, n in counts["xlstm"].items() if op.startswith("triton:")} == \
-        {"triton:_scan_forward_kernel": 1, "triton:_scan_backward_kernel": 1}
+        {"triton:_scan_forward_kernel": 1, "triton:_scan_backward_kernel": 1, "triton:_mlstm_forward_kernel": 1,
+         "triton:_mlstm_backward_queries_kernel": 1, "triton:_mlstm_backward_keys_kernel": 1}

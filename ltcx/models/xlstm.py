@@ -33,7 +33,8 @@ The up-projection widths are rounded up to multiples of 64 as the reference does
 
 State (per block, a tuple): mLSTM ``(C, n, m, conv_buffer)``; sLSTM ``(c, n, h, m, conv_buffer)``;
 the conv buffer holds the block's last ``conv_kernel_size - 1`` conv inputs ``[B, K-1, channels]``.
-Training (T > 1) uses the chunkwise (or parallel) mLSTM, or on CUDA NX-AI's TFLA kernels (``mlstm_backend:
+Training (T > 1) uses the chunkwise (or parallel) mLSTM, ltcx's fused Triton kernels of the parallel form
+(``mlstm_backend: triton``, ltcx/ops/mlstm_triton.py) or on CUDA NX-AI's TFLA kernels (``mlstm_backend:
 kernels``, :func:`mlstm_kernel_for` says when); one token uses the recurrent step. The sLSTM scan runs the torch
 form (ltcx/ops/slstm.py) or, with ``slstm_backend: triton``, its fused Triton kernels (ltcx/ops/slstm_triton.py).
 """
@@ -66,7 +67,7 @@ from ltcx.ops.mlstm_kernels import (
 )
 from ltcx.ops.slstm import recurrent_weights, slstm_scan_head_major
 
-MLSTM_BACKENDS = ("chunkwise", "parallel", "kernels")
+MLSTM_BACKENDS = ("chunkwise", "parallel", "triton", "kernels")
 SLSTM_BACKENDS = ("torch", "triton")
 
 
@@ -102,9 +103,11 @@ class XLSTMConfig:
     """Kernel of the causal depthwise convolution over time."""
     chunk_size: int = 64
     """Chunk length of ltcx's chunkwise mLSTM used for training (T > 1); the kernels tile with their own (128)."""
-    mlstm_backend: Literal["chunkwise", "parallel", "kernels"] = "chunkwise"
-    """mLSTM form for T > 1: 'chunkwise' (O(T chunk) memory), 'parallel' (O(T^2)) or 'kernels' (NX-AI's TFLA
-    Triton kernels on CUDA, `pip install ltcx[kernels]`; on other devices ltcx's chunkwise form, with one notice)."""
+    mlstm_backend: Literal["chunkwise", "parallel", "triton", "kernels"] = "chunkwise"
+    """mLSTM form for T > 1: 'chunkwise' (O(T chunk) memory), 'parallel' (O(T^2)), 'triton' (ltcx's fused kernels
+    of the parallel form, O(T) memory, on CUDA; on a CPU only under TRITON_INTERPRET=1; needs Triton; a carried
+    state, a mask or a wanted final state run the chunkwise form) or 'kernels' (NX-AI's TFLA Triton kernels on CUDA,
+    `pip install ltcx[kernels]`; on other devices ltcx's chunkwise form, with one notice)."""
     slstm_backend: Literal["torch", "triton"] = "torch"
     """sLSTM scan: 'torch' (a loop over time, any device) or 'triton' (one fused kernel a direction on CUDA; on a CPU
     only under TRITON_INTERPRET=1, Triton's interpreter, as the tests run it; needs Triton)."""
@@ -322,6 +325,7 @@ class MLSTMBlock(nn.Module):
         E, I, H = cfg.n_embd, cfg.mlstm_inner_dim, cfg.n_head  # noqa: E741 (I: the inner dimension)
         self.n_head, self.head_dim = H, I // H
         self.chunk_size, self.backend, self.forget_gate = cfg.chunk_size, cfg.mlstm_backend, cfg.forget_gate
+        self.fused_parallel = _triton_parallel() if cfg.mlstm_backend == "triton" else None
         self.norm = nn.LayerNorm(E, bias=cfg.bias)
         self.proj_up = nn.Linear(E, 2 * I, bias=cfg.bias)
         self.conv = CausalConv1d(I, cfg.conv_kernel_size)
@@ -361,7 +365,8 @@ class MLSTMBlock(nn.Module):
     def forward(self, x: Tensor, state: tuple | None = None, with_state: bool = True,
                 mask: Tensor | None = None) -> tuple[Tensor, tuple | None]:
         """x ``[B, T, E]``, mask ``[B, T]`` or None (masked steps leave the cell and the conv buffer as they were; the
-        kernels backend then runs ltcx's chunkwise form, as masks come with prompts, not training)."""
+        kernels and triton backends then run ltcx's chunkwise form, as masks come with prompts, not training; so does
+        the triton backend given a state or asked for one)."""
         B, T, _ = x.shape
         H, Dh = self.n_head, self.head_dim
         cell, buffer = (None, None) if state is None else (tuple(state[:3]), state[3])
@@ -381,6 +386,8 @@ class MLSTMBlock(nn.Module):
         elif self.backend == "parallel":
             h, cell = mlstm_parallel(heads(q), heads(k), heads(v), i_pre, f_pre, cell, forget_gate=self.forget_gate,
                                      with_state=with_state, mask=mask)
+        elif self.fused_parallel is not None and mask is None and cell is None and not with_state:
+            h = self.fused_parallel(heads(q), heads(k), heads(v), i_pre, f_pre, forget_gate=self.forget_gate)
         elif (self.backend == "kernels" and mask is None
               and (kernel := mlstm_kernel_for(x.device, self.training)) is not None):
             h, cell = mlstm_chunkwise_kernels(heads(q), heads(k), heads(v), i_pre, f_pre, cell, kernel=kernel)
@@ -390,6 +397,16 @@ class MLSTMBlock(nn.Module):
         h = self.out_norm(h.transpose(1, 2))  # [B, T, I]
         h = (h + self.skip * x_c) * F.silu(z)
         return x + self.dropout(self.proj_down(h)), (*cell, buffer) if with_state else None
+
+
+def _triton_parallel():
+    """The fused parallel mLSTM (ltcx/ops/mlstm_triton.py), imported only when a block asks for it."""
+    try:
+        from ltcx.ops.mlstm_triton import mlstm_parallel_triton
+    except ImportError as error:
+        raise LtcxError(f"mlstm_backend 'triton' needs Triton ({error}): pip install -r requirements-kernels.txt, "
+                        "or set mlstm_backend: chunkwise") from None
+    return mlstm_parallel_triton
 
 
 def _triton_scan():
@@ -548,7 +565,7 @@ class XLSTM(Backbone):
           intra-chunk products q k^T and S v (4 L^2 d, computed whole and masked by multiplication); a
           trailing chunk of r < L tokens costs 4 r^2 d + 2 r d^2 + 2 r d plus its final state k^T v
           (2 r d^2); the N full chunks' starting states (N + 1 with a trailing chunk) weigh the chunks'
-          contributions (C, n) in one product, 2 (d^2 + d) N per state. The parallel form is one such chunk of
+          contributions (C, n) in one product, 2 (d^2 + d) N per state. The parallel form (and triton) is one chunk of
           T tokens; a sequence of one chunk (T <= L, or the parallel form) from the empty state, as training runs
           it, reads no carried state: 4 T^2 d + 2 T d^2.
           The kernels (``mlstm_backend: kernels``, as on CUDA) run the padded length S (``padded_length``) in
@@ -565,7 +582,7 @@ class XLSTM(Backbone):
             L = min(S, KERNEL_CHUNK)
             full, rest = S // L, 0  # S is a multiple of L
         else:
-            L = T if cfg.mlstm_backend == "parallel" else cfg.chunk_size
+            L = T if cfg.mlstm_backend in ("parallel", "triton") else cfg.chunk_size
             full, rest = divmod(T, L)
         cell = full * (4 * L * d * d + 4 * L * L * d + 2 * L * d)
         if rest:
