@@ -1,13 +1,15 @@
 """Helpers shared by several test modules (imported as ``from helpers import ...``, like ``fault_injection``):
 relative errors of tensors against a reference, seeded mLSTM inputs, the checks that Gated DeltaNet and Mamba-2
 share (a chunked rule's input gradients, a left-padded batch, the FLOPs formula, the kernels backend off CUDA),
-documents of a fixed byte length, feeding a backbone in pieces, a small text corpus, TensorBoard events and a
-generation check for CLI runs, the arguments of a tiny `ltcx fit` run (in process, as a `run.py` subprocess, or as 2
-gloo processes under DDP or FSDP2), the facts of an error message, one-line user errors and small checkpoints written
-without training. Fixtures live in conftest.py; no test module imports another."""
+Triton kernel tests in an interpreted child process, documents of a fixed byte length, feeding a backbone in pieces,
+a small text corpus, TensorBoard events and a generation check for CLI runs, the arguments of a tiny `ltcx fit` run
+(in process, as a `run.py` subprocess, or as 2 gloo processes under DDP or FSDP2), the facts of an error message,
+one-line user errors and small checkpoints written without training. Fixtures live in conftest.py; no test module
+imports another."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import random
 import signal
@@ -32,6 +34,33 @@ def copy_tracked_files(destination: Path) -> Path:
             (destination / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, destination / name)
     return destination
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+"""Whether this process runs Triton kernels in the interpreter (a child of ``run_interpreted``)."""
+
+
+def interpreted_module(name: str):
+    """The kernel module ``name`` (``ltcx.ops.*_triton``) with its kernels interpreted, for a module-scoped fixture:
+    Triton decorates its library at import, so outside a process started with TRITON_INTERPRET=1 the test is
+    skipped and runs in the child of ``run_interpreted``."""
+    if not INTERPRETED:
+        pytest.skip("runs under TRITON_INTERPRET=1, in test_kernels_under_the_interpreter's child")
+    pytest.importorskip("triton")
+    return importlib.import_module(name)
+
+
+def run_interpreted(test_file: str) -> None:
+    """Every test of ``test_file`` that needs ``interpreted_module``, in a child pytest started with
+    TRITON_INTERPRET=1; asserts that it passed."""
+    if INTERPRETED:
+        pytest.skip("this process is the interpreted run")
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", test_file],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" in run.stdout  # the caller itself, in the child
 
 
 def relative_error(value: torch.Tensor, reference: torch.Tensor, norm: str = "fro") -> float:

@@ -10,15 +10,12 @@ child pytest started with TRITON_INTERPRET=1 (``test_kernels_under_the_interpret
 
 from __future__ import annotations
 
-import importlib
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from helpers import ROOT
+from helpers import interpreted_module, run_interpreted
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.xlstm import XLSTM, XLSTMConfig
 from ltcx.ops.mlstm import mlstm_parallel, mlstm_recurrent
@@ -27,29 +24,15 @@ F64 = dict(rtol=1e-10, atol=1e-12)
 F32_TOL = 2e-5  # float32 against the float64 torch form, relative to the largest magnitude (float32 torch: 5e-6)
 B, H, D = 2, 2, 6  # D = 6: BLOCK_D 16, masked lanes; queries and keys in blocks of 64
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
 @pytest.fixture(scope="module")
 def fused():
-    """ltcx.ops.mlstm_triton with its kernels interpreted; in a process without TRITON_INTERPRET=1 these tests run in
-    the child of ``test_kernels_under_the_interpreter``."""
-    if not INTERPRETED:
-        pytest.skip("runs under TRITON_INTERPRET=1, in test_kernels_under_the_interpreter's child")
-    pytest.importorskip("triton")
-    return importlib.import_module("ltcx.ops.mlstm_triton")
+    """ltcx.ops.mlstm_triton with its kernels interpreted (``interpreted_module``)."""
+    return interpreted_module("ltcx.ops.mlstm_triton")
 
 
 def test_kernels_under_the_interpreter():
     """Every test of this file that needs ``fused``, in a child process started with TRITON_INTERPRET=1."""
-    if INTERPRETED:
-        pytest.skip("this process is the interpreted run")
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", __file__],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "skipped" in run.stdout  # this test itself, in the child
+    run_interpreted(__file__)
 
 
 def _inputs(T, forget_gate="sigmoid", dtype=torch.float64, i_shift=0.0, head_dim=D, seed=0):

@@ -11,17 +11,13 @@ the kernel tests in a child pytest with it set (``test_kernels_under_the_interpr
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import REL_TOL, ROOT, assert_rel
+from helpers import REL_TOL, assert_rel, interpreted_module, run_interpreted
 from ltcx.errors import ConfigError
 from ltcx.models.titans import NeuralMemory, Titans, TitansConfig
 from ltcx.ops.naive.titans import reference_memory
@@ -33,29 +29,15 @@ FLOAT32_TOL = 1e-5  # float32 against the float64 reference, relative to the lar
 pytestmark = [pytest.mark.usefixtures("one_thread")]
 
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
 @pytest.fixture(scope="module")
 def fused():
-    """ltcx.ops.titans_triton with its kernels interpreted; in a process without TRITON_INTERPRET=1 these tests
-    run in the child of ``test_kernels_under_the_interpreter``."""
-    if not INTERPRETED:
-        pytest.skip("runs under TRITON_INTERPRET=1, in test_kernels_under_the_interpreter's child")
-    pytest.importorskip("triton")
-    return importlib.import_module("ltcx.ops.titans_triton")
+    """ltcx.ops.titans_triton with its kernels interpreted (``interpreted_module``)."""
+    return interpreted_module("ltcx.ops.titans_triton")
 
 
 def test_kernels_under_the_interpreter():
     """Every test of this file that needs ``fused``, in a child process started with TRITON_INTERPRET=1."""
-    if INTERPRETED:
-        pytest.skip("this process is the interpreted run")
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", __file__],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "skipped" in run.stdout  # this test itself, in the child
+    run_interpreted(__file__)
 
 
 def _inputs(length: int, chunk_size: int | None, normalize_step: bool = True, dtype=torch.float64, seed: int = 0):
