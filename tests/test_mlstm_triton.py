@@ -10,8 +10,6 @@ child pytest started with TRITON_INTERPRET=1 (``test_kernels_under_the_interpret
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
@@ -143,15 +141,13 @@ def test_the_model_gives_the_chunkwise_logits_and_gradients(fused, forget_gate, 
     the training forward's logits and every parameter's gradient, the kernels run once a block."""
     model, plain = _model("triton", forget_gate=forget_gate), _model("chunkwise", forget_gate=forget_gate)
     model.load_state_dict(plain.state_dict())
-    block = model.blocks[0]
-    assert block.fused_parallel is fused.mlstm_parallel_triton
-    calls = []
+    calls, kernel = [], fused.mlstm_parallel_triton
 
     def counted(*args, **kwargs):
         calls.append(1)
-        return fused.mlstm_parallel_triton(*args, **kwargs)
+        return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(block, "fused_parallel", counted)
+    monkeypatch.setattr(fused, "mlstm_parallel_triton", counted)
     idx = torch.randint(0, 23, (2, 9), generator=torch.Generator().manual_seed(1))
     (logits, _), (plain_logits, _) = model(idx, with_state=False), plain(idx, with_state=False)
     assert calls == [1]
@@ -166,7 +162,7 @@ def test_a_state_or_a_mask_runs_the_chunkwise_form(fused, monkeypatch):
     """A wanted final state, a carried state or a mask: the chunkwise form (the same function), the kernels not run."""
     model, plain = _model("triton"), _model("chunkwise")
     model.load_state_dict(plain.state_dict())
-    monkeypatch.setattr(model.blocks[0], "fused_parallel", lambda *a, **kw: pytest.fail("the kernels ran"))
+    monkeypatch.setattr(fused, "mlstm_parallel_triton", lambda *a, **kw: pytest.fail("the kernels ran"))
     idx = torch.randint(0, 23, (2, 9), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 9, dtype=torch.bool)
     mask[0, :3] = False
@@ -192,22 +188,15 @@ def test_under_torch_compile_the_torch_parallel_form_runs(fused):
 
 
 def test_refused_on_a_cpu_without_the_interpreter(fused, monkeypatch):
+    """Called directly, the kernels refuse a CPU outside the interpreter (the model runs chunkwise there:
+    tests/test_fused_backends.py)."""
     monkeypatch.setattr(fused, "INTERPRETED", False)
     with pytest.raises(LtcxError, match="mlstm_backend: chunkwise") as error:
         fused.mlstm_parallel_triton(*_inputs(3))
     assert "TRITON_INTERPRET=1" in str(error.value) and "\n" not in str(error.value)
-    with pytest.raises(LtcxError, match="mlstm_backend: chunkwise"):  # the model says it from its training forward
-        _model("triton")(torch.zeros(1, 2, dtype=torch.long), with_state=False)
 
 
 # ----------------------------------------------------------------------------- without the interpreter
-
-
-def test_without_triton_the_error_names_the_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "ltcx.ops.mlstm_triton", None)  # as if Triton were missing: its import fails
-    with pytest.raises(LtcxError, match="requirements-kernels.txt") as error:
-        XLSTM(vocab_size=11, n_embd=8, n_layer=1, n_head=2, slstm_at=[], mlstm_backend="triton")
-    assert "mlstm_backend: chunkwise" in str(error.value) and "\n" not in str(error.value)
 
 
 def test_the_backend_is_checked_resumable_and_counted_as_the_parallel_form():

@@ -29,9 +29,7 @@ cache keeps each row's last real keys; MAC, whose segment caches would differ in
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -42,6 +40,7 @@ from torch import Tensor
 
 from ltcx.errors import ConfigError
 from ltcx.models.base import Backbone
+from ltcx.models.fused import triton_kernels
 from ltcx.models.gpt import MLP
 from ltcx.models.state import RowStates, model_dtype, reorder_state
 from ltcx.ops.attention import (
@@ -121,7 +120,7 @@ class TitansConfig:
     """divide theta by the curvature kappa of the token's loss."""
     memory_backend: str = "torch"
     """the memory's training and prefill form: torch (``ltcx/ops/titans.py``, any device) or triton (two fused kernels
-    a layer, ``ltcx/ops/titans_triton.py``: CUDA, or a CPU under TRITON_INTERPRET=1). One token steps in torch."""
+    a layer, ``ltcx/ops/titans_triton.py``, where ``ltcx/models/fused.py`` says). One token steps in torch."""
     rope_base: float = 10000.0
     """base of the rotary position embedding."""
     dropout: float = 0.0
@@ -414,8 +413,10 @@ class NeuralMemory(nn.Module):
                                                    config.memory_chunk_size, config.normalize_step, mask=mask)
                 return y.transpose(1, 2).flatten(2).to(out_dtype), MemoryCache(state, conv) if with_state else None
             memory_fn = neural_memory_recurrent if length == 1 else neural_memory
-            if config.memory_backend == "triton" and length > 1:
-                memory_fn = _triton_neural_memory(qkv.device)
+            kernels = None if config.memory_backend != "triton" or length == 1 else triton_kernels(
+                "ltcx.ops.titans_triton", "memory_backend", "torch", qkv.device, self.training)
+            if kernels is not None:
+                memory_fn = kernels.neural_memory_triton
             elif self.compiled and length > 1 and torch.is_grad_enabled():  # compile: ops (Titans.compile_ops)
                 memory_fn = _compiled_neural_memory()
             y, state = memory_fn(
@@ -949,21 +950,6 @@ class Titans(Backbone):
                 row_hidden, rows[row] = self.forward_hidden(idx[row:row + 1, real], rows[row], with_state)
                 hidden[row, real] = row_hidden[0].to(hidden.dtype)
         return hidden, RowStates(tuple(rows)) if with_state else None
-
-
-
-def _triton_neural_memory(device: torch.device):
-    """``neural_memory_triton`` (imported here: only that module imports Triton), refused on a CPU unless Triton's
-    interpreter runs it."""
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ConfigError("memory_backend 'triton' runs on CUDA: on a CPU set memory_backend: torch (or "
-                          "TRITON_INTERPRET=1 to interpret the kernels, slowly)")
-    if importlib.util.find_spec("triton") is None:
-        raise ConfigError("memory_backend 'triton' needs Triton: pip install -r requirements-kernels.txt, or set "
-                          "memory_backend: torch")
-    from ltcx.ops.titans_triton import neural_memory_triton
-
-    return neural_memory_triton
 
 
 @functools.cache

@@ -42,18 +42,17 @@ form (ltcx/ops/slstm.py) or, with ``slstm_backend: triton``, its fused Triton ke
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from lightning_utilities.core.rank_zero import rank_zero_only
 from torch import Tensor
 
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.base import Backbone
+from ltcx.models.fused import notice_once, triton_kernels
 from ltcx.models.inference_cache import derived_in_inference
 from ltcx.models.state import model_dtype
 from ltcx.ops.conv import causal_depthwise_conv
@@ -105,12 +104,12 @@ class XLSTMConfig:
     """Chunk length of ltcx's chunkwise mLSTM used for training (T > 1); the kernels tile with their own (128)."""
     mlstm_backend: Literal["chunkwise", "parallel", "triton", "kernels"] = "chunkwise"
     """mLSTM form for T > 1: 'chunkwise' (O(T chunk) memory), 'parallel' (O(T^2)), 'triton' (ltcx's fused kernels
-    of the parallel form, O(T) memory, on CUDA; on a CPU only under TRITON_INTERPRET=1; needs Triton; a carried
-    state, a mask or a wanted final state run the chunkwise form) or 'kernels' (NX-AI's TFLA Triton kernels on CUDA,
+    of the parallel form, O(T) memory, where ltcx/models/fused.py says, else chunkwise; a carried state, a mask or a
+    wanted final state run the chunkwise form) or 'kernels' (NX-AI's TFLA Triton kernels on CUDA,
     `pip install ltcx[kernels]`; on other devices ltcx's chunkwise form, with one notice)."""
     slstm_backend: Literal["torch", "triton"] = "torch"
-    """sLSTM scan: 'torch' (a loop over time, any device) or 'triton' (one fused kernel a direction on CUDA; on a CPU
-    only under TRITON_INTERPRET=1, Triton's interpreter, as the tests run it; needs Triton)."""
+    """sLSTM scan: 'torch' (a loop over time, any device) or 'triton' (one fused kernel a direction, where
+    ltcx/models/fused.py says, else the torch loop)."""
     forget_gate: Literal["sigmoid", "exp"] = "sigmoid"
     """Forget-gate activation: 'sigmoid' (bounded, default) or 'exp'."""
     tie_embeddings: bool = True
@@ -282,16 +281,6 @@ def slstm_forget_bias(head_dim: int, block_index: int, num_blocks: int) -> Tenso
     return 5.0 - 12.0 * torch.linspace(0.0, 1.0, head_dim) ** (0.3 + 1.3 * depth)
 
 
-_notices_given: set[str] = set()
-
-
-def _notice_once(text: str) -> None:
-    """One ``ltcx:`` line on stderr, once per process, from the first process only."""
-    if text not in _notices_given and getattr(rank_zero_only, "rank", 0) == 0:
-        _notices_given.add(text)
-        print(f"ltcx: {text}", file=sys.stderr)
-
-
 def mlstm_kernel_for(device: torch.device, training: bool) -> str | None:
     """The ``mlstm_kernels`` kernel that an mLSTM block with ``mlstm_backend: kernels`` runs on ``device``, or None for
     ltcx's chunkwise form (the same function: ``tests/test_mlstm_kernels.py``).
@@ -302,7 +291,7 @@ def mlstm_kernel_for(device: torch.device, training: bool) -> str | None:
       with one notice, so that a checkpoint trained with the kernels stays usable where they are not installed.
     """
     if device.type != "cuda":
-        _notice_once(f"mlstm_backend 'kernels' runs on CUDA only; on {device.type} the mLSTM runs ltcx's chunkwise "
+        notice_once(f"mlstm_backend 'kernels' runs on CUDA only; on {device.type} the mLSTM runs ltcx's chunkwise "
                      "form (the same function)")
         return None
     missing = kernels_unavailable()
@@ -312,7 +301,7 @@ def mlstm_kernel_for(device: torch.device, training: bool) -> str | None:
            else "pip install 'ltcx[kernels]'")
     if training:
         raise LtcxError(f"mlstm_backend 'kernels': {missing}: {fix}, or set mlstm_backend: chunkwise")
-    _notice_once(f"mlstm_backend 'kernels': {missing}; evaluating with ltcx's chunkwise mLSTM (the same function; "
+    notice_once(f"mlstm_backend 'kernels': {missing}; evaluating with ltcx's chunkwise mLSTM (the same function; "
                  f"{fix} for NX-AI's kernels)")
     return None
 
@@ -325,7 +314,6 @@ class MLSTMBlock(nn.Module):
         E, I, H = cfg.n_embd, cfg.mlstm_inner_dim, cfg.n_head  # noqa: E741 (I: the inner dimension)
         self.n_head, self.head_dim = H, I // H
         self.chunk_size, self.backend, self.forget_gate = cfg.chunk_size, cfg.mlstm_backend, cfg.forget_gate
-        self.fused_parallel = _triton_parallel() if cfg.mlstm_backend == "triton" else None
         self.norm = nn.LayerNorm(E, bias=cfg.bias)
         self.proj_up = nn.Linear(E, 2 * I, bias=cfg.bias)
         self.conv = CausalConv1d(I, cfg.conv_kernel_size)
@@ -386,8 +374,10 @@ class MLSTMBlock(nn.Module):
         elif self.backend == "parallel":
             h, cell = mlstm_parallel(heads(q), heads(k), heads(v), i_pre, f_pre, cell, forget_gate=self.forget_gate,
                                      with_state=with_state, mask=mask)
-        elif self.fused_parallel is not None and mask is None and cell is None and not with_state:
-            h = self.fused_parallel(heads(q), heads(k), heads(v), i_pre, f_pre, forget_gate=self.forget_gate)
+        elif (self.backend == "triton" and mask is None and cell is None and not with_state
+              and (kernels := triton_kernels("ltcx.ops.mlstm_triton", "mlstm_backend", "chunkwise", x.device,
+                                             self.training)) is not None):
+            h = kernels.mlstm_parallel_triton(heads(q), heads(k), heads(v), i_pre, f_pre, forget_gate=self.forget_gate)
         elif (self.backend == "kernels" and mask is None
               and (kernel := mlstm_kernel_for(x.device, self.training)) is not None):
             h, cell = mlstm_chunkwise_kernels(heads(q), heads(k), heads(v), i_pre, f_pre, cell, kernel=kernel)
@@ -399,27 +389,6 @@ class MLSTMBlock(nn.Module):
         return x + self.dropout(self.proj_down(h)), (*cell, buffer) if with_state else None
 
 
-def _triton_parallel():
-    """The fused parallel mLSTM (ltcx/ops/mlstm_triton.py), imported only when a block asks for it."""
-    try:
-        from ltcx.ops.mlstm_triton import mlstm_parallel_triton
-    except ImportError as error:
-        raise LtcxError(f"mlstm_backend 'triton' needs Triton ({error}): pip install -r requirements-kernels.txt, "
-                        "or set mlstm_backend: chunkwise") from None
-    return mlstm_parallel_triton
-
-
-def _triton_scan():
-    """The fused sLSTM scan (ltcx/ops/slstm_triton.py), imported only when a block asks for it: nothing else in ltcx
-    imports Triton."""
-    try:
-        from ltcx.ops.slstm_triton import slstm_scan_head_major_triton
-    except ImportError as error:
-        raise LtcxError(f"slstm_backend 'triton' needs Triton ({error}): pip install -r requirements-kernels.txt, "
-                        "or set slstm_backend: torch") from None
-    return slstm_scan_head_major_triton
-
-
 class SLSTMBlock(nn.Module):
     """Pre-LayerNorm residual sLSTM block followed by a gated-GeLU feed-forward block."""
 
@@ -428,7 +397,7 @@ class SLSTMBlock(nn.Module):
         E, H = cfg.n_embd, cfg.slstm_n_head
         Dh = E // H
         self.n_head, self.head_dim, self.forget_gate = H, Dh, cfg.forget_gate
-        self.fused_scan = _triton_scan() if cfg.slstm_backend == "triton" else None
+        self.backend = cfg.slstm_backend
         self.norm = nn.LayerNorm(E, bias=cfg.bias)
         self.conv = CausalConv1d(E, cfg.conv_kernel_size)
         # headwise input weights: [0] maps the conv path to (i, f), [1] the normed input to (z, o)
@@ -476,7 +445,9 @@ class SLSTMBlock(nn.Module):
             h, cell = slstm_scan_head_major(steps, self.R, cell, forget_gate=self.forget_gate, recurrent=recurrent,
                                             mask=mask)
         else:
-            scan = slstm_scan_head_major if self.fused_scan is None else self.fused_scan
+            kernels = None if self.backend != "triton" else triton_kernels(
+                "ltcx.ops.slstm_triton", "slstm_backend", "torch", x.device, self.training)
+            scan = slstm_scan_head_major if kernels is None else kernels.slstm_scan_head_major_triton
             h, cell = scan(steps, self.R, cell, forget_gate=self.forget_gate, recurrent=recurrent)  # [T, H, B, Dh]
         x = x + self.dropout(self.out_norm(h.permute(2, 0, 1, 3)))
         u, gate = self.ffn_up(self.ffn_norm(x)).chunk(2, dim=-1)

@@ -34,6 +34,9 @@ from torch import Tensor
 
 from .titans import MemoryState, chunk_sizes
 
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+"""Whether the kernels below run in Triton's interpreter (``TRITON_INTERPRET=1`` when this module was imported)."""
+
 MAX_PIECE = 64
 """the most tokens one piece's [n, n] decay matrices hold: longer chunks run as several pieces."""
 
