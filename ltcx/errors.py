@@ -1,4 +1,20 @@
-"""Errors a user can cause. The CLI prints them as one line and exits non-zero."""
+"""Errors a user can cause (the CLI prints them as one line and exits non-zero), and the one-line notices ltcx
+prints where it runs something other than what was asked for, the same function (``notice_once``)."""
+
+from __future__ import annotations
+
+import sys
+
+from lightning_utilities.core.rank_zero import rank_zero_only
+
+_notices_given: set[str] = set()
+
+
+def notice_once(text: str) -> None:
+    """One ``ltcx:`` line on stderr, once per process, from the first process only."""
+    if text not in _notices_given and getattr(rank_zero_only, "rank", 0) == 0:
+        _notices_given.add(text)
+        print(f"ltcx: {text}", file=sys.stderr)
 
 
 class LtcxError(Exception):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ltcx import errors
 from ltcx.errors import LtcxError
 from ltcx.models import fused
 from ltcx.models.catalog import CATALOG
@@ -37,7 +38,7 @@ def test_every_fused_entry_is_covered():
 @pytest.mark.parametrize("name", WITH_FUSED)
 def test_off_cuda_the_torch_form_runs_with_one_notice(name, monkeypatch, capsys):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(fused, "_notices_given", set())
+    monkeypatch.setattr(errors, "_notices_given", set())
     model, plain = _pair(name)
     idx = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     for _ in range(2):
@@ -54,7 +55,7 @@ def test_without_triton_training_is_refused_and_evaluation_runs_the_torch_form(n
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # where the kernels would run
     for module in KERNEL_MODULES:
         monkeypatch.setitem(sys.modules, module, None)  # as if Triton were missing: the import fails
-    monkeypatch.setattr(fused, "_notices_given", set())
+    monkeypatch.setattr(errors, "_notices_given", set())
     model, plain = _pair(name)
     idx = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     with pytest.raises(LtcxError, match="pip install -r requirements-kernels.txt") as error:

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import assert_rel, mlstm_inputs, relative_error, run_in_pieces
+from ltcx import errors
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models import xlstm as xlstm_module
 from ltcx.models.registry import class_path
@@ -204,7 +205,7 @@ def _tiny_model(dtype=torch.float64, **overrides) -> XLSTM:
 
 @pytest.fixture
 def fresh_notices(monkeypatch):
-    monkeypatch.setattr(xlstm_module, "_notices_given", set())
+    monkeypatch.setattr(errors, "_notices_given", set())
 
 
 def test_kernels_backend_on_cpu_runs_ltcx_chunkwise_with_one_notice(fresh_notices, capsys):

@@ -10,22 +10,11 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 from types import ModuleType
 
 import torch
-from lightning_utilities.core.rank_zero import rank_zero_only
 
-from ltcx.errors import LtcxError
-
-_notices_given: set[str] = set()
-
-
-def notice_once(text: str) -> None:
-    """One ``ltcx:`` line on stderr, once per process, from the first process only."""
-    if text not in _notices_given and getattr(rank_zero_only, "rank", 0) == 0:
-        _notices_given.add(text)
-        print(f"ltcx: {text}", file=sys.stderr)
+from ltcx.errors import LtcxError, notice_once
 
 
 def triton_kernels(module: str, field: str, torch_form: str, device: torch.device,

@@ -50,9 +50,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from ltcx.errors import ConfigError, LtcxError
+from ltcx.errors import ConfigError, LtcxError, notice_once
 from ltcx.models.base import Backbone
-from ltcx.models.fused import notice_once, triton_kernels
+from ltcx.models.fused import triton_kernels
 from ltcx.models.inference_cache import derived_in_inference
 from ltcx.models.state import model_dtype
 from ltcx.ops.conv import causal_depthwise_conv

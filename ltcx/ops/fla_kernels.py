@@ -15,17 +15,14 @@ GPU checks: the kernels against ltcx's forms (``scripts/gpu_check.py``).
 from __future__ import annotations
 
 import importlib.util
-import sys
 
 import torch
-from lightning_utilities.core.rank_zero import rank_zero_only
 from torch import Tensor
 
-from ltcx.errors import LtcxError
+from ltcx.errors import LtcxError, notice_once
 
 __all__ = ["fla_kernels_for", "gated_delta_fla", "kernels_unavailable", "ssd_fla"]
 
-_notices_given: set[str] = set()
 
 
 def kernels_unavailable() -> str | None:
@@ -45,7 +42,7 @@ def fla_kernels_for(model: str, device: torch.device, training: bool) -> bool:
       the torch form, with one notice.
     """
     if device.type != "cuda":
-        _notice_once(f"{model} backend 'kernels' runs on CUDA only; on {device.type} it runs ltcx's torch form "
+        notice_once(f"{model} backend 'kernels' runs on CUDA only; on {device.type} it runs ltcx's torch form "
                      "(the same function)")
         return False
     missing = kernels_unavailable()
@@ -53,14 +50,8 @@ def fla_kernels_for(model: str, device: torch.device, training: bool) -> bool:
         return True
     if training:
         raise LtcxError(f"{model} backend 'kernels': {missing}: pip install 'ltcx[kernels]', or set backend: torch")
-    _notice_once(f"{model} backend 'kernels': {missing}; evaluating with ltcx's torch form")
+    notice_once(f"{model} backend 'kernels': {missing}; evaluating with ltcx's torch form")
     return False
-
-
-def _notice_once(text: str) -> None:
-    if text not in _notices_given and getattr(rank_zero_only, "rank", 0) == 0:
-        _notices_given.add(text)
-        print(f"ltcx: {text}", file=sys.stderr)
 
 
 def gated_delta_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
