@@ -37,20 +37,20 @@ def copy_tracked_files(destination: Path) -> Path:
 
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-"""Whether this process runs Triton kernels in the interpreter (a child of ``run_interpreted``)."""
+"""Whether this process runs Triton kernels in the interpreter (a child of ``assert_passes_interpreted``)."""
 
 
 def interpreted_module(name: str):
     """The kernel module ``name`` (``ltcx.ops.*_triton``) with its kernels interpreted, for a module-scoped fixture:
     Triton decorates its library at import, so outside a process started with TRITON_INTERPRET=1 the test is
-    skipped and runs in the child of ``run_interpreted``."""
+    skipped and runs in the child of ``assert_passes_interpreted``."""
     if not INTERPRETED:
         pytest.skip("runs under TRITON_INTERPRET=1, in test_kernels_under_the_interpreter's child")
     pytest.importorskip("triton")
     return importlib.import_module(name)
 
 
-def run_interpreted(test_file: str) -> None:
+def assert_passes_interpreted(test_file: str) -> None:
     """Every test of ``test_file`` that needs ``interpreted_module``, in a child pytest started with
     TRITON_INTERPRET=1; asserts that it passed."""
     if INTERPRETED:

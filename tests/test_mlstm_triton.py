@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import interpreted_module, run_interpreted
+from helpers import assert_passes_interpreted, interpreted_module
 from ltcx.errors import ConfigError, LtcxError
 from ltcx.models.xlstm import XLSTM, XLSTMConfig
 from ltcx.ops.mlstm import mlstm_parallel, mlstm_recurrent
@@ -30,7 +30,7 @@ def fused():
 
 def test_kernels_under_the_interpreter():
     """Every test of this file that needs ``fused``, in a child process started with TRITON_INTERPRET=1."""
-    run_interpreted(__file__)
+    assert_passes_interpreted(__file__)
 
 
 def _inputs(T, forget_gate="sigmoid", dtype=torch.float64, i_shift=0.0, head_dim=D, seed=0):

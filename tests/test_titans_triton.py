@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import REL_TOL, assert_rel, interpreted_module, run_interpreted
+from helpers import REL_TOL, assert_passes_interpreted, assert_rel, interpreted_module
 from ltcx.errors import ConfigError
 from ltcx.models.titans import NeuralMemory, Titans, TitansConfig
 from ltcx.ops.naive.titans import reference_memory
@@ -37,7 +37,7 @@ def fused():
 
 def test_kernels_under_the_interpreter():
     """Every test of this file that needs ``fused``, in a child process started with TRITON_INTERPRET=1."""
-    run_interpreted(__file__)
+    assert_passes_interpreted(__file__)
 
 
 def _inputs(length: int, chunk_size: int | None, normalize_step: bool = True, dtype=torch.float64, seed: int = 0):
