@@ -215,6 +215,11 @@ class Padding(NamedTuple):
     mask: Tensor
 
 
+def memory_position(position: int, padding: Padding | None) -> tuple[int | Tensor, Tensor | None]:
+    """The memory's (position, mask) for a call at ``position``: a padded batch's rows each count their own."""
+    return (position, None) if padding is None else (padding.past, padding.mask)
+
+
 class MAGState(NamedTuple):
     attention: WindowCache
     memory: MemoryCache
@@ -557,14 +562,13 @@ class MAGBlock(nn.Module):
         qkv_map, gates_map = self.memory.projections()
         projected, qkv, gates = stacked_linear(normed, [self.attn.projections(), [qkv_map], [gates_map]])
         heads = self.attn.heads(projected, setup.rope)
-        memory = None if state is None else state.memory
         if padding is None:
             y, attention = self.attn.sliding_window(heads, cache, setup)
-            m, memory = self.memory.from_projections(qkv, gates, normed.dtype, memory, position, with_state)
         else:
             y, attention = self.attn.sliding_window_padded(heads, cache, padding)
-            m, memory = self.memory.from_projections(qkv, gates, normed.dtype, memory, padding.past, with_state,
-                                                     padding.mask)
+        where, mask = memory_position(position, padding)
+        m, memory = self.memory.from_projections(qkv, gates, normed.dtype, None if state is None else state.memory,
+                                                 where, with_state, mask)
         x = x + self.dropout(self.gated_output(y, m))
         return x + self.mlp(self.ln_2(x)), MAGState(attention, memory) if with_state else None
 
@@ -671,11 +675,8 @@ class MemoryBlock(nn.Module):
         qkv_map, gates_map = self.memory.projections()
         qkv, gates, gate = stacked_linear(normed, [[qkv_map], [gates_map], [(self.gate_proj.weight,
                                                                              self.gate_proj.bias)]])
-        if padding is None:
-            m, state = self.memory.from_projections(qkv, gates, normed.dtype, state, position, with_state)
-        else:
-            m, state = self.memory.from_projections(qkv, gates, normed.dtype, state, padding.past, with_state,
-                                                    padding.mask)
+        where, mask = memory_position(position, padding)
+        m, state = self.memory.from_projections(qkv, gates, normed.dtype, state, where, with_state, mask)
         x = x + self.dropout(self.out_proj(self.norm_m(m) * F.silu(gate)))
         return x + self.mlp(self.ln_2(x)), state
 

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ltcx.ops.precision import compute_dtype, without_autocast
 from ltcx.ops.ssd import decays, decays_backward
-from ltcx.ops.written_backward import wants_written_backward
+from ltcx.ops.written_backward import cumsum_backward, wants_written_backward
 
 __all__ = ["gated_delta_chunked", "gated_delta_step"]
 
@@ -208,7 +208,7 @@ class _Rule(torch.autograd.Function):
         g_decay.addcmul_(g_neg_beta_decay, beta, value=-1)
         # decay = e^G, G = cumsum(g), and D = decays(g)
         g_G = g_decay.mul_(decay)
-        g_g = g_G.flip(-1).cumsum(-1).flip(-1)
+        g_g = cumsum_backward(g_G)
         g_g[..., 1:].add_(decays_backward(g_log_D))
         return g_q, g_k, g_v, g_g, g_beta, g_S if ctx.needs_input_grad[5] else None, None
 

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .written_backward import wants_written_backward
+from .written_backward import cumsum_backward, wants_written_backward
 
 MLSTMState = tuple[Tensor, Tensor, Tensor]
 
@@ -273,7 +273,7 @@ class _ChunkOutputs(torch.autograd.Function):
         if not ctx.empty:
             g_b = g_b + g_log_prev  # log_prev = b + m0
             g_m0 = g_log_prev.sum(-1) if wants_m0 else None
-        g_log_f = g_b.flip(-1).cumsum(-1).flip(-1)  # b = cumsum(log f)
+        g_log_f = cumsum_backward(g_b)  # b = cumsum(log f)
         return g_q, g_k, g_v, g_log_i, g_log_f, g_C0, g_n0, g_m0, None
 
 
@@ -364,7 +364,7 @@ class _ChunkOwn(torch.autograd.Function):
         g_log_w.scatter_add_(-1, top.unsqueeze(-1), g_top.unsqueeze(-1))
         # log_w = b_last - b + log_i, b = cumsum(log f), b_last = b at the last step: log f_t enters every b_s, s >= t
         g_b_last = g_b_last + g_log_w.sum(-1)
-        g_log_f = g_b_last.unsqueeze(-1) - g_log_w.flip(-1).cumsum(-1).flip(-1)
+        g_log_f = g_b_last.unsqueeze(-1) - cumsum_backward(g_log_w)
         return g_k, g_v, g_log_w, g_log_f
 
 
@@ -442,7 +442,7 @@ class _ChunkStarts(torch.autograd.Function):
         # log_w = decays + m_loc where the column is before the row (masked entries: w = 0, no maximum)
         g_m_loc = g_log_w.sum(-2)
         # decays = cumsum down the rows of b_last[k - 1] where it is in the column's sum
-        g_sums = g_log_w.flip(-2).cumsum(-2).flip(-2).masked_fill_(later[:, 1:], 0.0)
+        g_sums = cumsum_backward(g_log_w, -2).masked_fill_(later[:, 1:], 0.0)
         g_b_last = F.pad(g_sums.sum(-1), (-1, N + 1 - rows))  # row k held b_last[k - 1]
         return g_C_loc, g_n_loc, g_m_loc, g_b_last, None
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ltcx.ops.precision import compute_dtype, without_autocast
-from ltcx.ops.written_backward import wants_written_backward
+from ltcx.ops.written_backward import cumsum_backward, wants_written_backward
 
 __all__ = ["decays", "decays_backward", "ssd_chunked", "ssd_step"]
 
@@ -157,7 +157,7 @@ class _Chunks(torch.autograd.Function):
         g_C += g_CB @ B
         g_B += g_CB.transpose(-1, -2) @ C
         # G = cumsum(g), g = dt A, xdt = x dt
-        g_g = g_G.flip(-1).cumsum(-1).flip(-1)
+        g_g = cumsum_backward(g_G)
         g_g[..., 1:].add_(decays_backward(g_log_D))
         g_x = g_xdt * dt.unsqueeze(-1)
         g_dt = torch.addcmul((g_xdt * x).sum(-1), g_g, A[:, None, None])

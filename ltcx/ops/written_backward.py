@@ -13,3 +13,9 @@ def wants_written_backward(*args: object) -> bool:
     Without a gradient the forward function alone computes the same values and saves nothing for a backward."""
     return (torch.is_grad_enabled() and not torch.compiler.is_compiling()
             and any(isinstance(x, Tensor) and x.requires_grad for x in args))
+
+
+def cumsum_backward(grad: Tensor, dim: int = -1) -> Tensor:
+    """The gradient of ``x.cumsum(dim)``'s input from that of its output: each step's sum over the outputs at and
+    after it (a cumulative sum taken from the end)."""
+    return grad.flip(dim).cumsum(dim).flip(dim)
